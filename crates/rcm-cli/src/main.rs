@@ -1,0 +1,2 @@
+//! The `rcm` command.
+fn main() {}

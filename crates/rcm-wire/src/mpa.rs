@@ -1,0 +1,1 @@
+//! iWARP MPA (placeholder while being written).
