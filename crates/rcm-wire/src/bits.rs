@@ -24,7 +24,11 @@ impl Field {
 
     /// A whole-byte-aligned field of `bytes` bytes.
     pub const fn bytes(byte: usize, bytes: usize) -> Self {
-        Self { byte, shift: 0, width: (bytes * 8) as u32 }
+        Self {
+            byte,
+            shift: 0,
+            width: (bytes * 8) as u32,
+        }
     }
 
     /// Number of bytes the field touches.
@@ -77,7 +81,11 @@ impl Field {
     /// Fails unless `value` fits the field.
     pub fn check(self, name: &'static str, value: u64) -> crate::Result<()> {
         if value > self.max() {
-            Err(crate::WireError::FieldOverflow { field: name, bits: self.width, value })
+            Err(crate::WireError::FieldOverflow {
+                field: name,
+                bits: self.width,
+                value,
+            })
         } else {
             Ok(())
         }

@@ -71,7 +71,11 @@ pub type Result<T, E = WireError> = core::result::Result<T, E>;
 /// Fails with [`WireError::Truncated`] unless `buf` has at least `need` bytes.
 pub(crate) fn need(what: &'static str, buf: &[u8], need: usize) -> Result<()> {
     if buf.len() < need {
-        Err(WireError::Truncated { what, need, got: buf.len() })
+        Err(WireError::Truncated {
+            what,
+            need,
+            got: buf.len(),
+        })
     } else {
         Ok(())
     }

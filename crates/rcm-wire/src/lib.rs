@@ -14,8 +14,15 @@
 #![forbid(unsafe_code)]
 
 pub mod bits;
+pub mod cm;
+pub mod cma;
 mod error;
+mod gid;
+pub mod mad;
 pub mod mpa;
+pub mod roce;
+pub mod tid;
 
-pub use error::{Result, WireError};
 pub(crate) use error::need;
+pub use error::{Result, WireError};
+pub use gid::Gid;
