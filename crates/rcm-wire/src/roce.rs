@@ -115,15 +115,17 @@ impl Opcode {
         };
         // (RETH 16, AETH 4, ImmDt 4, IETH 4, AtomicETH 28, AtomicAckETH 8)
         let ext = match op {
-            0x00..=0x02 | 0x04 => 0,
-            0x03 | 0x05 | 0x16 | 0x17 => 4,
-            0x06 | 0x0A | 0x0C => 16,
-            0x07 | 0x08 => 0,
-            0x09 => 4,
-            0x0B => 20,
-            0x0D | 0x0F | 0x10 | 0x11 => 4,
-            0x0E => 0,
+            // SEND first/middle/last/only, WRITE middle/last, READ RESPONSE middle: nothing.
+            0x00..=0x02 | 0x04 | 0x07 | 0x08 | 0x0E => 0,
+            // ImmDt, IETH or AETH alone.
+            0x03 | 0x05 | 0x09 | 0x0D | 0x0F..=0x11 | 0x16 | 0x17 => 4,
+            // AETH + AtomicAckETH.
             0x12 => 12,
+            // RETH.
+            0x06 | 0x0A | 0x0C => 16,
+            // RETH + ImmDt.
+            0x0B => 20,
+            // AtomicETH.
             0x13 | 0x14 => 28,
             _ => return None,
         };
