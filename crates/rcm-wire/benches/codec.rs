@@ -12,7 +12,11 @@ use std::net::Ipv4Addr;
 
 fn sample_req() -> CmMad {
     let (src, dst) = (Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 0, 0, 2));
-    let hdr = CmaHdr { src_port: 40000, src: src.into(), dst: dst.into() };
+    let hdr = CmaHdr {
+        src_port: 40000,
+        src: src.into(),
+        dst: dst.into(),
+    };
     CmMad::send(
         0x0000_0001_4433_2211,
         CmMessage::Req(Req {
@@ -52,14 +56,18 @@ fn bench(c: &mut Criterion) {
     let mad = req.emit().unwrap();
     let datagram = roce::emit_gsi(&ip, roce::RXE_GSI_UDP_SPORT, 0, &mad);
 
-    c.bench_function("req_build_mad", |b| b.iter(|| black_box(&req).emit().unwrap()));
+    c.bench_function("req_build_mad", |b| {
+        b.iter(|| black_box(&req).emit().unwrap())
+    });
     c.bench_function("req_build_datagram_with_icrc", |b| {
         b.iter(|| {
             let mad = black_box(&req).emit().unwrap();
             roce::emit_gsi(&ip, roce::RXE_GSI_UDP_SPORT, 0, &mad)
         });
     });
-    c.bench_function("req_parse_mad", |b| b.iter(|| CmMad::parse(black_box(&mad)).unwrap()));
+    c.bench_function("req_parse_mad", |b| {
+        b.iter(|| CmMad::parse(black_box(&mad)).unwrap())
+    });
     c.bench_function("req_parse_datagram", |b| {
         b.iter(|| {
             let g = GsiDatagram::parse(black_box(&datagram)).unwrap();

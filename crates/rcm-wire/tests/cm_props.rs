@@ -87,21 +87,39 @@ proptest! {
 
 #[test]
 fn too_wide_values_and_too_long_data_are_refused() {
-    let req = cm::Req { local_qpn: 1 << 24, ..cm::Req::default() };
+    let req = cm::Req {
+        local_qpn: 1 << 24,
+        ..cm::Req::default()
+    };
     let mut out = [0u8; MAD_DATA_LEN];
-    assert!(matches!(CmMessage::Req(req).emit(&mut out), Err(WireError::FieldOverflow { bits: 24, .. })));
-    let rej = cm::Rej { private_data: vec![0; 149], ..cm::Rej::default() };
+    assert!(matches!(
+        CmMessage::Req(req).emit(&mut out),
+        Err(WireError::FieldOverflow { bits: 24, .. })
+    ));
+    let rej = cm::Rej {
+        private_data: vec![0; 149],
+        ..cm::Rej::default()
+    };
     assert!(matches!(
         CmMessage::Rej(rej).emit(&mut out),
-        Err(WireError::PrivateDataTooLong { len: 149, max: 148, .. })
+        Err(WireError::PrivateDataTooLong {
+            len: 149,
+            max: 148,
+            ..
+        })
     ));
-    let mra = cm::Mra { message_mraed: cm::MsgCode::Unknown(4), ..cm::Mra::default() };
+    let mra = cm::Mra {
+        message_mraed: cm::MsgCode::Unknown(4),
+        ..cm::Mra::default()
+    };
     assert!(CmMessage::Mra(mra).emit(&mut out).is_err());
 }
 
 #[test]
 fn mad_header_checks() {
-    let good = CmMad::send(1, CmMessage::Rtu(cm::Rtu::default())).emit().unwrap();
+    let good = CmMad::send(1, CmMessage::Rtu(cm::Rtu::default()))
+        .emit()
+        .unwrap();
     CmMad::parse(&good).unwrap();
     for (at, val, field) in [
         (0, 2u8, "MAD base version"),
@@ -117,7 +135,10 @@ fn mad_header_checks() {
             other => panic!("byte {at}={val:#x}: {other:?}"),
         }
     }
-    assert!(matches!(CmMad::parse(&good[..255]), Err(WireError::Truncated { .. })));
+    assert!(matches!(
+        CmMad::parse(&good[..255]),
+        Err(WireError::Truncated { .. })
+    ));
     // ClassPortInfo travels as Get / GetResp, never as Send.
     let mut cpi = CmMad::send(1, CmMessage::ClassPortInfo(cm::ClassPortInfo::default()));
     assert!(CmMad::parse(&cpi.emit().unwrap()).is_err());
