@@ -1,2 +1,5 @@
 //! The `rcm` command.
+mod capture;
+mod netbuild;
+
 fn main() {}

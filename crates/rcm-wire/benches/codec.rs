@@ -57,7 +57,7 @@ fn bench(c: &mut Criterion) {
     let datagram = roce::emit_gsi(&ip, roce::RXE_GSI_UDP_SPORT, 0, &mad);
 
     c.bench_function("req_build_mad", |b| {
-        b.iter(|| black_box(&req).emit().unwrap())
+        b.iter(|| black_box(&req).emit().unwrap());
     });
     c.bench_function("req_build_datagram_with_icrc", |b| {
         b.iter(|| {
@@ -66,7 +66,7 @@ fn bench(c: &mut Criterion) {
         });
     });
     c.bench_function("req_parse_mad", |b| {
-        b.iter(|| CmMad::parse(black_box(&mad)).unwrap())
+        b.iter(|| CmMad::parse(black_box(&mad)).unwrap());
     });
     c.bench_function("req_parse_datagram", |b| {
         b.iter(|| {
