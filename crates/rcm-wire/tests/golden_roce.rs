@@ -1,5 +1,5 @@
 //! Golden vectors: the reference's hand-built REQ (wire-formats.md §7.1, §7.2) and every
-//! RoCEv2 packet of the real Linux captures in `shared/captures/roce/` decode, verify and
+//! RoCEv2 packet of the real Linux captures in `testdata/captures/roce/` (copies of `shared/captures/`) decode, verify and
 //! re-encode to the same bytes.
 
 use rcm_wire::cm::{CmMad, CmMessage, MsgCode, RejReason, Req, ReqPath, TransportType};
@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 
 fn captures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/captures")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/captures")
 }
 
 /// The §7.1 REQ, as a message.

@@ -156,7 +156,7 @@ fn crc32c_matches_the_crc_crate_on_random_inputs() {
 
 fn capture_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/captures/iwarp")
+        .join("../../testdata/captures/iwarp")
         .join(name)
 }
 

@@ -1,0 +1,691 @@
+//! `rcm decode`: CM traffic in a capture, one line per message.
+//!
+//! RoCEv2 (UDP port 4791): every ICRC is verified against the captured IP header, every MAD to
+//! QP1 is decoded as a CM message. iWARP (TCP): each connection's streams are reassembled, the
+//! MPA Request and Reply decoded, then FPDUs (CRC-32C verified when negotiated) with their
+//! DDP/RDMAP headers. A corrupt or undecodable packet is reported on its own line, never a
+//! crash.
+
+use crate::capture::{
+    self, Capture, CapturedPacket, FlowKey, FrameError, StreamEvent, TcpStreams, Transport,
+};
+use rcm_wire::cm::{CmMad, CmMessage};
+use rcm_wire::cma::{self, CmaHdr, CMA_HDR_LEN};
+use rcm_wire::mpa::{self, DdpBuffer, DdpRdmapHeader, FrameKind, MpaFrame, RdmapOpcode, Terminate};
+use rcm_wire::roce::{self, GsiDatagram, RocePacket, ROCE_V2_UDP_PORT};
+use rcm_wire::WireError;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+
+/// One decoded (or undecodable) message.
+#[derive(Debug, Clone, Serialize)]
+pub struct Record {
+    /// Frame number in the capture (1-based).
+    pub frame: usize,
+    /// Seconds since the first frame.
+    pub time: f64,
+    /// Sender.
+    pub src: SocketAddr,
+    /// Receiver.
+    pub dst: SocketAddr,
+    /// "roce", "iwarp" or "tcp".
+    pub transport: &'static str,
+    /// The message type as the IBTA / RFC names it (REQ, …, MPA_REQ, MPA_REP, FPDU kinds), or
+    /// "MALFORMED" / "BAD_ICRC" / "BAD_CRC".
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short `key=value` summary of the important fields, in display order.
+    #[serde(serialize_with = "ordered_map")]
+    pub summary: Vec<(String, String)>,
+    /// CRC verdict: "ok", "bad", or "off" (MPA CRC not negotiated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crc: Option<&'static str>,
+    /// What was wrong, for corrupt packets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Every field of the message, for `--verbose` and `--json`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<serde_json::Value>,
+}
+
+impl Record {
+    /// Whether the record reports a corrupt packet.
+    pub fn is_error(&self) -> bool {
+        self.error.is_some()
+    }
+
+    /// The one-line text form.
+    pub fn line(&self) -> String {
+        let mut s = format!(
+            "{:>5} {:>11.6} {} > {} {}",
+            self.frame, self.time, self.src, self.dst, self.kind
+        );
+        for (k, v) in &self.summary {
+            let _ = write!(s, " {k}={v}");
+        }
+        if let Some(c) = self.crc {
+            let _ = write!(s, " crc={c}");
+        }
+        if let Some(e) = &self.error {
+            let _ = write!(s, " error=\"{e}\"");
+        }
+        s
+    }
+}
+
+fn ordered_map<S: serde::Serializer>(v: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(v.len()))?;
+    for (k, val) in v {
+        m.serialize_entry(k, val)?;
+    }
+    m.end()
+}
+
+/// Totals over a capture.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Totals {
+    /// Frames read.
+    pub frames: usize,
+    /// Records printed.
+    pub records: usize,
+    /// Records that report a corrupt or undecodable packet.
+    pub errors: usize,
+    /// Frames neither RoCEv2 nor TCP, skipped.
+    pub skipped: usize,
+}
+
+/// Decodes a whole capture.
+pub fn decode(cap: &Capture) -> (Vec<Record>, Totals) {
+    let mut out = Vec::new();
+    let mut totals = Totals {
+        frames: cap.packets.len(),
+        ..Totals::default()
+    };
+    let mut iwarp = IwarpDecoder::default();
+    let t0 = cap.first_ts().unwrap_or_default();
+    for pkt in &cap.packets {
+        let time = pkt.ts.saturating_sub(t0).as_secs_f64();
+        match &pkt.net {
+            Err(FrameError::NotIp { .. } | FrameError::UnsupportedFamily(_)) => totals.skipped += 1,
+            Err(e) => out.push(malformed(pkt.index, time, &e.to_string())),
+            Ok(net) => match &net.transport {
+                Transport::Udp {
+                    src_port, dst_port, ..
+                } if *dst_port == ROCE_V2_UDP_PORT || *src_port == ROCE_V2_UDP_PORT => {
+                    out.push(decode_roce(pkt, time));
+                }
+                Transport::Tcp { .. } => iwarp.push(pkt, time, &mut out),
+                _ => totals.skipped += 1,
+            },
+        }
+    }
+    iwarp.finish(&mut out);
+    out.sort_by_key(|r| r.frame);
+    totals.records = out.len();
+    totals.errors = out.iter().filter(|r| r.is_error()).count();
+    (out, totals)
+}
+
+fn unspecified() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 0))
+}
+
+fn malformed(frame: usize, time: f64, why: &str) -> Record {
+    Record {
+        frame,
+        time,
+        src: unspecified(),
+        dst: unspecified(),
+        transport: "?",
+        kind: "MALFORMED".into(),
+        summary: Vec::new(),
+        crc: None,
+        error: Some(why.to_owned()),
+        detail: None,
+    }
+}
+
+fn hex32(v: u32) -> String {
+    format!("{v:#010x}")
+}
+
+fn hex24(v: u32) -> String {
+    format!("{v:#08x}")
+}
+
+/// Bytes up to the last non-zero one: the wire carries no private-data length, so this is
+/// what a reader can tell of it.
+fn used_len(pd: &[u8]) -> usize {
+    pd.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)
+}
+
+fn kv(k: &str, v: impl std::fmt::Display) -> (String, String) {
+    (k.to_owned(), v.to_string())
+}
+
+fn decode_roce(pkt: &CapturedPacket, time: f64) -> Record {
+    let Ok(net) = &pkt.net else {
+        return malformed(pkt.index, time, "no IP");
+    };
+    let Transport::Udp {
+        header, payload, ..
+    } = &net.transport
+    else {
+        return malformed(pkt.index, time, "not UDP");
+    };
+    let mut rec = Record {
+        frame: pkt.index,
+        time,
+        src: net.src(),
+        dst: net.dst(),
+        transport: "roce",
+        kind: String::new(),
+        summary: Vec::new(),
+        crc: None,
+        error: None,
+        detail: None,
+    };
+    let mut udp = Vec::with_capacity(8 + payload.len());
+    udp.extend_from_slice(header);
+    udp.extend_from_slice(payload);
+    let icrc = roce::verify_icrc(&net.ip.header, &udp);
+    rec.crc = Some(if icrc.is_ok() { "ok" } else { "bad" });
+    let p = match RocePacket::parse(payload) {
+        Ok(p) => p,
+        Err(e) => {
+            rec.kind = "MALFORMED".into();
+            rec.error = Some(e.to_string());
+            return rec;
+        }
+    };
+    if p.bth.dest_qp == roce::GSI_QPN && p.bth.opcode == roce::Opcode::UD_SEND_ONLY {
+        match GsiDatagram::parse(payload).and_then(|g| CmMad::parse(g.mad)) {
+            Ok(mad) => {
+                rec.kind = mad.msg.name().to_owned();
+                rec.summary = cm_summary(&mad);
+                rec.detail = serde_json::to_value(&mad).ok();
+            }
+            Err(e) => {
+                rec.kind = "MALFORMED".into();
+                rec.error = Some(format!("GSI MAD: {e}"));
+            }
+        }
+    } else {
+        rec.kind = p.bth.opcode.name().replace(' ', "_");
+        rec.summary = vec![kv("qp", hex24(p.bth.dest_qp)), kv("psn", p.bth.psn)];
+        if let Some(d) = p.deth {
+            rec.summary.push(kv("src_qp", hex24(d.src_qp)));
+            rec.summary.push(kv("qkey", hex32(d.qkey)));
+        }
+        if let Some(pl) = p.payload {
+            rec.summary.push(kv("len", pl.len()));
+        }
+        rec.detail = serde_json::to_value((&p.bth, &p.deth)).ok();
+    }
+    if let Err(e) = icrc {
+        rec.error = Some(e.to_string());
+    }
+    rec
+}
+
+fn cma_summary(s: &mut Vec<(String, String)>, sid: u64, pd: &[u8]) {
+    if let Some((ps, port)) = cma::parse_service_id(sid) {
+        s.push(kv("ps", ps.name()));
+        s.push(kv("port", port));
+        match CmaHdr::parse(pd) {
+            Ok(h) => {
+                s.push(kv("cma", format!("{}:{}>{}", h.src, h.src_port, h.dst)));
+                s.push(kv(
+                    "pd",
+                    used_len(pd.get(CMA_HDR_LEN..).unwrap_or_default()),
+                ));
+            }
+            Err(e) => s.push(kv("cma", format!("invalid({e})"))),
+        }
+    } else {
+        s.push(kv("sid", format!("{sid:#018x}")));
+        s.push(kv("pd", used_len(pd)));
+    }
+}
+
+fn cm_summary(mad: &CmMad) -> Vec<(String, String)> {
+    let mut s = Vec::new();
+    let (l, r) = mad.msg.comm_ids();
+    match &mad.msg {
+        CmMessage::SidrReq(_) | CmMessage::SidrRep(_) => {
+            s.push(kv("req_id", hex32(l.unwrap_or_default())));
+        }
+        _ => {
+            if let Some(l) = l {
+                s.push(kv("lcid", hex32(l)));
+            }
+            if let Some(r) = r {
+                s.push(kv("rcid", hex32(r)));
+            }
+        }
+    }
+    match &mad.msg {
+        CmMessage::Req(m) => {
+            s.push(kv("qpn", hex24(m.local_qpn)));
+            s.push(kv("psn", hex24(m.starting_psn)));
+            cma_summary(&mut s, m.service_id, &m.private_data);
+            s.push(kv(
+                "flow_label",
+                format!("{:#07x}", m.primary_path.flow_label),
+            ));
+        }
+        CmMessage::Mra(m) => {
+            s.push(kv("mraed", format!("{:?}", m.message_mraed)));
+            s.push(kv("service_timeout", m.service_timeout));
+        }
+        CmMessage::Rej(m) => {
+            s.push(kv("reason", format!("{}({:?})", m.reason.raw(), m.reason)));
+            s.push(kv("rejected", format!("{:?}", m.message_rejected)));
+            s.push(kv("ari_len", m.reject_info_length));
+            s.push(kv("pd", used_len(&m.private_data)));
+        }
+        CmMessage::Rep(m) => {
+            s.push(kv("qpn", hex24(m.local_qpn)));
+            s.push(kv("psn", hex24(m.starting_psn)));
+            s.push(kv("pd", used_len(&m.private_data)));
+        }
+        CmMessage::Rtu(m) => s.push(kv("pd", used_len(&m.private_data))),
+        CmMessage::Dreq(m) => {
+            s.push(kv("remote_qpn", hex24(m.remote_qpn)));
+            s.push(kv("pd", used_len(&m.private_data)));
+        }
+        CmMessage::Drep(m) => s.push(kv("pd", used_len(&m.private_data))),
+        CmMessage::SidrReq(m) => cma_summary(&mut s, m.service_id, &m.private_data),
+        CmMessage::SidrRep(m) => {
+            s.push(kv("status", format!("{}({:?})", m.status.raw(), m.status)));
+            s.push(kv("qpn", hex24(m.qpn)));
+            s.push(kv("qkey", hex32(m.qkey)));
+            s.push(kv("pd", used_len(&m.private_data)));
+        }
+        CmMessage::Lap(m) => s.push(kv("remote_qpn", hex24(m.remote_qpn))),
+        CmMessage::Apr(m) => s.push(kv(
+            "status",
+            format!("{}({:?})", m.ap_status.raw(), m.ap_status),
+        )),
+        CmMessage::ClassPortInfo(_) => {
+            s.push(kv("method", format!("{:#04x}", mad.header.method)));
+            s.push(kv("status", format!("{:#06x}", mad.header.status)));
+        }
+    }
+    s.push(kv("tid", format!("{:#018x}", mad.header.tid)));
+    s
+}
+
+/// What one direction of a TCP connection is expected to carry next.
+#[derive(Debug, Default)]
+enum Phase {
+    /// Waiting for the MPA Request or Reply.
+    #[default]
+    Frame,
+    /// FPDUs.
+    Fpdus,
+    /// Not (or no longer) decodable; the reason was reported.
+    Dead,
+}
+
+#[derive(Debug, Default)]
+struct Direction {
+    buf: Vec<u8>,
+    /// Frame and time of the segment that delivered the first byte still in `buf`.
+    at: Option<(usize, f64)>,
+    phase: Phase,
+    frame: Option<MpaFrame>,
+}
+
+/// Reassembles TCP streams and decodes MPA on them.
+#[derive(Default)]
+struct IwarpDecoder {
+    streams: TcpStreams,
+    dirs: HashMap<FlowKey, Direction>,
+    times: HashMap<usize, f64>,
+}
+
+impl IwarpDecoder {
+    fn push(&mut self, pkt: &CapturedPacket, time: f64, out: &mut Vec<Record>) {
+        self.times.insert(pkt.index, time);
+        let events = self.streams.push_packet(pkt);
+        self.handle(events, out);
+    }
+
+    fn finish(&mut self, out: &mut Vec<Record>) {
+        let events = self.streams.finish();
+        self.handle(events, out);
+    }
+
+    fn time_of(&self, index: usize) -> f64 {
+        self.times.get(&index).copied().unwrap_or_default()
+    }
+
+    fn tcp_record(&self, flow: FlowKey, index: usize, kind: &str) -> Record {
+        Record {
+            frame: index,
+            time: self.time_of(index),
+            src: flow.src,
+            dst: flow.dst,
+            transport: "tcp",
+            kind: kind.to_owned(),
+            summary: Vec::new(),
+            crc: None,
+            error: None,
+            detail: None,
+        }
+    }
+
+    fn handle(&mut self, events: Vec<StreamEvent>, out: &mut Vec<Record>) {
+        for ev in events {
+            match ev {
+                StreamEvent::Syn {
+                    flow,
+                    index,
+                    with_ack,
+                    ..
+                } => {
+                    out.push(self.tcp_record(
+                        flow,
+                        index,
+                        if with_ack { "TCP_SYN_ACK" } else { "TCP_SYN" },
+                    ));
+                }
+                StreamEvent::Fin { flow, index, .. } => {
+                    out.push(self.tcp_record(flow, index, "TCP_FIN"));
+                }
+                StreamEvent::Reset { flow, index, .. } => {
+                    out.push(self.tcp_record(flow, index, "TCP_RST"));
+                }
+                StreamEvent::Gap {
+                    flow, index, len, ..
+                } => {
+                    let mut r = self.tcp_record(flow, index, "MALFORMED");
+                    r.error = Some(format!(
+                        "{len} bytes missing from the capture; stream no longer decoded"
+                    ));
+                    out.push(r);
+                    self.dirs.entry(flow).or_default().phase = Phase::Dead;
+                }
+                StreamEvent::Data(chunk) => {
+                    let time = self.time_of(chunk.index);
+                    let d = self.dirs.entry(chunk.flow).or_default();
+                    if matches!(d.phase, Phase::Dead) {
+                        continue;
+                    }
+                    if d.buf.is_empty() {
+                        d.at = Some((chunk.index, time));
+                    }
+                    d.buf.extend_from_slice(&chunk.data);
+                    self.drain(chunk.flow, chunk.index, time, out);
+                }
+            }
+        }
+    }
+
+    /// Decodes whatever complete frames `flow` now holds.
+    fn drain(&mut self, flow: FlowKey, index: usize, time: f64, out: &mut Vec<Record>) {
+        loop {
+            let peer_frame = self.dirs.get(&flow.reverse()).and_then(|d| d.frame.clone());
+            let Some(d) = self.dirs.get_mut(&flow) else {
+                return;
+            };
+            let (first_index, first_time) = d.at.unwrap_or((index, time));
+            let mut rec = Record {
+                frame: first_index,
+                time: first_time,
+                src: flow.src,
+                dst: flow.dst,
+                transport: "iwarp",
+                kind: String::new(),
+                summary: Vec::new(),
+                crc: None,
+                error: None,
+                detail: None,
+            };
+            let used = match d.phase {
+                Phase::Dead => return,
+                Phase::Frame => match MpaFrame::parse(&d.buf) {
+                    Ok((f, used)) => {
+                        rec.kind = match f.kind {
+                            FrameKind::Request => "MPA_REQ",
+                            FrameKind::Reply => "MPA_REP",
+                        }
+                        .to_owned();
+                        rec.summary = mpa_summary(&f);
+                        rec.detail = serde_json::to_value(&f).ok();
+                        if let Err(e) = f.check_linux_limits() {
+                            rec.summary
+                                .push(kv("note", format!("beyond Linux limits: {e}")));
+                        }
+                        d.phase = if f.flags.reject {
+                            Phase::Dead
+                        } else {
+                            Phase::Fpdus
+                        };
+                        d.frame = Some(f);
+                        used
+                    }
+                    Err(WireError::Truncated { .. }) => return,
+                    Err(e) => {
+                        rec.kind = "MALFORMED".into();
+                        rec.error = Some(format!("not an MPA frame: {e}"));
+                        d.phase = Phase::Dead;
+                        out.push(rec);
+                        return;
+                    }
+                },
+                Phase::Fpdus => {
+                    let (Some(mine), Some(peer)) = (d.frame.as_ref(), peer_frame.as_ref()) else {
+                        // FPDUs before the peer's frame (the P2P RTR can be that early): wait.
+                        if d.buf.len() > 1 << 20 {
+                            d.phase = Phase::Dead;
+                        }
+                        return;
+                    };
+                    if mine.flags.markers || peer.flags.markers {
+                        rec.kind = "MALFORMED".into();
+                        rec.error = Some("MPA markers negotiated; not decoded".into());
+                        d.phase = Phase::Dead;
+                        out.push(rec);
+                        return;
+                    }
+                    let crc_on = mpa::crc_negotiated(mine, peer);
+                    match mpa::Fpdu::parse(&d.buf) {
+                        Ok((fpdu, used)) => {
+                            rec.crc = Some(if !crc_on {
+                                "off"
+                            } else if fpdu.verify_crc().is_ok() {
+                                "ok"
+                            } else {
+                                "bad"
+                            });
+                            if crc_on {
+                                if let Err(e) = fpdu.verify_crc() {
+                                    rec.error = Some(e.to_string());
+                                }
+                            }
+                            describe_fpdu(fpdu.ulpdu, &mut rec);
+                            used
+                        }
+                        Err(WireError::Truncated { .. }) => return,
+                        Err(e) => {
+                            rec.kind = "MALFORMED".into();
+                            rec.error = Some(e.to_string());
+                            d.phase = Phase::Dead;
+                            out.push(rec);
+                            return;
+                        }
+                    }
+                }
+            };
+            d.buf.drain(..used);
+            d.at = if d.buf.is_empty() {
+                None
+            } else {
+                Some((index, time))
+            };
+            out.push(rec);
+        }
+    }
+}
+
+fn mpa_summary(f: &MpaFrame) -> Vec<(String, String)> {
+    let mut s = vec![kv("rev", f.revision)];
+    let mut flags = Vec::new();
+    for (on, name) in [
+        (f.flags.markers, "M"),
+        (f.flags.crc, "C"),
+        (f.flags.reject, "R"),
+        (f.flags.enhanced, "E"),
+        (f.flags.gso_exp, "G"),
+    ] {
+        if on {
+            flags.push(name);
+        }
+    }
+    s.push(kv(
+        "flags",
+        if flags.is_empty() {
+            "-".to_owned()
+        } else {
+            flags.join("")
+        },
+    ));
+    if let Some(e) = &f.enhanced {
+        s.push(kv("ird", e.ird));
+        s.push(kv("ord", e.ord));
+        if e.peer_to_peer {
+            let mut rtr = Vec::new();
+            for (on, name) in [
+                (e.zero_len_send_rtr, "send"),
+                (e.zero_len_write_rtr, "write"),
+                (e.zero_len_read_rtr, "read"),
+            ] {
+                if on {
+                    rtr.push(name);
+                }
+            }
+            s.push(kv("p2p", rtr.join("|")));
+        }
+    }
+    s.push(kv("pd", f.private_data.len()));
+    s
+}
+
+fn describe_fpdu(ulpdu: &[u8], rec: &mut Record) {
+    match DdpRdmapHeader::parse(ulpdu) {
+        Ok((h, hl)) => {
+            let payload = ulpdu.get(hl..).unwrap_or_default();
+            rec.kind = format!("FPDU_{}", opcode_name(h.opcode));
+            match h.buffer {
+                DdpBuffer::Untagged { qn, msn, mo, .. } => {
+                    rec.summary.push(kv("qn", qn));
+                    rec.summary.push(kv("msn", msn));
+                    rec.summary.push(kv("mo", mo));
+                }
+                DdpBuffer::Tagged {
+                    stag,
+                    tagged_offset,
+                } => {
+                    rec.summary.push(kv("stag", hex32(stag)));
+                    rec.summary.push(kv("to", tagged_offset));
+                }
+            }
+            rec.summary.push(kv("last", u8::from(h.last)));
+            rec.summary.push(kv("len", payload.len()));
+            if h.opcode == RdmapOpcode::Terminate {
+                match Terminate::parse(payload) {
+                    Ok(t) => {
+                        rec.summary.push(kv("layer", t.layer));
+                        rec.summary.push(kv("etype", t.error_type));
+                        rec.summary
+                            .push(kv("ecode", format!("{:#04x}", t.error_code)));
+                        rec.detail = serde_json::to_value((&h, &t)).ok();
+                    }
+                    Err(e) => rec.error = Some(format!("Terminate: {e}")),
+                }
+            } else {
+                rec.detail = serde_json::to_value(h).ok();
+            }
+        }
+        Err(e) => {
+            rec.kind = "MALFORMED".into();
+            rec.error = Some(format!("DDP/RDMAP: {e}"));
+        }
+    }
+}
+
+fn opcode_name(op: RdmapOpcode) -> String {
+    match op {
+        RdmapOpcode::RdmaWrite => "RDMA_WRITE".into(),
+        RdmapOpcode::RdmaReadRequest => "RDMA_READ_REQ".into(),
+        RdmapOpcode::RdmaReadResponse => "RDMA_READ_RESP".into(),
+        RdmapOpcode::Send => "SEND".into(),
+        RdmapOpcode::SendInvalidate => "SEND_INV".into(),
+        RdmapOpcode::SendSe => "SEND_SE".into(),
+        RdmapOpcode::SendSeInvalidate => "SEND_SE_INV".into(),
+        RdmapOpcode::Terminate => "TERMINATE".into(),
+        RdmapOpcode::Other(n) => format!("OP{n}"),
+    }
+}
+
+/// `key = value` lines for every field of a record's detail, for `--verbose`.
+pub fn verbose_lines(detail: &serde_json::Value) -> Vec<String> {
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    let p = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(&p, v, out);
+                }
+            }
+            serde_json::Value::Array(a) if a.iter().all(serde_json::Value::is_u64) => {
+                let bytes = a.iter().filter_map(serde_json::Value::as_u64).fold(
+                    String::new(),
+                    |mut acc, b| {
+                        let _ = write!(acc, "{b:02x}");
+                        acc
+                    },
+                );
+                out.push(format!(
+                    "{prefix} = {}",
+                    if bytes.is_empty() {
+                        "(empty)".into()
+                    } else {
+                        bytes
+                    }
+                ));
+            }
+            serde_json::Value::Array(a) => {
+                for (i, v) in a.iter().enumerate() {
+                    walk(&format!("{prefix}[{i}]"), v, out);
+                }
+            }
+            serde_json::Value::Number(n) => match n.as_u64() {
+                Some(u) if u > 9 => out.push(format!("{prefix} = {u} ({u:#x})")),
+                _ => out.push(format!("{prefix} = {n}")),
+            },
+            other => out.push(format!("{prefix} = {other}")),
+        }
+    }
+    let mut out = Vec::new();
+    walk("", detail, &mut out);
+    out
+}
+
+/// Reads and decodes a capture file.
+pub fn decode_file(
+    path: &std::path::Path,
+) -> Result<(Vec<Record>, Totals, Option<String>), capture::CaptureError> {
+    let cap = capture::read_pcap(path)?;
+    let (recs, totals) = decode(&cap);
+    Ok((recs, totals, cap.warning.clone()))
+}
