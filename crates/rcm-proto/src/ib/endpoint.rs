@@ -1,0 +1,1435 @@
+//! `Endpoint`: one CM port (one local address). It owns the comm-ID, remote-ID, remote-QPN and
+//! listen tables, demultiplexes MADs to connection endpoints, runs their timers, and drives the
+//! IBTA chapter 12 state machine. No I/O: datagrams and time in, datagrams, a deadline and
+//! events out.
+
+use super::cep::{Cep, Outstanding, State, TimerKind};
+use super::timers::Timers;
+use super::types::{
+    ibta_time_ms, AcceptParams, CepHandle, CmError, CmEvent, ConnectParams, EndpointConfig,
+    RepInfo, ReqInfo, RetryPolicy, SidrParams, SidrReplyParams, TimedOut, Transmit,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rcm_wire::cm::{
+    self, CmMad, CmMessage, Drep, Dreq, Mra, MsgCode, Rej, RejReason, Rep, Req, ReqPath, Rtu,
+    SidrRep, SidrReq, SidrStatus, TransportType,
+};
+use rcm_wire::mad::{self, MadHeader};
+use rcm_wire::{tid, Gid};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+/// Counters of what the endpoint received and did, for tests and diagnostics.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Stats {
+    /// MADs that failed to parse.
+    pub rx_malformed: u64,
+    /// Well-formed MADs that matched no endpoint or were not valid in its state.
+    pub rx_unmatched: u64,
+    /// Duplicates recognised (REQ, REP, RTU, DREQ, DREP, SIDR_REQ).
+    pub rx_duplicates: u64,
+    /// REQs dropped because the listener's backlog was full or the endpoint table was.
+    pub rx_backlog_drops: u64,
+    /// REQs answered with REJ(STALE_CONN).
+    pub stale_rejects: u64,
+    /// REQs answered with REJ(INVALID_SERVICE_ID).
+    pub no_listener_rejects: u64,
+    /// LAP/APR received and ignored (no path migration on RoCE).
+    pub rx_lap_apr_ignored: u64,
+    /// MADs queued for transmission.
+    pub tx: u64,
+    /// Retransmissions among them.
+    pub retransmits: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Listener {
+    service_id: u64,
+    mask: u64,
+    backlog: usize,
+    pending: usize,
+}
+
+/// One CM port. See the module documentation.
+pub struct Endpoint {
+    cfg: EndpointConfig,
+    rng: StdRng,
+    id_operand: u32,
+    next_index: u32,
+    next_handle: u64,
+    ceps: HashMap<CepHandle, Cep>,
+    local_ids: HashMap<u32, CepHandle>,
+    remote_ids: HashMap<(u32, u64), CepHandle>,
+    remote_qps: HashMap<(u32, u64), CepHandle>,
+    sidr_remote: HashMap<(u32, IpAddr), CepHandle>,
+    listeners: HashMap<CepHandle, Listener>,
+    listen_exact: BTreeMap<u64, CepHandle>,
+    timers: Timers,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<(CepHandle, CmEvent)>,
+    stats: Stats,
+    conn_ceps: usize,
+}
+
+/// The backlog a listener gets when the caller passes 0 (Linux's iWARP default, ucma's cap
+/// is 1024).
+pub const DEFAULT_BACKLOG: usize = 256;
+
+impl Endpoint {
+    /// A new endpoint.
+    pub fn new(cfg: EndpointConfig) -> Self {
+        let mut rng = StdRng::seed_from_u64(cfg.seed);
+        let id_operand = rng.gen();
+        let next_index = rng.gen();
+        Endpoint {
+            cfg,
+            rng,
+            id_operand,
+            next_index,
+            next_handle: 1,
+            ceps: HashMap::new(),
+            local_ids: HashMap::new(),
+            remote_ids: HashMap::new(),
+            remote_qps: HashMap::new(),
+            sidr_remote: HashMap::new(),
+            listeners: HashMap::new(),
+            listen_exact: BTreeMap::new(),
+            timers: Timers::default(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: Stats::default(),
+            conn_ceps: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The state of a handle's endpoint (`None` once destroyed).
+    pub fn state(&self, h: CepHandle) -> Option<State> {
+        self.ceps.get(&h).filter(|c| !c.orphan).map(|c| c.state)
+    }
+
+    /// The local communication ID of a handle's endpoint.
+    pub fn local_comm_id(&self, h: CepHandle) -> Option<u32> {
+        self.ceps.get(&h).filter(|c| !c.orphan).map(|c| c.local_id)
+    }
+
+    /// Connection endpoints held, including destroyed ones still in timewait (listeners
+    /// excluded).
+    pub fn cep_count(&self) -> usize {
+        self.conn_ceps
+    }
+
+    /// Entries in the lookup tables and timer heap, for leak checks.
+    pub fn table_sizes(&self) -> (usize, usize, usize, usize, usize) {
+        (
+            self.local_ids.len(),
+            self.remote_ids.len(),
+            self.remote_qps.len(),
+            self.sidr_remote.len(),
+            self.timers.len(),
+        )
+    }
+
+    // ----- outputs -----------------------------------------------------------------------
+
+    /// The next MAD to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<(CepHandle, CmEvent)> {
+        self.events.pop_front()
+    }
+
+    /// When `handle_timeout` must next be called.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        let ceps = &self.ceps;
+        self.timers.prune(|h, g| {
+            ceps.get(&h)
+                .is_some_and(|c| c.timer_gen == g && c.timer != TimerKind::None)
+        });
+        self.timers.peek()
+    }
+
+    // ----- helpers -----------------------------------------------------------------------
+
+    fn new_handle(&mut self) -> CepHandle {
+        let h = CepHandle(self.next_handle);
+        self.next_handle += 1;
+        h
+    }
+
+    /// Local comm IDs are a cyclic index XOR a random operand, as Linux builds them: unique,
+    /// unpredictable on the wire, and never one still held (timewait included).
+    fn alloc_local_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_index ^ self.id_operand;
+            self.next_index = self.next_index.wrapping_add(1);
+            if id != 0 && !self.local_ids.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn random_psn(&mut self) -> u32 {
+        self.rng.gen::<u32>() & 0xFF_FFFF
+    }
+
+    fn emit(&mut self, h: CepHandle, ev: CmEvent) {
+        if self.ceps.get(&h).is_some_and(|c| !c.orphan) {
+            self.events.push_back((h, ev));
+        }
+    }
+
+    fn send(&mut self, dst: IpAddr, tid: u64, msg: CmMessage) -> Option<Box<[u8; 256]>> {
+        match CmMad::send(tid, msg).emit() {
+            Ok(mad) => {
+                self.stats.tx += 1;
+                self.transmits.push_back(Transmit { dst, mad });
+                Some(Box::new(mad))
+            }
+            // Only caller-supplied data can fail to encode, and commands check it first.
+            Err(_) => None,
+        }
+    }
+
+    fn arm(&mut self, h: CepHandle, at: Instant, kind: TimerKind) {
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.timer_gen = c.timer_gen.wrapping_add(1);
+            c.timer = kind;
+            self.timers.arm(at, h, c.timer_gen);
+        }
+    }
+
+    fn cancel_timer(&mut self, h: CepHandle) {
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.timer_gen = c.timer_gen.wrapping_add(1);
+            c.timer = TimerKind::None;
+            c.out = None;
+        }
+    }
+
+    /// The first wait and deadline for a message with classic interval `timeout_ms`.
+    fn first_wait(&self, now: Instant, timeout_ms: u32) -> (Duration, Option<Instant>) {
+        match self.cfg.retry {
+            RetryPolicy::Classic => (Duration::from_millis(timeout_ms.into()), None),
+            RetryPolicy::Backoff {
+                initial, deadline, ..
+            } => (initial, Some(now + deadline)),
+        }
+    }
+
+    /// Sends `msg` and keeps it for retransmission until answered.
+    fn send_tracked(&mut self, now: Instant, h: CepHandle, msg: CmMessage) {
+        let Some(c) = self.ceps.get(&h) else { return };
+        let (dst, tid, timeout_ms) = (c.peer, c.tid, c.timeout_ms);
+        if let Some(mad) = self.send(dst, tid, msg) {
+            let (wait, deadline) = self.first_wait(now, timeout_ms);
+            if let Some(c) = self.ceps.get_mut(&h) {
+                c.out = Some(Box::new(Outstanding {
+                    mad,
+                    retries_done: 0,
+                    next_wait: wait,
+                    deadline,
+                }));
+            }
+            self.arm(h, now + wait, TimerKind::Retransmit);
+        }
+    }
+
+    fn insert_cep(&mut self, c: Cep) -> CepHandle {
+        let h = self.new_handle();
+        if c.state != State::Listen {
+            self.conn_ceps += 1;
+        }
+        self.local_ids.insert(c.local_id, h);
+        self.ceps.insert(h, c);
+        h
+    }
+
+    /// Removes the endpoint and every table entry naming it.
+    fn remove_cep(&mut self, h: CepHandle) {
+        let Some(c) = self.ceps.remove(&h) else {
+            return;
+        };
+        if c.state != State::Listen {
+            self.conn_ceps -= 1;
+        }
+        if self.local_ids.get(&c.local_id) == Some(&h) {
+            self.local_ids.remove(&c.local_id);
+        }
+        self.unlink_remote(&c, h);
+        if let Some(l) = c.listener.and_then(|l| self.listeners.get_mut(&l)) {
+            l.pending = l.pending.saturating_sub(1);
+        }
+    }
+
+    fn unlink_remote(&mut self, c: &Cep, h: CepHandle) {
+        let rk = (c.remote_id, c.remote_guid);
+        if self.remote_ids.get(&rk) == Some(&h) {
+            self.remote_ids.remove(&rk);
+        }
+        let qk = (c.remote_qpn, c.remote_guid);
+        if self.remote_qps.get(&qk) == Some(&h) {
+            self.remote_qps.remove(&qk);
+        }
+        let sk = (c.remote_id, c.peer);
+        if self.sidr_remote.get(&sk) == Some(&h) {
+            self.sidr_remote.remove(&sk);
+        }
+    }
+
+    /// Leaves the listener's backlog (the request was answered one way or another).
+    fn unlink_listener(&mut self, h: CepHandle) {
+        let l = self.ceps.get_mut(&h).and_then(|c| c.listener.take());
+        if let Some(l) = l.and_then(|l| self.listeners.get_mut(&l)) {
+            l.pending = l.pending.saturating_sub(1);
+        }
+    }
+
+    /// Moves to Idle and drops the remote tables (Linux `cm_reset_to_idle`).
+    fn reset_to_idle(&mut self, h: CepHandle) {
+        self.cancel_timer(h);
+        self.unlink_listener(h);
+        let Some(c) = self.ceps.get(&h) else { return };
+        if c.orphan {
+            self.remove_cep(h);
+            return;
+        }
+        let c = c.clone();
+        self.unlink_remote(&c, h);
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.state = State::Idle;
+        }
+    }
+
+    /// Enters timewait for the path's ACK timeout; the comm ID and remote QPN stay reserved.
+    fn enter_timewait(&mut self, now: Instant, h: CepHandle) {
+        self.cancel_timer(h);
+        self.unlink_listener(h);
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        c.state = State::Timewait;
+        let wait = Duration::from_millis(ibta_time_ms(c.ack_timeout)).max(self.cfg.min_timewait);
+        self.arm(h, now + wait, TimerKind::Timewait);
+    }
+
+    fn find_listener(&self, service_id: u64) -> Option<CepHandle> {
+        if let Some(h) = self.listen_exact.get(&service_id) {
+            return Some(*h);
+        }
+        self.listeners
+            .iter()
+            .filter(|(_, l)| l.mask != u64::MAX && service_id & l.mask == l.service_id & l.mask)
+            .min_by_key(|(h, _)| **h)
+            .map(|(h, _)| *h)
+    }
+
+    /// The endpoint a message addressed to `local_id` from `from` belongs to, if the message's
+    /// own comm ID agrees with what we know of the peer (0 matches a peer not yet known).
+    fn lookup(&self, local_id: u32, remote_id: u32, from: IpAddr) -> Option<CepHandle> {
+        let h = *self.local_ids.get(&local_id)?;
+        let c = self.ceps.get(&h)?;
+        (c.peer == from
+            && (c.remote_id == remote_id || c.remote_id == 0)
+            && c.state != State::Listen)
+            .then_some(h)
+    }
+
+    // ----- commands ----------------------------------------------------------------------
+
+    /// Listens on `service_id` (exact match when `mask` is all ones; else every service ID
+    /// equal under `mask`, as rdma_cm's port-space ranges). `backlog` bounds the requests
+    /// received but not yet answered (0 means [`DEFAULT_BACKLOG`]); beyond it new REQs are
+    /// dropped so the peer retries.
+    pub fn listen(
+        &mut self,
+        service_id: u64,
+        mask: u64,
+        backlog: usize,
+    ) -> Result<CepHandle, CmError> {
+        let clash = self.listeners.values().any(|l| {
+            let m = l.mask & mask;
+            l.service_id & m == service_id & m
+        });
+        if clash {
+            return Err(CmError::AddressInUse(service_id));
+        }
+        let h = self.new_handle();
+        let mut c = Cep::new(State::Listen, 0, self.cfg.local_addr);
+        c.service_id = service_id;
+        self.ceps.insert(h, c);
+        let backlog = if backlog == 0 {
+            DEFAULT_BACKLOG
+        } else {
+            backlog
+        };
+        self.listeners.insert(
+            h,
+            Listener {
+                service_id,
+                mask,
+                backlog,
+                pending: 0,
+            },
+        );
+        if mask == u64::MAX {
+            self.listen_exact.insert(service_id, h);
+        }
+        Ok(h)
+    }
+
+    /// Sends a REQ (active side). The new endpoint is in ReqSent.
+    pub fn connect(&mut self, now: Instant, p: &ConnectParams) -> Result<CepHandle, CmError> {
+        if p.private_data.len() > cm::pd_size::REQ {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "REQ",
+                len: p.private_data.len(),
+                max: cm::pd_size::REQ,
+            }
+            .into());
+        }
+        if self.conn_ceps >= self.cfg.max_ceps {
+            return Err(CmError::NoResources);
+        }
+        let local_id = self.alloc_local_id();
+        let psn = p.starting_psn.unwrap_or_else(|| self.random_psn());
+        let ack_timeout =
+            super::types::cm_ack_timeout(self.cfg.ca_ack_delay, p.path.packet_life_time);
+        let req = Req {
+            local_comm_id: local_id,
+            service_id: p.service_id,
+            local_ca_guid: self.cfg.ca_guid,
+            local_qpn: p.qpn & 0xFF_FFFF,
+            responder_resources: p.responder_resources,
+            initiator_depth: p.initiator_depth,
+            remote_cm_response_timeout: p.cm_response_timeout.min(31),
+            transport_type: TransportType::Rc,
+            starting_psn: psn & 0xFF_FFFF,
+            local_cm_response_timeout: p.cm_response_timeout.min(31),
+            retry_count: p.retry_count.min(7),
+            pkey: 0xFFFF,
+            path_mtu: p.path.mtu & 0xF,
+            rnr_retry_count: p.rnr_retry_count.min(7),
+            max_cm_retries: p.max_cm_retries.min(15),
+            srq: p.srq,
+            primary_path: ReqPath {
+                local_lid: if p.path.hop_limit > 1 { 0xFFFF } else { 0 },
+                remote_lid: if p.path.hop_limit > 1 { 0xFFFF } else { 0 },
+                local_gid: Gid::from_ip(self.cfg.local_addr),
+                remote_gid: Gid::from_ip(p.dst),
+                flow_label: p.path.flow_label & 0xF_FFFF,
+                packet_rate: p.path.rate & 0x3F,
+                traffic_class: p.path.traffic_class,
+                hop_limit: p.path.hop_limit,
+                sl: p.path.sl & 0xF,
+                subnet_local: p.path.hop_limit <= 1,
+                local_ack_timeout: ack_timeout,
+                ..ReqPath::default()
+            },
+            private_data: p.private_data.clone(),
+            ..Req::default()
+        };
+        let mut c = Cep::new(State::ReqSent, local_id, p.dst);
+        c.local_qpn = req.local_qpn;
+        c.service_id = p.service_id;
+        c.tid = tid::linux_tid(self.cfg.agent_id, local_id);
+        c.req_tid = c.tid;
+        c.timeout_ms = (2 * ibta_time_ms(p.path.packet_life_time)
+            + ibta_time_ms(p.cm_response_timeout)) as u32;
+        c.max_retries = req.max_cm_retries;
+        c.ack_timeout = ack_timeout;
+        let h = self.insert_cep(c);
+        self.send_tracked(now, h, CmMessage::Req(req));
+        Ok(h)
+    }
+
+    fn cep_mut(&mut self, h: CepHandle) -> Result<&mut Cep, CmError> {
+        self.ceps
+            .get_mut(&h)
+            .filter(|c| !c.orphan)
+            .ok_or(CmError::UnknownHandle)
+    }
+
+    /// Answers a received REQ with a REP (passive side): ReqRcvd/MraReqSent → RepSent.
+    pub fn accept(&mut self, now: Instant, h: CepHandle, p: &AcceptParams) -> Result<(), CmError> {
+        if p.private_data.len() > cm::pd_size::REP {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "REP",
+                len: p.private_data.len(),
+                max: cm::pd_size::REP,
+            }
+            .into());
+        }
+        let state = self.cep_mut(h)?.state;
+        if !matches!(state, State::ReqRcvd | State::MraReqSent) {
+            return Err(CmError::InvalidState(state));
+        }
+        let psn = p.starting_psn.unwrap_or_else(|| self.random_psn());
+        let ack_delay = self.cfg.ca_ack_delay;
+        let guid = self.cfg.ca_guid;
+        let c = self.cep_mut(h)?;
+        c.local_qpn = p.qpn & 0xFF_FFFF;
+        c.state = State::RepSent;
+        let rep = Rep {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            local_qpn: c.local_qpn,
+            starting_psn: psn & 0xFF_FFFF,
+            responder_resources: p.responder_resources,
+            initiator_depth: p.initiator_depth,
+            target_ack_delay: ack_delay.min(31),
+            rnr_retry_count: p.rnr_retry_count.min(7),
+            srq: p.srq,
+            local_ca_guid: guid,
+            private_data: p.private_data.clone(),
+            ..Rep::default()
+        };
+        self.unlink_listener(h);
+        self.cancel_timer(h);
+        self.send_tracked(now, h, CmMessage::Rep(rep));
+        Ok(())
+    }
+
+    /// Sends the RTU after a REP (active side): RepRcvd/MraRepSent → Established.
+    pub fn establish(&mut self, h: CepHandle) -> Result<(), CmError> {
+        let c = self.cep_mut(h)?;
+        if !matches!(c.state, State::RepRcvd | State::MraRepSent) {
+            return Err(CmError::InvalidState(c.state));
+        }
+        c.state = State::Established;
+        let (peer, tid, rtu) = (c.peer, c.req_tid, rtu_of(c));
+        self.cancel_timer(h);
+        self.send(peer, tid, CmMessage::Rtu(rtu));
+        self.emit(h, CmEvent::Established);
+        Ok(())
+    }
+
+    /// Tells the peer we need more time (`service_timeout`, IBTA time value). With `lazy`
+    /// the MRA is only sent when a duplicate REQ/REP shows the peer is retrying, as rdma_cm
+    /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent.
+    pub fn mra(&mut self, h: CepHandle, service_timeout: u8, lazy: bool) -> Result<(), CmError> {
+        let c = self.cep_mut(h)?;
+        c.state = match c.state {
+            State::ReqRcvd => State::MraReqSent,
+            State::RepRcvd => State::MraRepSent,
+            s => return Err(CmError::InvalidState(s)),
+        };
+        c.mra_timeout = service_timeout.min(31);
+        c.mra_sent = !lazy;
+        if !lazy {
+            let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
+            self.send(peer, tid, CmMessage::Mra(mra));
+        }
+        Ok(())
+    }
+
+    /// Rejects (IBTA 12.6.7): from a request/reply phase state the endpoint goes Idle (or to
+    /// timewait when a QP may already be live: RepSent, MraRepRcvd).
+    pub fn reject(
+        &mut self,
+        now: Instant,
+        h: CepHandle,
+        reason: RejReason,
+        ari: &[u8],
+        private_data: &[u8],
+    ) -> Result<(), CmError> {
+        if private_data.len() > cm::pd_size::REJ || ari.len() > cm::pd_size::REJ_ARI {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "REJ",
+                len: private_data.len().max(ari.len()),
+                max: cm::pd_size::REJ,
+            }
+            .into());
+        }
+        let state = self.cep_mut(h)?.state;
+        let msg = match state {
+            State::ReqRcvd | State::MraReqSent => MsgCode::Req,
+            State::RepRcvd | State::MraRepSent => MsgCode::Rep,
+            State::ReqSent | State::MraReqRcvd | State::RepSent | State::MraRepRcvd => {
+                MsgCode::Other
+            }
+            s => return Err(CmError::InvalidState(s)),
+        };
+        self.send_rej(h, msg, reason, ari, private_data);
+        if matches!(state, State::RepSent | State::MraRepRcvd) {
+            self.enter_timewait(now, h);
+        } else {
+            self.reset_to_idle(h);
+        }
+        Ok(())
+    }
+
+    fn send_rej(&mut self, h: CepHandle, msg: MsgCode, reason: RejReason, ari: &[u8], pd: &[u8]) {
+        let Some(c) = self.ceps.get(&h) else { return };
+        let rej = Rej {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            message_rejected: msg,
+            reject_info_length: ari.len() as u8,
+            reason,
+            ari: ari.to_vec(),
+            private_data: pd.to_vec(),
+            ..Rej::default()
+        };
+        let (peer, tid) = (c.peer, c.req_tid);
+        self.send(peer, tid, CmMessage::Rej(rej));
+    }
+
+    /// Disconnects: from Established sends a DREQ (→ DreqSent, retried); from DreqRcvd sends
+    /// the DREP (→ Timewait).
+    pub fn disconnect(
+        &mut self,
+        now: Instant,
+        h: CepHandle,
+        private_data: &[u8],
+    ) -> Result<(), CmError> {
+        if private_data.len() > cm::pd_size::DREQ {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "DREQ",
+                len: private_data.len(),
+                max: cm::pd_size::DREQ,
+            }
+            .into());
+        }
+        let agent = self.cfg.agent_id;
+        let c = self.cep_mut(h)?;
+        match c.state {
+            State::Established => {
+                c.state = State::DreqSent;
+                c.tid = tid::linux_tid(agent, c.local_id);
+                let dreq = Dreq {
+                    local_comm_id: c.local_id,
+                    remote_comm_id: c.remote_id,
+                    remote_qpn: c.remote_qpn,
+                    private_data: private_data.to_vec(),
+                    ..Dreq::default()
+                };
+                self.cancel_timer(h);
+                self.send_tracked(now, h, CmMessage::Dreq(dreq));
+            }
+            State::DreqRcvd => {
+                let (peer, tid) = (c.peer, c.tid);
+                let drep = Drep {
+                    local_comm_id: c.local_id,
+                    remote_comm_id: c.remote_id,
+                    private_data: private_data.to_vec(),
+                };
+                // Timewait first, so a failed send still lands there (as Linux does).
+                self.enter_timewait(now, h);
+                self.send(peer, tid, CmMessage::Drep(drep));
+            }
+            s => return Err(CmError::InvalidState(s)),
+        }
+        Ok(())
+    }
+
+    /// Sends a SIDR_REQ (UD service resolution). The endpoint ends Idle when answered.
+    pub fn sidr_request(&mut self, now: Instant, p: &SidrParams) -> Result<CepHandle, CmError> {
+        if p.private_data.len() > cm::pd_size::SIDR_REQ {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "SIDR_REQ",
+                len: p.private_data.len(),
+                max: cm::pd_size::SIDR_REQ,
+            }
+            .into());
+        }
+        if self.conn_ceps >= self.cfg.max_ceps {
+            return Err(CmError::NoResources);
+        }
+        let local_id = self.alloc_local_id();
+        let mut c = Cep::new(State::SidrReqSent, local_id, p.dst);
+        c.service_id = p.service_id;
+        c.tid = tid::linux_tid(self.cfg.agent_id, local_id);
+        c.req_tid = c.tid;
+        c.timeout_ms = ibta_time_ms(p.timeout) as u32;
+        c.max_retries = p.max_retries;
+        let req = SidrReq {
+            request_id: local_id,
+            pkey: 0xFFFF,
+            service_id: p.service_id,
+            private_data: p.private_data.clone(),
+            ..SidrReq::default()
+        };
+        let h = self.insert_cep(c);
+        self.send_tracked(now, h, CmMessage::SidrReq(req));
+        Ok(h)
+    }
+
+    /// Answers a SIDR_REQ; the endpoint is done (Idle) afterwards.
+    pub fn sidr_reply(&mut self, h: CepHandle, p: &SidrReplyParams) -> Result<(), CmError> {
+        if p.private_data.len() > cm::pd_size::SIDR_REP {
+            return Err(rcm_wire::WireError::PrivateDataTooLong {
+                what: "SIDR_REP",
+                len: p.private_data.len(),
+                max: cm::pd_size::SIDR_REP,
+            }
+            .into());
+        }
+        let c = self.cep_mut(h)?;
+        if c.state != State::SidrReqRcvd {
+            return Err(CmError::InvalidState(c.state));
+        }
+        let rep = SidrRep {
+            request_id: c.remote_id,
+            status: p.status,
+            qpn: p.qpn & 0xFF_FFFF,
+            service_id: c.service_id,
+            qkey: p.qkey,
+            private_data: p.private_data.clone(),
+            ..SidrRep::default()
+        };
+        let (peer, tid) = (c.peer, c.tid);
+        self.send(peer, tid, CmMessage::SidrRep(rep));
+        self.reset_to_idle(h);
+        Ok(())
+    }
+
+    /// Destroys a handle (Linux `cm_destroy_id`): the protocol is driven to a clean end
+    /// (REJ, DREQ or DREP as the state requires), no event is ever reported for the handle
+    /// again, and events still queued for it are discarded. An endpoint that must still sit
+    /// out timewait does so invisibly. Destroying a listener rejects the requests it received
+    /// whose events were not yet taken.
+    pub fn destroy(&mut self, now: Instant, h: CepHandle) -> Result<(), CmError> {
+        let state = self.cep_mut(h)?.state;
+        // Events not yet taken die with the handle; children nobody has seen die too.
+        let mut orphans = Vec::new();
+        self.events.retain(|(eh, ev)| match ev {
+            CmEvent::ReqReceived { listener, cep, .. }
+            | CmEvent::SidrReqReceived { listener, cep, .. }
+                if *listener == h =>
+            {
+                orphans.push(*cep);
+                false
+            }
+            _ => *eh != h,
+        });
+        for child in orphans {
+            let _ = self.destroy(now, child);
+        }
+        let guid = self.cfg.ca_guid;
+        match state {
+            State::Listen => {
+                if let Some(l) = self.listeners.remove(&h) {
+                    if self.listen_exact.get(&l.service_id) == Some(&h) {
+                        self.listen_exact.remove(&l.service_id);
+                    }
+                }
+                for c in self.ceps.values_mut() {
+                    if c.listener == Some(h) {
+                        c.listener = None;
+                    }
+                }
+                self.ceps.remove(&h);
+                return Ok(());
+            }
+            State::ReqSent | State::MraReqRcvd => {
+                self.send_rej(
+                    h,
+                    MsgCode::Other,
+                    RejReason::Timeout,
+                    &guid.to_be_bytes(),
+                    &[],
+                );
+            }
+            State::ReqRcvd | State::MraReqSent => {
+                self.send_rej(h, MsgCode::Req, RejReason::ConsumerDefined, &[], &[]);
+            }
+            State::RepRcvd | State::MraRepSent => {
+                self.send_rej(h, MsgCode::Rep, RejReason::ConsumerDefined, &[], &[]);
+            }
+            State::RepSent | State::MraRepRcvd => {
+                self.send_rej(h, MsgCode::Other, RejReason::ConsumerDefined, &[], &[]);
+                self.orphan_into_timewait(now, h);
+                return Ok(());
+            }
+            State::Established => {
+                // Fire and forget (Linux cm_issue_dreq): nobody is left to wait for the DREP.
+                if let Some(c) = self.ceps.get(&h) {
+                    let dreq = Dreq {
+                        local_comm_id: c.local_id,
+                        remote_comm_id: c.remote_id,
+                        remote_qpn: c.remote_qpn,
+                        ..Dreq::default()
+                    };
+                    let (peer, tid) = (c.peer, tid::linux_tid(self.cfg.agent_id, c.local_id));
+                    self.send(peer, tid, CmMessage::Dreq(dreq));
+                }
+                self.orphan_into_timewait(now, h);
+                return Ok(());
+            }
+            State::DreqSent => {
+                self.orphan_into_timewait(now, h);
+                return Ok(());
+            }
+            State::DreqRcvd => {
+                if let Some(c) = self.ceps.get(&h) {
+                    let drep = Drep {
+                        local_comm_id: c.local_id,
+                        remote_comm_id: c.remote_id,
+                        ..Drep::default()
+                    };
+                    let (peer, tid) = (c.peer, c.tid);
+                    self.send(peer, tid, CmMessage::Drep(drep));
+                }
+                self.orphan_into_timewait(now, h);
+                return Ok(());
+            }
+            State::Timewait => {
+                if let Some(c) = self.ceps.get_mut(&h) {
+                    c.orphan = true;
+                }
+                return Ok(());
+            }
+            State::SidrReqRcvd => {
+                if let Some(c) = self.ceps.get(&h) {
+                    let rep = SidrRep {
+                        request_id: c.remote_id,
+                        status: SidrStatus::Rejected,
+                        service_id: c.service_id,
+                        ..SidrRep::default()
+                    };
+                    let (peer, tid) = (c.peer, c.tid);
+                    self.send(peer, tid, CmMessage::SidrRep(rep));
+                }
+            }
+            State::SidrReqSent | State::Idle => {}
+        }
+        self.remove_cep(h);
+        Ok(())
+    }
+
+    fn orphan_into_timewait(&mut self, now: Instant, h: CepHandle) {
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.orphan = true;
+        }
+        self.enter_timewait(now, h);
+    }
+
+    // ----- input: time -------------------------------------------------------------------
+
+    /// Runs every timer due at `now`: retransmissions, give-ups, timewait exits.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some((h, gen)) = self.timers.pop_due(now) {
+            let Some(c) = self.ceps.get(&h) else { continue };
+            if c.timer_gen != gen {
+                continue;
+            }
+            match c.timer {
+                TimerKind::None => {}
+                TimerKind::Timewait => self.timewait_expired(h),
+                TimerKind::Retransmit => self.retransmit_due(now, h),
+            }
+        }
+    }
+
+    fn timewait_expired(&mut self, h: CepHandle) {
+        let Some(c) = self.ceps.get(&h) else { return };
+        if c.orphan {
+            self.remove_cep(h);
+            return;
+        }
+        let c = c.clone();
+        self.unlink_remote(&c, h);
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.state = State::Idle;
+            c.timer = TimerKind::None;
+            c.remote_id = 0;
+            c.remote_qpn = 0;
+        }
+        self.emit(h, CmEvent::TimewaitExit);
+    }
+
+    fn retransmit_due(&mut self, now: Instant, h: CepHandle) {
+        let policy = self.cfg.retry;
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        let max_retries = c.max_retries;
+        let Some(out) = c.out.as_mut() else { return };
+        let expired = out.retries_done >= max_retries || out.deadline.is_some_and(|d| now >= d);
+        if !expired {
+            out.retries_done += 1;
+            let mad = *out.mad;
+            let wait = match policy {
+                RetryPolicy::Classic => out.next_wait,
+                RetryPolicy::Backoff { max_wait, .. } => {
+                    out.next_wait = (out.next_wait * 2).min(max_wait);
+                    out.next_wait
+                }
+            };
+            let mut at = now + wait;
+            if let Some(d) = out.deadline {
+                at = at.min(d);
+            }
+            let dst = c.peer;
+            self.stats.tx += 1;
+            self.stats.retransmits += 1;
+            self.transmits.push_back(Transmit { dst, mad });
+            self.arm(h, at, TimerKind::Retransmit);
+            return;
+        }
+        let state = c.state;
+        match state {
+            State::ReqSent | State::MraReqRcvd => {
+                // Like rdma_cm destroying the id after UNREACHABLE: tell the peer we gave up.
+                let guid = self.cfg.ca_guid;
+                self.send_rej(
+                    h,
+                    MsgCode::Other,
+                    RejReason::Timeout,
+                    &guid.to_be_bytes(),
+                    &[],
+                );
+                self.reset_to_idle(h);
+                self.emit(h, CmEvent::TimedOut(TimedOut::Req));
+            }
+            State::RepSent | State::MraRepRcvd => {
+                self.reset_to_idle(h);
+                self.emit(h, CmEvent::TimedOut(TimedOut::Rep));
+            }
+            State::DreqSent => {
+                self.enter_timewait(now, h);
+                self.emit(h, CmEvent::TimedOut(TimedOut::Dreq));
+            }
+            State::SidrReqSent => {
+                self.reset_to_idle(h);
+                self.emit(h, CmEvent::TimedOut(TimedOut::SidrReq));
+            }
+            _ => self.cancel_timer(h),
+        }
+    }
+
+    // ----- input: datagrams --------------------------------------------------------------
+
+    /// Feeds one received MAD (the 256 bytes after BTH and DETH) from `from`.
+    pub fn handle_datagram(&mut self, now: Instant, from: IpAddr, mad: &[u8]) {
+        let Ok(parsed) = CmMad::parse(mad) else {
+            self.stats.rx_malformed += 1;
+            return;
+        };
+        let tid = parsed.header.tid;
+        match parsed.msg {
+            CmMessage::Req(m) => self.on_req(now, from, tid, &m),
+            CmMessage::Mra(m) => self.on_mra(now, from, &m),
+            CmMessage::Rej(m) => self.on_rej(now, from, &m),
+            CmMessage::Rep(m) => self.on_rep(now, from, tid, &m),
+            CmMessage::Rtu(m) => self.on_rtu(from, &m),
+            CmMessage::Dreq(m) => self.on_dreq(from, tid, &m),
+            CmMessage::Drep(m) => self.on_drep(now, from, &m),
+            CmMessage::SidrReq(m) => self.on_sidr_req(from, tid, &m),
+            CmMessage::SidrRep(m) => self.on_sidr_rep(from, &m),
+            CmMessage::Lap(_) | CmMessage::Apr(_) => self.stats.rx_lap_apr_ignored += 1,
+            CmMessage::ClassPortInfo(_) => self.on_class_port_info(from, &parsed.header),
+        }
+    }
+
+    fn unmatched(&mut self) {
+        self.stats.rx_unmatched += 1;
+    }
+
+    /// The Linux MAD layer answers an unmatched Get/Set with GetResp, status 0x000C.
+    fn on_class_port_info(&mut self, from: IpAddr, hdr: &MadHeader) {
+        if !matches!(hdr.method, mad::method::GET | mad::method::SET) {
+            return self.unmatched();
+        }
+        let mut h = *hdr;
+        h.method = mad::method::GET_RESP;
+        h.status = mad::status::METHOD_ATTR_UNSUPPORTED;
+        let m = CmMad {
+            header: h,
+            msg: CmMessage::ClassPortInfo(cm::ClassPortInfo::default()),
+        };
+        if let Ok(mad) = m.emit() {
+            self.stats.tx += 1;
+            self.transmits.push_back(Transmit { dst: from, mad });
+        }
+    }
+
+    /// A REJ built from a received REQ, with no endpoint behind it (Linux `cm_issue_rej`).
+    fn issue_rej(&mut self, from: IpAddr, tid: u64, req: &Req, reason: RejReason, msg: MsgCode) {
+        let rej = Rej {
+            local_comm_id: (u32::from(req.reserved0) << 24) | req.vendor_id,
+            remote_comm_id: req.local_comm_id,
+            message_rejected: msg,
+            reason,
+            ..Rej::default()
+        };
+        self.send(from, tid, CmMessage::Rej(rej));
+    }
+
+    fn on_req(&mut self, now: Instant, from: IpAddr, tid: u64, req: &Req) {
+        let guid = req.local_ca_guid;
+        // A REQ we already know: answer from the state it reached (IBTA 12.9.8.1; Linux
+        // cm_dup_req_handler, plus resending the REP, which recovers a lost REP at once).
+        if let Some(&h) = self.remote_ids.get(&(req.local_comm_id, guid)) {
+            self.stats.rx_duplicates += 1;
+            let Some(c) = self.ceps.get_mut(&h) else {
+                return;
+            };
+            if c.peer != from {
+                return;
+            }
+            match c.state {
+                State::MraReqSent => {
+                    c.mra_sent = true;
+                    let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
+                    self.send(peer, tid, CmMessage::Mra(mra));
+                }
+                State::RepSent | State::MraRepRcvd => {
+                    if let Some(out) = c.out.as_ref() {
+                        let (dst, mad) = (c.peer, *out.mad);
+                        self.stats.tx += 1;
+                        self.transmits.push_back(Transmit { dst, mad });
+                    }
+                }
+                State::Timewait => {
+                    self.issue_rej(from, tid, req, RejReason::StaleConn, MsgCode::Req);
+                    self.stats.stale_rejects += 1;
+                }
+                _ => {}
+            }
+            return;
+        }
+        // The peer reuses a QPN we still consider connected: stale (IBTA 12.9.8.3.3).
+        if let Some(&old) = self.remote_qps.get(&(req.local_qpn, guid)) {
+            self.issue_rej(from, tid, req, RejReason::StaleConn, MsgCode::Req);
+            self.stats.stale_rejects += 1;
+            if self
+                .ceps
+                .get(&old)
+                .is_some_and(|c| c.state == State::Established && !c.orphan)
+            {
+                let _ = self.disconnect(now, old, &[]);
+            }
+            return;
+        }
+        let Some(lh) = self.find_listener(req.service_id) else {
+            self.issue_rej(from, tid, req, RejReason::InvalidServiceId, MsgCode::Req);
+            self.stats.no_listener_rejects += 1;
+            return;
+        };
+        let full = self
+            .listeners
+            .get(&lh)
+            .is_some_and(|l| l.pending >= l.backlog);
+        if full || self.conn_ceps >= self.cfg.max_ceps {
+            // Dropped, not rejected: the peer's retry may find room.
+            self.stats.rx_backlog_drops += 1;
+            return;
+        }
+        let local_id = self.alloc_local_id();
+        let mut c = Cep::new(State::ReqRcvd, local_id, from);
+        c.remote_id = req.local_comm_id;
+        c.remote_guid = guid;
+        c.remote_qpn = req.local_qpn;
+        c.service_id = req.service_id;
+        c.tid = tid;
+        c.req_tid = tid;
+        c.listener = Some(lh);
+        // The passive side takes the path's packet lifetime as the ACK timeout − 1 and the
+        // peer's own response timeout and retry count for its REP.
+        let plt = req.primary_path.local_ack_timeout.saturating_sub(1);
+        c.timeout_ms = (2 * ibta_time_ms(plt) + ibta_time_ms(req.local_cm_response_timeout)) as u32;
+        c.max_retries = req.max_cm_retries;
+        c.ack_timeout = req.primary_path.local_ack_timeout;
+        let h = self.insert_cep(c);
+        self.remote_ids.insert((req.local_comm_id, guid), h);
+        self.remote_qps.insert((req.local_qpn, guid), h);
+        if let Some(l) = self.listeners.get_mut(&lh) {
+            l.pending += 1;
+        }
+        let info = ReqInfo {
+            peer: from,
+            service_id: req.service_id,
+            remote_qpn: req.local_qpn,
+            starting_psn: req.starting_psn,
+            remote_ca_guid: guid,
+            responder_resources: req.responder_resources,
+            initiator_depth: req.initiator_depth,
+            retry_count: req.retry_count,
+            rnr_retry_count: req.rnr_retry_count,
+            mtu: req.path_mtu,
+            flow_label: req.primary_path.flow_label,
+            traffic_class: req.primary_path.traffic_class,
+            hop_limit: req.primary_path.hop_limit,
+            local_ack_timeout: req.primary_path.local_ack_timeout,
+            srq: req.srq,
+            private_data: req.private_data.clone(),
+        };
+        self.events.push_back((
+            lh,
+            CmEvent::ReqReceived {
+                listener: lh,
+                cep: h,
+                info: Box::new(info),
+            },
+        ));
+    }
+
+    fn on_rep(&mut self, now: Instant, from: IpAddr, tid: u64, rep: &Rep) {
+        let Some(h) = self.lookup(rep.remote_comm_id, rep.local_comm_id, from) else {
+            return self.unmatched();
+        };
+        let Some(c) = self.ceps.get(&h) else { return };
+        match c.state {
+            State::ReqSent | State::MraReqRcvd => {}
+            State::Established => {
+                // Our RTU was lost: send it again (Linux cm_dup_rep_handler).
+                self.stats.rx_duplicates += 1;
+                let (peer, tid, rtu) = (c.peer, c.req_tid, rtu_of(c));
+                self.send(peer, tid, CmMessage::Rtu(rtu));
+                return;
+            }
+            State::MraRepSent => {
+                self.stats.rx_duplicates += 1;
+                let Some(c) = self.ceps.get_mut(&h) else {
+                    return;
+                };
+                c.mra_sent = true;
+                let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
+                self.send(peer, tid, CmMessage::Mra(mra));
+                return;
+            }
+            State::RepRcvd => return self.stats.rx_duplicates += 1,
+            _ => return self.unmatched(),
+        }
+        let guid = rep.local_ca_guid;
+        if let Some(&other) = self.remote_qps.get(&(rep.local_qpn, guid)) {
+            if other != h {
+                // Stale: reject this REP, tear the old connection down, keep waiting.
+                let rej = Rej {
+                    local_comm_id: rep.remote_comm_id,
+                    remote_comm_id: rep.local_comm_id,
+                    message_rejected: MsgCode::Rep,
+                    reason: RejReason::StaleConn,
+                    ..Rej::default()
+                };
+                self.send(from, tid, CmMessage::Rej(rej));
+                self.stats.stale_rejects += 1;
+                if self
+                    .ceps
+                    .get(&other)
+                    .is_some_and(|c| c.state == State::Established)
+                {
+                    let _ = self.disconnect(now, other, &[]);
+                }
+                return;
+            }
+        }
+        if self
+            .remote_ids
+            .get(&(rep.local_comm_id, guid))
+            .is_some_and(|&o| o != h)
+        {
+            return self.stats.rx_duplicates += 1;
+        }
+        self.cancel_timer(h);
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        c.state = State::RepRcvd;
+        c.remote_id = rep.local_comm_id;
+        c.remote_guid = guid;
+        c.remote_qpn = rep.local_qpn;
+        self.remote_ids.insert((rep.local_comm_id, guid), h);
+        self.remote_qps.insert((rep.local_qpn, guid), h);
+        let info = RepInfo {
+            remote_qpn: rep.local_qpn,
+            starting_psn: rep.starting_psn,
+            responder_resources: rep.responder_resources,
+            initiator_depth: rep.initiator_depth,
+            target_ack_delay: rep.target_ack_delay,
+            rnr_retry_count: rep.rnr_retry_count,
+            srq: rep.srq,
+            private_data: rep.private_data.clone(),
+        };
+        self.emit(h, CmEvent::RepReceived(Box::new(info)));
+    }
+
+    fn on_mra(&mut self, now: Instant, from: IpAddr, mra: &Mra) {
+        let Some(h) = self.lookup(mra.remote_comm_id, mra.local_comm_id, from) else {
+            return self.unmatched();
+        };
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        let next = match (c.state, mra.message_mraed) {
+            (State::ReqSent, MsgCode::Req) => State::MraReqRcvd,
+            (State::RepSent, MsgCode::Rep) => State::MraRepRcvd,
+            _ => return self.unmatched(),
+        };
+        c.state = next;
+        if c.remote_id == 0 {
+            c.remote_id = mra.local_comm_id;
+        }
+        // Honoured once: a peer cannot keep us waiting forever with repeated MRAs.
+        if !c.mra_honoured {
+            c.mra_honoured = true;
+            let extra = Duration::from_millis(
+                ibta_time_ms(mra.service_timeout) + ibta_time_ms(c.ack_timeout),
+            );
+            if let Some(out) = c.out.as_mut() {
+                out.deadline = out.deadline.map(|d| d.max(now + extra));
+                let at = now + extra;
+                self.arm(h, at, TimerKind::Retransmit);
+            }
+        }
+        self.emit(
+            h,
+            CmEvent::MraReceived {
+                service_timeout: mra.service_timeout,
+            },
+        );
+    }
+
+    fn on_rej(&mut self, now: Instant, from: IpAddr, rej: &Rej) {
+        let h = if rej.remote_comm_id != 0 {
+            self.lookup(rej.remote_comm_id, rej.local_comm_id, from)
+        } else if rej.reason == RejReason::Timeout && rej.reject_info_length >= 8 {
+            // The active side gave up before it knew our ID: find us by its ID and GUID.
+            let guid = rej
+                .ari
+                .get(..8)
+                .and_then(|a| a.try_into().ok())
+                .map_or(0, u64::from_be_bytes);
+            self.remote_ids
+                .get(&(rej.local_comm_id, guid))
+                .copied()
+                .filter(|h| self.ceps.get(h).is_some_and(|c| c.peer == from))
+        } else {
+            None
+        };
+        let Some(h) = h else { return self.unmatched() };
+        let Some(c) = self.ceps.get(&h) else { return };
+        let state = c.state;
+        let stale = rej.reason == RejReason::StaleConn;
+        match state {
+            State::ReqSent
+            | State::MraReqRcvd
+            | State::ReqRcvd
+            | State::MraReqSent
+            | State::RepSent
+            | State::MraRepRcvd => {
+                if stale {
+                    self.enter_timewait(now, h);
+                } else {
+                    self.reset_to_idle(h);
+                }
+            }
+            State::RepRcvd | State::MraRepSent | State::Established | State::DreqSent => {
+                self.enter_timewait(now, h);
+            }
+            _ => return self.unmatched(),
+        }
+        self.emit(
+            h,
+            CmEvent::Rejected {
+                reason: rej.reason,
+                ari: rej.ari_bytes().to_vec(),
+                private_data: rej.private_data.clone(),
+            },
+        );
+    }
+
+    fn on_rtu(&mut self, from: IpAddr, rtu: &Rtu) {
+        let Some(h) = self.lookup(rtu.remote_comm_id, rtu.local_comm_id, from) else {
+            return self.unmatched();
+        };
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        if !matches!(c.state, State::RepSent | State::MraRepRcvd) {
+            return self.stats.rx_duplicates += 1;
+        }
+        c.state = State::Established;
+        self.cancel_timer(h);
+        self.emit(h, CmEvent::Established);
+    }
+
+    fn on_dreq(&mut self, from: IpAddr, tid: u64, dreq: &Dreq) {
+        let found = self
+            .lookup(dreq.remote_comm_id, dreq.local_comm_id, from)
+            .filter(|h| self.ceps.get(h).is_some_and(|c| c.remote_id != 0));
+        let Some(h) = found else {
+            // Late DREQ after our timewait: answer so the peer stops retrying (Linux
+            // cm_issue_drep); it changes no state, so a forged one does no harm.
+            self.stats.rx_duplicates += 1;
+            let drep = Drep {
+                local_comm_id: dreq.remote_comm_id,
+                remote_comm_id: dreq.local_comm_id,
+                ..Drep::default()
+            };
+            self.send(from, tid, CmMessage::Drep(drep));
+            return;
+        };
+        let Some(c) = self.ceps.get_mut(&h) else {
+            return;
+        };
+        if dreq.remote_qpn != c.local_qpn {
+            return self.unmatched();
+        }
+        match c.state {
+            State::RepSent | State::MraRepRcvd | State::Established | State::DreqSent => {
+                c.state = State::DreqRcvd;
+                c.tid = tid;
+                self.cancel_timer(h);
+                self.unlink_listener(h);
+                let pd = dreq.private_data.clone();
+                if self.ceps.get(&h).is_some_and(|c| c.orphan) {
+                    // Nobody to ask: answer at once.
+                    let _ = self.orphan_drep(h);
+                } else {
+                    self.emit(h, CmEvent::DreqReceived { private_data: pd });
+                }
+            }
+            State::Timewait => {
+                self.stats.rx_duplicates += 1;
+                let drep = Drep {
+                    local_comm_id: c.local_id,
+                    remote_comm_id: c.remote_id,
+                    ..Drep::default()
+                };
+                let peer = c.peer;
+                self.send(peer, tid, CmMessage::Drep(drep));
+            }
+            State::DreqRcvd => self.stats.rx_duplicates += 1,
+            _ => self.unmatched(),
+        }
+    }
+
+    fn orphan_drep(&mut self, h: CepHandle) -> Option<()> {
+        let c = self.ceps.get(&h)?;
+        let drep = Drep {
+            local_comm_id: c.local_id,
+            remote_comm_id: c.remote_id,
+            ..Drep::default()
+        };
+        let (peer, tid) = (c.peer, c.tid);
+        self.send(peer, tid, CmMessage::Drep(drep));
+        Some(())
+    }
+
+    fn on_drep(&mut self, now: Instant, from: IpAddr, drep: &Drep) {
+        let Some(h) = self.lookup(drep.remote_comm_id, drep.local_comm_id, from) else {
+            return self.unmatched();
+        };
+        let Some(c) = self.ceps.get(&h) else { return };
+        match c.state {
+            State::DreqSent | State::DreqRcvd => {
+                self.enter_timewait(now, h);
+                self.emit(h, CmEvent::DrepReceived);
+            }
+            State::Timewait => self.stats.rx_duplicates += 1,
+            _ => self.unmatched(),
+        }
+    }
+
+    fn on_sidr_req(&mut self, from: IpAddr, tid: u64, req: &SidrReq) {
+        if self.sidr_remote.contains_key(&(req.request_id, from)) {
+            return self.stats.rx_duplicates += 1;
+        }
+        let reply = |status| SidrRep {
+            request_id: req.request_id,
+            status,
+            service_id: req.service_id,
+            ..SidrRep::default()
+        };
+        let Some(lh) = self.find_listener(req.service_id) else {
+            self.send(
+                from,
+                tid,
+                CmMessage::SidrRep(reply(SidrStatus::UnsupportedServiceId)),
+            );
+            self.stats.no_listener_rejects += 1;
+            return;
+        };
+        let full = self
+            .listeners
+            .get(&lh)
+            .is_some_and(|l| l.pending >= l.backlog);
+        if full || self.conn_ceps >= self.cfg.max_ceps {
+            self.stats.rx_backlog_drops += 1;
+            return;
+        }
+        // SIDR endpoints get no comm ID of their own: nothing is addressed to them.
+        let mut c = Cep::new(State::SidrReqRcvd, 0, from);
+        c.remote_id = req.request_id;
+        c.service_id = req.service_id;
+        c.tid = tid;
+        c.listener = Some(lh);
+        let h = self.new_handle();
+        self.conn_ceps += 1;
+        self.ceps.insert(h, c);
+        self.sidr_remote.insert((req.request_id, from), h);
+        if let Some(l) = self.listeners.get_mut(&lh) {
+            l.pending += 1;
+        }
+        self.events.push_back((
+            lh,
+            CmEvent::SidrReqReceived {
+                listener: lh,
+                cep: h,
+                peer: from,
+                service_id: req.service_id,
+                private_data: req.private_data.clone(),
+            },
+        ));
+    }
+
+    fn on_sidr_rep(&mut self, from: IpAddr, rep: &SidrRep) {
+        let h = self.local_ids.get(&rep.request_id).copied();
+        let Some(h) = h.filter(|h| {
+            self.ceps
+                .get(h)
+                .is_some_and(|c| c.state == State::SidrReqSent && c.peer == from)
+        }) else {
+            return self.unmatched();
+        };
+        self.reset_to_idle(h);
+        self.emit(
+            h,
+            CmEvent::SidrRepReceived {
+                status: rep.status,
+                qpn: rep.qpn,
+                qkey: rep.qkey,
+                private_data: rep.private_data.clone(),
+            },
+        );
+    }
+}
+
+fn rtu_of(c: &Cep) -> Rtu {
+    Rtu {
+        local_comm_id: c.local_id,
+        remote_comm_id: c.remote_id,
+        ..Rtu::default()
+    }
+}
+
+fn mra_of(c: &Cep) -> Mra {
+    Mra {
+        local_comm_id: c.local_id,
+        remote_comm_id: c.remote_id,
+        message_mraed: if matches!(c.state, State::MraRepSent) {
+            MsgCode::Rep
+        } else {
+            MsgCode::Req
+        },
+        service_timeout: c.mra_timeout,
+        ..Mra::default()
+    }
+}

@@ -1,0 +1,1251 @@
+//! Scenario scripts for every transition of the IB CM state machine, smoltcp style: one
+//! endpoint under test, hand-built MADs in, the MADs it sends and the events it emits out.
+
+use rcm_proto::ib::{
+    AcceptParams, CepHandle, CmError, CmEvent, ConnectParams, Endpoint, EndpointConfig,
+    RetryPolicy, SidrParams, SidrReplyParams, State, TimedOut,
+};
+use rcm_wire::cm::{
+    self, ClassPortInfo, CmMad, CmMessage, Drep, Dreq, Lap, Mra, MsgCode, Rej, RejReason, Rep, Req,
+    Rtu, SidrRep, SidrReq, SidrStatus,
+};
+use rcm_wire::cma::{self, CmaHdr, PortSpace};
+use rcm_wire::{mad, tid};
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+const ME: &str = "198.18.0.1";
+const PEER: &str = "198.18.0.2";
+const OTHER: &str = "198.18.0.3";
+const PEER_GUID: u64 = 0x0202_0202_0202_0202;
+const MY_GUID: u64 = 0x0101_0101_0101_0101;
+const SID: u64 = cma::service_id(PortSpace::Tcp, 7471);
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// One endpoint under test, with a clock.
+struct T {
+    ep: Endpoint,
+    now: Instant,
+}
+
+impl T {
+    fn new() -> Self {
+        Self::with(|_| {})
+    }
+
+    fn with(f: impl FnOnce(&mut EndpointConfig)) -> Self {
+        let mut cfg = EndpointConfig::new(ip(ME), MY_GUID, 7);
+        cfg.retry = RetryPolicy::Classic;
+        f(&mut cfg);
+        T {
+            ep: Endpoint::new(cfg),
+            now: Instant::now(),
+        }
+    }
+
+    fn recv_from(&mut self, from: &str, tid: u64, msg: CmMessage) {
+        let mad = CmMad::send(tid, msg).emit().unwrap();
+        self.ep.handle_datagram(self.now, ip(from), &mad);
+    }
+
+    fn recv(&mut self, tid: u64, msg: CmMessage) {
+        self.recv_from(PEER, tid, msg);
+    }
+
+    /// Everything sent since the last call.
+    fn sent(&mut self) -> Vec<CmMad> {
+        let mut v = Vec::new();
+        while let Some(t) = self.ep.poll_transmit() {
+            v.push(CmMad::parse(&t.mad).unwrap());
+        }
+        v
+    }
+
+    fn sent_one(&mut self) -> CmMad {
+        let v = self.sent();
+        assert_eq!(
+            v.len(),
+            1,
+            "expected one MAD, got {:?}",
+            v.iter().map(|m| m.msg.name()).collect::<Vec<_>>()
+        );
+        v.into_iter().next().unwrap()
+    }
+
+    fn nothing_sent(&mut self) {
+        let v = self.sent();
+        assert!(
+            v.is_empty(),
+            "unexpected {:?}",
+            v.iter().map(|m| m.msg.name()).collect::<Vec<_>>()
+        );
+    }
+
+    fn events(&mut self) -> Vec<(CepHandle, CmEvent)> {
+        std::iter::from_fn(|| self.ep.poll_event()).collect()
+    }
+
+    fn advance(&mut self, d: Duration) {
+        let end = self.now + d;
+        while let Some(at) = self.ep.poll_timeout() {
+            if at > end {
+                break;
+            }
+            self.now = self.now.max(at);
+            self.ep.handle_timeout(self.now);
+        }
+        self.now = end;
+    }
+
+    // --- scripted states ---
+
+    fn connect(&mut self) -> (CepHandle, Req, u64) {
+        let mut p = ConnectParams::new(ip(PEER), SID, 0x11);
+        p.private_data = b"hello".to_vec();
+        let h = self.ep.connect(self.now, &p).unwrap();
+        let m = self.sent_one();
+        let CmMessage::Req(r) = m.msg else {
+            panic!("{m:?}")
+        };
+        (h, r, m.header.tid)
+    }
+
+    /// Active side in RepRcvd; returns (handle, our comm id, tid).
+    fn rep_rcvd(&mut self) -> (CepHandle, u32, u64) {
+        let (h, req, tid) = self.connect();
+        self.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+        let ev = self.events();
+        assert!(
+            matches!(ev.as_slice(), [(eh, CmEvent::RepReceived(_))] if *eh == h),
+            "{ev:?}"
+        );
+        (h, req.local_comm_id, tid)
+    }
+
+    /// Active side Established.
+    fn established_active(&mut self) -> (CepHandle, u32) {
+        let (h, id, _) = self.rep_rcvd();
+        self.ep.establish(h).unwrap();
+        let m = self.sent_one();
+        assert!(matches!(m.msg, CmMessage::Rtu(_)));
+        assert_eq!(self.events(), vec![(h, CmEvent::Established)]);
+        (h, id)
+    }
+
+    /// Passive side: a listener and a REQ received; returns (listener, child, our id).
+    fn req_rcvd(&mut self) -> (CepHandle, CepHandle, u32) {
+        let l = self.ep.listen(SID, u64::MAX, 0).unwrap();
+        self.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+        let ev = self.events();
+        let [(
+            lh,
+            CmEvent::ReqReceived {
+                listener,
+                cep,
+                info,
+            },
+        )] = ev.as_slice()
+        else {
+            panic!("{ev:?}")
+        };
+        assert_eq!((*lh, *listener), (l, l));
+        assert_eq!(info.remote_qpn, PEER_QPN);
+        let id = self.ep.local_comm_id(*cep).unwrap();
+        (l, *cep, id)
+    }
+
+    fn rep_sent(&mut self) -> (CepHandle, CepHandle, u32) {
+        let (l, c, id) = self.req_rcvd();
+        self.ep
+            .accept(
+                self.now,
+                c,
+                &AcceptParams {
+                    qpn: 0x22,
+                    ..AcceptParams::default()
+                },
+            )
+            .unwrap();
+        let m = self.sent_one();
+        assert!(matches!(m.msg, CmMessage::Rep(_)));
+        assert_eq!(m.header.tid, TID, "REP echoes the REQ's TID");
+        (l, c, id)
+    }
+
+    fn established_passive(&mut self) -> (CepHandle, u32) {
+        let (_, c, id) = self.rep_sent();
+        self.recv(
+            TID,
+            CmMessage::Rtu(Rtu {
+                local_comm_id: PEER_ID,
+                remote_comm_id: id,
+                ..Rtu::default()
+            }),
+        );
+        assert_eq!(self.events(), vec![(c, CmEvent::Established)]);
+        (c, id)
+    }
+}
+
+const TID: u64 = 0x0000_0004_4433_2211;
+const PEER_ID: u32 = 0x5151_5151;
+const PEER_QPN: u32 = 0x99;
+
+fn peer_req(id: u32, qpn: u32) -> Req {
+    Req {
+        local_comm_id: id,
+        service_id: SID,
+        local_ca_guid: PEER_GUID,
+        local_qpn: qpn,
+        remote_cm_response_timeout: 20,
+        local_cm_response_timeout: 20,
+        max_cm_retries: 15,
+        pkey: 0xFFFF,
+        primary_path: cm::ReqPath {
+            local_ack_timeout: 19,
+            hop_limit: 64,
+            ..cm::ReqPath::default()
+        },
+        private_data: CmaHdr {
+            src_port: 1234,
+            src: ip(PEER),
+            dst: ip(ME),
+        }
+        .with_user_data(b"hi", 56)
+        .unwrap(),
+        ..Req::default()
+    }
+}
+
+fn peer_rep(our_id: u32) -> Rep {
+    Rep {
+        local_comm_id: PEER_ID,
+        remote_comm_id: our_id,
+        local_qpn: PEER_QPN,
+        starting_psn: 0x123456,
+        local_ca_guid: PEER_GUID,
+        private_data: b"accepted".to_vec(),
+        ..Rep::default()
+    }
+}
+
+fn dreq(from: u32, to: u32, qpn: u32) -> CmMessage {
+    CmMessage::Dreq(Dreq {
+        local_comm_id: from,
+        remote_comm_id: to,
+        remote_qpn: qpn,
+        ..Dreq::default()
+    })
+}
+
+// ---------------------------------------------------------------- active side
+
+#[test]
+fn connect_sends_a_linux_shaped_req() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert_ne!(req.local_comm_id, 0);
+    assert_eq!(
+        tid,
+        tid::linux_tid(1, req.local_comm_id),
+        "TID is built as Linux builds it"
+    );
+    assert_eq!(req.service_id, SID);
+    assert_eq!(req.local_qpn, 0x11);
+    assert_eq!(req.local_ca_guid, MY_GUID);
+    assert_eq!(
+        (
+            req.remote_cm_response_timeout,
+            req.local_cm_response_timeout,
+            req.max_cm_retries
+        ),
+        (20, 20, 15)
+    );
+    assert_eq!(req.primary_path.local_gid.to_ip(), ip(ME));
+    assert_eq!(req.primary_path.remote_gid.to_ip(), ip(PEER));
+    assert_eq!(
+        (req.primary_path.local_lid, req.primary_path.remote_lid),
+        (0xFFFF, 0xFFFF)
+    );
+    assert_eq!(
+        req.primary_path.local_ack_timeout, 19,
+        "cm_ack_timeout(15, 18) as on Linux 6.1"
+    );
+    assert_eq!(&req.private_data[..5], b"hello");
+    assert!(req.starting_psn <= 0xFF_FFFF);
+}
+
+#[test]
+fn rep_then_establish_sends_rtu() {
+    let mut t = T::new();
+    let (h, id, tid) = t.rep_rcvd();
+    assert_eq!(t.ep.state(h), Some(State::RepRcvd));
+    t.ep.establish(h).unwrap();
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, tid, "RTU reuses the REQ's TID");
+    let CmMessage::Rtu(rtu) = m.msg else { panic!() };
+    assert_eq!((rtu.local_comm_id, rtu.remote_comm_id), (id, PEER_ID));
+    assert_eq!(t.ep.state(h), Some(State::Established));
+    // The REQ is no longer retransmitted.
+    t.advance(Duration::from_secs(120));
+    t.nothing_sent();
+}
+
+#[test]
+fn rep_received_event_carries_the_offer() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    let ev = t.events();
+    let [(eh, CmEvent::RepReceived(info))] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(*eh, h);
+    assert_eq!((info.remote_qpn, info.starting_psn), (PEER_QPN, 0x123456));
+    assert_eq!(&info.private_data[..8], b"accepted");
+    assert_eq!(info.private_data.len(), 196);
+}
+
+#[test]
+fn rep_from_elsewhere_or_for_another_id_is_ignored() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv_from(OTHER, tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id ^ 1)));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert_eq!(t.ep.stats().rx_unmatched, 2);
+}
+
+#[test]
+fn mra_for_req_extends_the_wait_once() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    let mra = |st| {
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_mraed: MsgCode::Req,
+            service_timeout: st,
+            ..Mra::default()
+        })
+    };
+    t.recv(tid, mra(24)); // 1 << 16 ms ≈ 65 s more
+    assert_eq!(
+        t.events(),
+        vec![(
+            h,
+            CmEvent::MraReceived {
+                service_timeout: 24
+            }
+        )]
+    );
+    assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
+    // The classic 6.1 s retry does not fire: the MRA pushed it past 60 s.
+    t.advance(Duration::from_secs(60));
+    t.nothing_sent();
+    t.advance(Duration::from_secs(10));
+    assert!(
+        matches!(t.sent_one().msg, CmMessage::Req(_)),
+        "retransmitted after the extension"
+    );
+    // REP still completes it.
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    assert!(matches!(
+        t.events().as_slice(),
+        [(_, CmEvent::RepReceived(_))]
+    ));
+}
+
+#[test]
+fn second_mra_is_not_honoured() {
+    let mut t = T::with(|c| c.retry = RetryPolicy::Classic);
+    let (h, req, tid) = t.connect();
+    let mra = CmMessage::Mra(Mra {
+        local_comm_id: PEER_ID,
+        remote_comm_id: req.local_comm_id,
+        message_mraed: MsgCode::Req,
+        service_timeout: 24,
+        ..Mra::default()
+    });
+    t.recv(tid, mra.clone());
+    t.advance(Duration::from_secs(70));
+    assert_eq!(t.sent().len(), 1);
+    t.recv(tid, mra); // state is MraReqRcvd now: ignored
+    assert_eq!(t.ep.stats().rx_unmatched, 1);
+    t.events();
+    t.advance(Duration::from_millis(6200));
+    assert_eq!(t.sent().len(), 1, "the normal interval applies again");
+    assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
+}
+
+#[test]
+fn rej_of_req_reports_reason_and_private_data() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(
+        tid,
+        CmMessage::Rej(Rej {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_rejected: MsgCode::Req,
+            reason: RejReason::ConsumerDefined,
+            private_data: b"go away".to_vec(),
+            ..Rej::default()
+        }),
+    );
+    let ev = t.events();
+    let [(
+        eh,
+        CmEvent::Rejected {
+            reason,
+            private_data,
+            ..
+        },
+    )] = ev.as_slice()
+    else {
+        panic!("{ev:?}")
+    };
+    assert_eq!((*eh, *reason), (h, RejReason::ConsumerDefined));
+    assert_eq!(&private_data[..7], b"go away");
+    assert_eq!(t.ep.state(h), Some(State::Idle));
+    t.advance(Duration::from_secs(120));
+    t.nothing_sent();
+}
+
+#[test]
+fn req_timeout_classic_retries_fifteen_times_then_rejects() {
+    let mut t = T::new();
+    let (h, req, _) = t.connect();
+    let mut times = Vec::new();
+    let start = t.now;
+    for _ in 0..15 {
+        t.advance(Duration::from_millis(6144));
+        let m = t.sent_one();
+        assert!(matches!(m.msg, CmMessage::Req(_)));
+        times.push((t.now - start).as_millis());
+    }
+    assert_eq!(times[0], 6144, "2 × 1 s + 4 s, from the REQ's own fields");
+    t.advance(Duration::from_millis(6144));
+    let m = t.sent_one();
+    let CmMessage::Rej(rej) = m.msg else {
+        panic!("{m:?}")
+    };
+    assert_eq!(
+        (rej.reason, rej.message_rejected),
+        (RejReason::Timeout, MsgCode::Other)
+    );
+    assert_eq!(rej.local_comm_id, req.local_comm_id);
+    assert_eq!(
+        rej.ari_bytes(),
+        MY_GUID.to_be_bytes(),
+        "timeout ARI is our CA GUID, as Linux sends"
+    );
+    assert_eq!(t.events(), vec![(h, CmEvent::TimedOut(TimedOut::Req))]);
+    assert_eq!(t.ep.state(h), Some(State::Idle));
+}
+
+#[test]
+fn req_timeout_backoff_doubles_and_stops_at_the_deadline() {
+    let mut t = T::with(|c| c.retry = RetryPolicy::default());
+    let (h, _, _) = t.connect();
+    let start = t.now;
+    let mut at = Vec::new();
+    for _ in 0..700 {
+        t.advance(Duration::from_millis(100));
+        for m in t.sent() {
+            at.push(((t.now - start).as_millis(), m.msg.name()));
+        }
+        if !t.events().is_empty() {
+            break;
+        }
+    }
+    let reqs: Vec<u128> = at
+        .iter()
+        .filter(|(_, n)| *n == "REQ")
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(
+        reqs,
+        vec![1000, 3000, 7000, 15000, 31000],
+        "1 s doubling: {at:?}"
+    );
+    assert_eq!(
+        at.last().unwrap(),
+        &(60000, "REJ"),
+        "gives up at the 60 s deadline"
+    );
+    assert_eq!(t.ep.state(h), Some(State::Idle));
+}
+
+#[test]
+fn duplicate_rep_resends_rtu_when_established() {
+    let mut t = T::new();
+    let (_, id) = t.established_active();
+    let tid = tid::linux_tid(1, id);
+    t.recv(tid, CmMessage::Rep(peer_rep(id)));
+    let CmMessage::Rtu(rtu) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(rtu.remote_comm_id, PEER_ID);
+    assert_eq!(t.ep.stats().rx_duplicates, 1);
+}
+
+#[test]
+fn duplicate_rep_in_rep_rcvd_is_dropped() {
+    let mut t = T::new();
+    let (_, id, tid) = t.rep_rcvd();
+    t.recv(tid, CmMessage::Rep(peer_rep(id)));
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+}
+
+#[test]
+fn mra_of_rep_lazy_and_eager() {
+    let mut t = T::new();
+    let (h, id, tid) = t.rep_rcvd();
+    t.ep.mra(h, 24, true).unwrap();
+    assert_eq!(t.ep.state(h), Some(State::MraRepSent));
+    t.nothing_sent();
+    t.recv(tid, CmMessage::Rep(peer_rep(id)));
+    let CmMessage::Mra(m) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(
+        (m.message_mraed, m.service_timeout, m.remote_comm_id),
+        (MsgCode::Rep, 24, PEER_ID)
+    );
+    t.ep.establish(h).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rtu(_)));
+    // Eager.
+    let mut t = T::new();
+    let (h, _, _) = t.rep_rcvd();
+    t.ep.mra(h, 20, false).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Mra(_)));
+}
+
+#[test]
+fn dreq_received_then_disconnect_sends_drep_and_timewait_expires() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(0x77, dreq(PEER_ID, id, 0x11));
+    assert_eq!(
+        t.events(),
+        vec![(
+            h,
+            CmEvent::DreqReceived {
+                private_data: vec![0; 220]
+            }
+        )]
+    );
+    assert_eq!(t.ep.state(h), Some(State::DreqRcvd));
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, 0x77, "DREP echoes the DREQ's TID");
+    assert!(
+        matches!(m.msg, CmMessage::Drep(Drep { local_comm_id, remote_comm_id: PEER_ID, .. }) if local_comm_id == id)
+    );
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+    // Duplicate DREQ in timewait: DREP again, no event.
+    t.recv(0x77, dreq(PEER_ID, id, 0x11));
+    assert!(matches!(t.sent_one().msg, CmMessage::Drep(_)));
+    assert!(t.events().is_empty());
+    // Timewait lasts the path's ACK timeout: 19 → 2048 ms.
+    t.advance(Duration::from_secs(2));
+    assert!(t.events().is_empty());
+    t.advance(Duration::from_millis(100));
+    assert_eq!(t.events(), vec![(h, CmEvent::TimewaitExit)]);
+    assert_eq!(t.ep.state(h), Some(State::Idle));
+    assert_eq!(t.ep.table_sizes(), (1, 0, 0, 0, t.ep.table_sizes().4));
+}
+
+#[test]
+fn dreq_must_name_our_qpn_and_both_comm_ids() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(1, dreq(PEER_ID, id, 0x12)); // wrong QPN
+    t.recv(2, dreq(PEER_ID ^ 1, id, 0x11)); // wrong remote comm ID
+    t.recv_from(OTHER, 3, dreq(PEER_ID, id, 0x11)); // wrong host
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::Established));
+    // The unmatched ones are answered with a DREP that changes nothing (Linux cm_issue_drep).
+    let sent = t.sent();
+    assert!(sent.iter().all(|m| matches!(m.msg, CmMessage::Drep(_))));
+}
+
+#[test]
+fn disconnect_sends_dreq_and_drep_ends_in_timewait() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.ep.disconnect(t.now, h, b"bye").unwrap();
+    let m = t.sent_one();
+    let CmMessage::Dreq(d) = m.msg else { panic!() };
+    assert_eq!(
+        (d.local_comm_id, d.remote_comm_id, d.remote_qpn),
+        (id, PEER_ID, PEER_QPN)
+    );
+    assert_eq!(&d.private_data[..3], b"bye");
+    assert_eq!(t.ep.state(h), Some(State::DreqSent));
+    t.recv(
+        m.header.tid,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Drep::default()
+        }),
+    );
+    assert_eq!(t.events(), vec![(h, CmEvent::DrepReceived)]);
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+    t.advance(Duration::from_secs(120));
+    t.nothing_sent();
+}
+
+#[test]
+fn dreq_retries_then_times_out_into_timewait() {
+    let mut t = T::new();
+    let (h, _) = t.established_active();
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    t.sent();
+    t.advance(Duration::from_secs(6 * 16 + 10));
+    let sent = t.sent();
+    assert_eq!(sent.len(), 15, "15 DREQ retries");
+    assert!(sent.iter().all(|m| matches!(m.msg, CmMessage::Dreq(_))));
+    let ev = t.events();
+    assert_eq!(ev[0], (h, CmEvent::TimedOut(TimedOut::Dreq)));
+    assert_eq!(ev.last(), Some(&(h, CmEvent::TimewaitExit)));
+}
+
+#[test]
+fn simultaneous_dreqs_both_end_in_timewait() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    t.sent();
+    t.recv(0x55, dreq(PEER_ID, id, 0x11));
+    assert_eq!(t.ep.state(h), Some(State::DreqRcvd));
+    assert!(matches!(
+        t.events().as_slice(),
+        [(_, CmEvent::DreqReceived { .. })]
+    ));
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Drep(_)));
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+    // The peer's DREP for our DREQ now is a late duplicate.
+    t.recv(
+        0x56,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Drep::default()
+        }),
+    );
+    assert!(t.events().is_empty());
+    t.advance(Duration::from_secs(60));
+    t.nothing_sent();
+}
+
+#[test]
+fn rej_while_established_goes_to_timewait() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(
+        1,
+        CmMessage::Rej(Rej {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            reason: RejReason::ConsumerDefined,
+            ..Rej::default()
+        }),
+    );
+    assert!(matches!(
+        t.events().as_slice(),
+        [(_, CmEvent::Rejected { .. })]
+    ));
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+}
+
+// ---------------------------------------------------------------- passive side
+
+#[test]
+fn req_without_listener_gets_rej_invalid_service_id() {
+    let mut t = T::new();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, TID, "copied from the REQ");
+    let CmMessage::Rej(rej) = m.msg else { panic!() };
+    assert_eq!(
+        (rej.reason, rej.message_rejected),
+        (RejReason::InvalidServiceId, MsgCode::Req)
+    );
+    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (0, PEER_ID));
+    assert_eq!(t.ep.cep_count(), 0);
+}
+
+#[test]
+fn req_received_then_accept_then_rtu() {
+    let mut t = T::new();
+    let (_, c, id) = t.req_rcvd();
+    assert_eq!(t.ep.state(c), Some(State::ReqRcvd));
+    t.ep.accept(
+        t.now,
+        c,
+        &AcceptParams {
+            qpn: 0x22,
+            private_data: b"welcome".to_vec(),
+            ..AcceptParams::default()
+        },
+    )
+    .unwrap();
+    let m = t.sent_one();
+    let CmMessage::Rep(rep) = m.msg else { panic!() };
+    assert_eq!(
+        (rep.local_comm_id, rep.remote_comm_id, rep.local_qpn),
+        (id, PEER_ID, 0x22)
+    );
+    assert_eq!(rep.local_ca_guid, MY_GUID);
+    assert_eq!(&rep.private_data[..7], b"welcome");
+    assert_eq!(t.ep.state(c), Some(State::RepSent));
+    t.recv(
+        TID,
+        CmMessage::Rtu(Rtu {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Rtu::default()
+        }),
+    );
+    assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
+    // A duplicate RTU changes nothing.
+    t.recv(
+        TID,
+        CmMessage::Rtu(Rtu {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Rtu::default()
+        }),
+    );
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.stats().rx_duplicates, 1);
+}
+
+#[test]
+fn duplicate_req_while_unanswered_is_dropped() {
+    let mut t = T::new();
+    let (_, c, _) = t.req_rcvd();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(c), Some(State::ReqRcvd));
+    assert_eq!(t.ep.cep_count(), 1);
+}
+
+#[test]
+fn lazy_mra_goes_out_only_when_the_req_is_repeated() {
+    let mut t = T::new();
+    let (_, c, id) = t.req_rcvd();
+    t.ep.mra(c, 24, true).unwrap();
+    assert_eq!(t.ep.state(c), Some(State::MraReqSent));
+    t.nothing_sent();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, TID);
+    let CmMessage::Mra(mra) = m.msg else { panic!() };
+    assert_eq!((mra.local_comm_id, mra.remote_comm_id), (id, PEER_ID));
+    assert_eq!((mra.message_mraed, mra.service_timeout), (MsgCode::Req, 24));
+    // Accept from MraReqSent works.
+    t.ep.accept(t.now, c, &AcceptParams::default()).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rep(_)));
+}
+
+#[test]
+fn duplicate_req_in_rep_sent_resends_the_rep() {
+    let mut t = T::new();
+    let (_, _, id) = t.rep_sent();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let CmMessage::Rep(rep) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(rep.local_comm_id, id);
+}
+
+#[test]
+fn rep_times_out_without_rtu() {
+    let mut t = T::new();
+    let (_, c, _) = t.rep_sent();
+    // REP timeout: 2 × ms(19 − 1) + ms(20) = 6144 ms, 15 retries.
+    t.advance(Duration::from_millis(6144 * 16 + 1));
+    assert_eq!(t.sent().len(), 15);
+    assert_eq!(t.events(), vec![(c, CmEvent::TimedOut(TimedOut::Rep))]);
+    assert_eq!(t.ep.state(c), Some(State::Idle));
+}
+
+#[test]
+fn mra_of_rep_then_rtu() {
+    let mut t = T::new();
+    let (_, c, id) = t.rep_sent();
+    t.recv(
+        TID,
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            message_mraed: MsgCode::Rep,
+            service_timeout: 22,
+            ..Mra::default()
+        }),
+    );
+    assert_eq!(t.ep.state(c), Some(State::MraRepRcvd));
+    t.events();
+    t.recv(
+        TID,
+        CmMessage::Rtu(Rtu {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Rtu::default()
+        }),
+    );
+    assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
+}
+
+#[test]
+fn reject_with_private_data() {
+    let mut t = T::new();
+    let (_, c, id) = t.req_rcvd();
+    t.ep.reject(t.now, c, RejReason::ConsumerDefined, &[], b"no thanks")
+        .unwrap();
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, TID);
+    let CmMessage::Rej(rej) = m.msg else { panic!() };
+    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (id, PEER_ID));
+    assert_eq!(
+        (rej.reason, rej.message_rejected),
+        (RejReason::ConsumerDefined, MsgCode::Req)
+    );
+    assert_eq!(&rej.private_data[..9], b"no thanks");
+    assert_eq!(t.ep.state(c), Some(State::Idle));
+    assert_eq!(
+        t.ep.reject(t.now, c, RejReason::ConsumerDefined, &[], &[]),
+        Err(CmError::InvalidState(State::Idle))
+    );
+    assert!(t
+        .ep
+        .reject(t.now, c, RejReason::ConsumerDefined, &[], &[0; 149])
+        .is_err());
+}
+
+#[test]
+fn rej_after_rep_sent_reports_and_idles() {
+    let mut t = T::new();
+    let (_, c, id) = t.rep_sent();
+    t.recv(
+        TID,
+        CmMessage::Rej(Rej {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            message_rejected: MsgCode::Rep,
+            reason: RejReason::ConsumerDefined,
+            ..Rej::default()
+        }),
+    );
+    assert!(matches!(
+        t.events().as_slice(),
+        [(
+            _,
+            CmEvent::Rejected {
+                reason: RejReason::ConsumerDefined,
+                ..
+            }
+        )]
+    ));
+    assert_eq!(t.ep.state(c), Some(State::Idle));
+}
+
+#[test]
+fn timeout_rej_without_our_comm_id_finds_us_by_peer_id_and_guid() {
+    let mut t = T::new();
+    let (_, c, _) = t.rep_sent();
+    let mut ari = vec![0u8; 72];
+    ari[..8].copy_from_slice(&PEER_GUID.to_be_bytes());
+    let rej = |ari: Vec<u8>| {
+        CmMessage::Rej(Rej {
+            local_comm_id: PEER_ID,
+            remote_comm_id: 0,
+            message_rejected: MsgCode::Other,
+            reject_info_length: 8,
+            reason: RejReason::Timeout,
+            ari,
+            ..Rej::default()
+        })
+    };
+    let mut wrong = ari.clone();
+    wrong[0] ^= 1;
+    t.recv(TID, rej(wrong));
+    assert!(t.events().is_empty(), "a guessed GUID does not match");
+    t.recv(TID, rej(ari));
+    assert!(
+        matches!(t.events().as_slice(), [(h, CmEvent::Rejected { reason: RejReason::Timeout, .. })] if *h == c)
+    );
+}
+
+#[test]
+fn stale_connection_rejected_and_old_one_disconnected() {
+    let mut t = T::new();
+    let (c, id) = t.established_passive();
+    // The peer restarted and reuses QPN 0x99 with a new comm ID.
+    t.recv(0x999, CmMessage::Req(peer_req(0x7777_0000, PEER_QPN)));
+    let sent = t.sent();
+    let names: Vec<_> = sent.iter().map(|m| m.msg.name()).collect();
+    assert_eq!(names, ["REJ", "DREQ"]);
+    let CmMessage::Rej(rej) = &sent[0].msg else {
+        panic!()
+    };
+    assert_eq!(
+        (rej.reason, rej.remote_comm_id),
+        (RejReason::StaleConn, 0x7777_0000)
+    );
+    let CmMessage::Dreq(d) = &sent[1].msg else {
+        panic!()
+    };
+    assert_eq!((d.local_comm_id, d.remote_comm_id), (id, PEER_ID));
+    assert_eq!(t.ep.state(c), Some(State::DreqSent));
+    assert_eq!(t.ep.stats().stale_rejects, 1);
+    assert!(t.events().is_empty(), "no new connection request surfaced");
+}
+
+#[test]
+fn duplicate_req_during_timewait_is_rejected_stale() {
+    let mut t = T::new();
+    let (c, id) = t.established_passive();
+    t.recv(0x77, dreq(PEER_ID, id, 0x22));
+    t.events();
+    t.ep.disconnect(t.now, c, &[]).unwrap();
+    t.sent();
+    assert_eq!(t.ep.state(c), Some(State::Timewait));
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let CmMessage::Rej(rej) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(rej.reason, RejReason::StaleConn);
+}
+
+#[test]
+fn backlog_full_drops_then_retry_gets_through() {
+    let mut t = T::new();
+    let l = t.ep.listen(SID, u64::MAX, 2).unwrap();
+    for i in 0..3 {
+        t.recv(
+            TID + i,
+            CmMessage::Req(peer_req(PEER_ID + i as u32, PEER_QPN + i as u32)),
+        );
+    }
+    t.nothing_sent();
+    let ev = t.events();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(t.ep.stats().rx_backlog_drops, 1);
+    let CmEvent::ReqReceived { cep, .. } = &ev[0].1 else {
+        panic!()
+    };
+    t.ep.accept(t.now, *cep, &AcceptParams::default()).unwrap();
+    t.sent();
+    t.recv(TID + 2, CmMessage::Req(peer_req(PEER_ID + 2, PEER_QPN + 2)));
+    assert!(matches!(t.events().as_slice(), [(h, CmEvent::ReqReceived { .. })] if *h == l));
+}
+
+#[test]
+fn wildcard_listener_by_port_space_mask() {
+    let mut t = T::new();
+    let (base, mask) = PortSpace::Tcp.service_id_range();
+    let l = t.ep.listen(base, mask, 0).unwrap();
+    assert!(matches!(
+        t.ep.listen(SID, u64::MAX, 0),
+        Err(CmError::AddressInUse(_))
+    ));
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    assert!(matches!(t.events().as_slice(), [(h, CmEvent::ReqReceived { .. })] if *h == l));
+    let mut udp = peer_req(PEER_ID + 1, PEER_QPN + 1);
+    udp.service_id = cma::service_id(PortSpace::Udp, 7471);
+    t.recv(TID, CmMessage::Req(udp));
+    assert!(matches!(
+        t.sent_one().msg,
+        CmMessage::Rej(Rej {
+            reason: RejReason::InvalidServiceId,
+            ..
+        })
+    ));
+}
+
+// ---------------------------------------------------------------- ids, destroy, misc
+
+#[test]
+fn comm_ids_are_unique_random_and_not_reused_in_timewait() {
+    let mut a = T::with(|c| c.seed = 1);
+    let mut b = T::with(|c| c.seed = 2);
+    let (_, ra, _) = a.connect();
+    let (_, rb, _) = b.connect();
+    assert_ne!(
+        ra.local_comm_id, rb.local_comm_id,
+        "start depends on the seed"
+    );
+    let mut t = T::new();
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..2000 {
+        let mut p = ConnectParams::new(ip(PEER), SID, i);
+        p.starting_psn = Some(1);
+        let h = t.ep.connect(t.now, &p).unwrap();
+        assert!(ids.insert(t.ep.local_comm_id(h).unwrap()));
+    }
+    let sequential = ids.iter().filter(|id| ids.contains(&(*id + 1))).count();
+    assert!(sequential < 2000, "IDs are XORed with a random operand");
+}
+
+#[test]
+fn destroy_in_each_state_sends_what_linux_sends() {
+    // ReqSent: REJ(TIMEOUT) with our GUID.
+    let mut t = T::new();
+    let (h, _, _) = t.connect();
+    t.ep.destroy(t.now, h).unwrap();
+    assert!(matches!(
+        t.sent_one().msg,
+        CmMessage::Rej(Rej {
+            reason: RejReason::Timeout,
+            ..
+        })
+    ));
+    assert_eq!(t.ep.state(h), None);
+    assert_eq!(t.ep.cep_count(), 0);
+    t.advance(Duration::from_secs(100));
+    t.nothing_sent();
+    assert_eq!(t.ep.destroy(t.now, h), Err(CmError::UnknownHandle));
+
+    // ReqRcvd: REJ(CONSUMER_DEFINED).
+    let mut t = T::new();
+    let (_, c, _) = t.req_rcvd();
+    t.ep.destroy(t.now, c).unwrap();
+    assert!(matches!(
+        t.sent_one().msg,
+        CmMessage::Rej(Rej {
+            reason: RejReason::ConsumerDefined,
+            ..
+        })
+    ));
+
+    // Established: DREQ once, then an invisible timewait; no events, ever.
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.ep.destroy(t.now, h).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Dreq(_)));
+    t.recv(
+        1,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Drep::default()
+        }),
+    );
+    t.recv(2, dreq(PEER_ID, id, 0x11));
+    t.advance(Duration::from_secs(100));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.cep_count(), 0, "gone after timewait");
+    assert_eq!(t.ep.table_sizes(), (0, 0, 0, 0, 0));
+
+    // DreqRcvd: DREP.
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(1, dreq(PEER_ID, id, 0x11));
+    t.events();
+    t.ep.destroy(t.now, h).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Drep(_)));
+}
+
+#[test]
+fn destroy_discards_queued_events() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    t.ep.destroy(t.now, h).unwrap();
+    assert!(t.events().is_empty());
+}
+
+#[test]
+fn destroying_a_listener_rejects_requests_nobody_saw() {
+    let mut t = T::new();
+    let l = t.ep.listen(SID, u64::MAX, 0).unwrap();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    t.ep.destroy(t.now, l).unwrap();
+    assert!(t.events().is_empty());
+    let CmMessage::Rej(rej) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(
+        (rej.reason, rej.remote_comm_id),
+        (RejReason::ConsumerDefined, PEER_ID)
+    );
+    assert_eq!(t.ep.cep_count(), 0);
+    // And the service is free again: a new REQ is answered "no listener".
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID + 1, PEER_QPN + 1)));
+    assert!(matches!(
+        t.sent_one().msg,
+        CmMessage::Rej(Rej {
+            reason: RejReason::InvalidServiceId,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn sidr_exchange_both_sides() {
+    // Active.
+    let mut t = T::new();
+    let p = SidrParams {
+        dst: ip(PEER),
+        service_id: cma::service_id(PortSpace::Udp, 7174),
+        private_data: vec![1, 2, 3],
+        timeout: 20,
+        max_retries: 3,
+    };
+    let h = t.ep.sidr_request(t.now, &p).unwrap();
+    let m = t.sent_one();
+    let CmMessage::SidrReq(req) = m.msg else {
+        panic!()
+    };
+    assert_eq!(req.service_id, p.service_id);
+    let rep = SidrRep {
+        request_id: req.request_id,
+        status: SidrStatus::Success,
+        qpn: 0x12,
+        qkey: cma::RDMA_UDP_QKEY,
+        ..SidrRep::default()
+    };
+    t.recv_from(OTHER, m.header.tid, CmMessage::SidrRep(rep.clone()));
+    assert!(t.events().is_empty(), "from the wrong host");
+    t.recv(m.header.tid, CmMessage::SidrRep(rep.clone()));
+    let ev = t.events();
+    assert!(
+        matches!(ev.as_slice(), [(eh, CmEvent::SidrRepReceived { status: SidrStatus::Success, qpn: 0x12, qkey: 0x0123_4567, .. })] if *eh == h)
+    );
+    t.recv(m.header.tid, CmMessage::SidrRep(rep));
+    assert!(t.events().is_empty(), "a duplicate SIDR_REP is ignored");
+
+    // Timeout.
+    let h = t.ep.sidr_request(t.now, &p).unwrap();
+    t.advance(Duration::from_secs(30));
+    assert_eq!(t.sent().len(), 4);
+    assert_eq!(t.events(), vec![(h, CmEvent::TimedOut(TimedOut::SidrReq))]);
+
+    // Passive.
+    let mut t = T::new();
+    let sidr = SidrReq {
+        request_id: 0xAB,
+        pkey: 0xFFFF,
+        service_id: p.service_id,
+        ..SidrReq::default()
+    };
+    t.recv(9, CmMessage::SidrReq(sidr.clone()));
+    let CmMessage::SidrRep(r) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(
+        (r.status, r.request_id),
+        (SidrStatus::UnsupportedServiceId, 0xAB)
+    );
+    let l = t.ep.listen(p.service_id, u64::MAX, 0).unwrap();
+    t.recv(9, CmMessage::SidrReq(sidr.clone()));
+    let ev = t.events();
+    let [(lh, CmEvent::SidrReqReceived { cep, .. })] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(*lh, l);
+    t.recv(9, CmMessage::SidrReq(sidr));
+    assert!(t.events().is_empty(), "duplicate dropped");
+    t.ep.sidr_reply(
+        *cep,
+        &SidrReplyParams {
+            status: SidrStatus::Success,
+            qpn: 0x33,
+            qkey: 7,
+            private_data: vec![9],
+        },
+    )
+    .unwrap();
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, 9);
+    let CmMessage::SidrRep(r) = m.msg else {
+        panic!()
+    };
+    assert_eq!(
+        (r.request_id, r.qpn, r.qkey, r.service_id),
+        (0xAB, 0x33, 7, p.service_id)
+    );
+}
+
+#[test]
+fn lap_apr_ignored_and_class_port_info_answered_like_linux() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(
+        1,
+        CmMessage::Lap(Lap {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Lap::default()
+        }),
+    );
+    t.recv(
+        2,
+        CmMessage::Apr(cm::Apr {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..cm::Apr::default()
+        }),
+    );
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.stats().rx_lap_apr_ignored, 2);
+    assert_eq!(t.ep.state(h), Some(State::Established));
+    let mut get = CmMad::send(0x42, CmMessage::ClassPortInfo(ClassPortInfo::default()));
+    get.header.method = mad::method::GET;
+    t.ep.handle_datagram(t.now, ip(PEER), &get.emit().unwrap());
+    let m = t.sent_one();
+    assert_eq!(
+        (m.header.method, m.header.status, m.header.tid),
+        (0x81, 0x000C, 0x42)
+    );
+}
+
+#[test]
+fn malformed_mads_are_counted_and_dropped() {
+    let mut t = T::new();
+    let (h, _) = t.established_active();
+    t.ep.handle_datagram(t.now, ip(PEER), &[0u8; 10]);
+    let mut bad = CmMad::send(1, CmMessage::Rtu(Rtu::default()))
+        .emit()
+        .unwrap();
+    bad[2] = 1; // class version
+    t.ep.handle_datagram(t.now, ip(PEER), &bad);
+    assert_eq!(t.ep.stats().rx_malformed, 2);
+    assert_eq!(t.ep.state(h), Some(State::Established));
+}
+
+#[test]
+fn commands_in_the_wrong_state_are_refused() {
+    let mut t = T::new();
+    let (h, _, _) = t.connect();
+    assert_eq!(
+        t.ep.establish(h),
+        Err(CmError::InvalidState(State::ReqSent))
+    );
+    assert_eq!(
+        t.ep.disconnect(t.now, h, &[]),
+        Err(CmError::InvalidState(State::ReqSent))
+    );
+    assert_eq!(
+        t.ep.accept(t.now, h, &AcceptParams::default()),
+        Err(CmError::InvalidState(State::ReqSent))
+    );
+    assert_eq!(t.ep.establish(CepHandle(999)), Err(CmError::UnknownHandle));
+    let mut p = ConnectParams::new(ip(PEER), SID, 1);
+    p.private_data = vec![0; 93];
+    assert!(matches!(t.ep.connect(t.now, &p), Err(CmError::Wire(_))));
+}
