@@ -1,0 +1,69 @@
+//! The real Linux kernel judges the IB CM engine: `tests/interop/run-proto.sh` boots Debian
+//! 12's kernel in QEMU (../shared/interop) with soft-RoCE, runs rdma-core's `ucmatose` against
+//! the `udp_peer` example (rcm-proto's engine over a UDP socket) in both directions, and
+//! checks the captured exchange with `rcm decode`.
+//!
+//! Needs root and the harness beside the checkout. Without them it is skipped loudly; with
+//! `RCM_REQUIRE_INTEROP=1` (CI) a skip is a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn skip_or_fail(why: &str) {
+    if std::env::var("RCM_REQUIRE_INTEROP").as_deref() == Ok("1") {
+        panic!("kernel interop test cannot run: {why}");
+    }
+    eprintln!("\n==============================================================");
+    eprintln!("SKIPPED: kernel interop test: {why}");
+    eprintln!("==============================================================\n");
+}
+
+#[test]
+fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
+    let top = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let harness = top.join("../shared/interop/run-vm.sh");
+    if !harness.exists() {
+        return skip_or_fail(&format!("{} not found", harness.display()));
+    }
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    if uid.as_deref() != Some("0") {
+        return skip_or_fail("not root (QEMU and apt need it)");
+    }
+    let build = Command::new(env!("CARGO"))
+        .current_dir(&top)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "rcm-proto",
+            "--example",
+            "udp_peer",
+        ])
+        .status()
+        .expect("run cargo");
+    assert!(build.success(), "building udp_peer failed");
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
+    let peer = target.join("release/examples/udp_peer");
+    let out = target.join("interop/proto");
+    let _ = std::fs::remove_dir_all(&out);
+    let status = Command::new(top.join("tests/interop/run-proto.sh"))
+        .arg(&peer)
+        .arg(env!("CARGO_BIN_EXE_rcm"))
+        .arg(&out)
+        .status()
+        .expect("run tests/interop/run-proto.sh");
+    let show = |name: &str| std::fs::read_to_string(Path::new(&out).join(name)).unwrap_or_default();
+    assert!(
+        status.success(),
+        "interop failed; decoded active side:\n{}\npassive side:\n{}",
+        show("active.txt"),
+        show("passive.txt")
+    );
+    println!("{}", show("active.txt"));
+    println!("{}", show("passive.txt"));
+}
