@@ -1,6 +1,6 @@
 //! The engine's vocabulary: handles, parameters, events, transmits, timing policy.
 
-use rcm_wire::cm::{ApStatus, RejReason, SidrStatus};
+use rcm_wire::cm::{RejReason, SidrStatus};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -367,8 +367,6 @@ pub enum CmEvent {
         /// The private-data area (136 bytes).
         private_data: Vec<u8>,
     },
-    /// An APR arrived (path migration is not done on RoCE; reported for completeness).
-    AprReceived(ApStatus),
 }
 
 /// A MAD to send to QP1 of `dst`.

@@ -1,0 +1,2 @@
+//! Engine benchmarks (being written).
+fn main() {}

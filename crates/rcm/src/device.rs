@@ -1,0 +1,249 @@
+//! A RoCEv2 CM port: a UDP socket on one local address, the rcm-proto engine behind a mutex,
+//! and an I/O thread that feeds it datagrams and time. Commands from any thread lock the
+//! engine briefly; transmits are sent and events routed only after the lock is released, so
+//! no user code and no other id's teardown ever runs under it.
+
+use crate::id::IdInner;
+use crate::sync;
+use rcm_proto::ib::{CepHandle, CmEvent, Endpoint, Transmit};
+use rcm_wire::roce::{self, GsiDatagram, IpForIcrc};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// One engine listener on a device and the rdma_cm listeners that share it.
+pub(crate) struct ServiceListen {
+    pub handle: CepHandle,
+    pub ids: Vec<Weak<IdInner>>,
+}
+
+/// Counters of one device.
+#[derive(Debug, Default)]
+pub struct DeviceStats {
+    /// Datagrams received.
+    pub rx: AtomicU64,
+    /// Datagrams that were not RoCEv2 GSI MADs.
+    pub rx_bad: AtomicU64,
+    /// Datagrams sent.
+    pub tx: AtomicU64,
+    /// Send errors.
+    pub tx_errors: AtomicU64,
+}
+
+pub(crate) struct DeviceInner {
+    pub ip: IpAddr,
+    pub port: u16,
+    sock: Arc<UdpSocket>,
+    engine: Mutex<Endpoint>,
+    /// Engine handles of published ids (reserve → publish → unpublish discipline: an id is
+    /// inserted only once fully built, removed before its teardown).
+    pub ceps: Mutex<HashMap<CepHandle, Weak<IdInner>>>,
+    /// Engine listeners by service ID.
+    pub listens: Mutex<HashMap<u64, ServiceListen>>,
+    pub removed: AtomicBool,
+    stop: AtomicBool,
+    wake_at: Mutex<Option<Instant>>,
+    psn: AtomicU32,
+    pub stats: DeviceStats,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl DeviceInner {
+    pub(crate) fn open(ip: IpAddr, port: u16, engine: Endpoint) -> crate::Result<Arc<Self>> {
+        let sock = UdpSocket::bind(SocketAddr::new(ip, port))?;
+        if ip.is_ipv4() {
+            crate::sys::pmtudisc_do(&sock)?;
+        }
+        let sock = Arc::new(sock);
+        let io_sock = sock.clone();
+        let dev = Arc::new(DeviceInner {
+            ip,
+            port,
+            sock,
+            engine: Mutex::new(engine),
+            ceps: Mutex::new(HashMap::new()),
+            listens: Mutex::new(HashMap::new()),
+            removed: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            wake_at: Mutex::new(None),
+            psn: AtomicU32::new(0),
+            stats: DeviceStats::default(),
+            thread: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&dev);
+        let h = std::thread::Builder::new()
+            .name(format!("rcm-dev-{ip}"))
+            .spawn(move || io_loop(&weak, &io_sock))
+            .map_err(|e| crate::Error::Io(e.to_string()))?;
+        *sync::lock(&dev.thread) = Some(h);
+        Ok(dev)
+    }
+
+    /// Runs `f` on the engine, then sends what it queued and routes what it reported.
+    pub(crate) fn with_engine<R>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&mut Endpoint, Instant) -> R,
+    ) -> R {
+        let now = Instant::now();
+        let (r, tx, ev, next) = {
+            let mut ep = sync::lock(&self.engine);
+            let r = f(&mut ep, now);
+            let tx: Vec<Transmit> = std::iter::from_fn(|| ep.poll_transmit()).collect();
+            let ev: Vec<(CepHandle, CmEvent)> = std::iter::from_fn(|| ep.poll_event()).collect();
+            (r, tx, ev, ep.poll_timeout())
+        };
+        self.send_all(&tx);
+        self.maybe_wake(next);
+        self.route(ev);
+        r
+    }
+
+    fn send_all(&self, tx: &[Transmit]) {
+        for t in tx {
+            let ip = match (self.ip, t.dst) {
+                (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
+                (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
+                _ => continue,
+            };
+            let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+            let payload = roce::emit_gsi(&ip, self.port, psn, &t.mad);
+            match self
+                .sock
+                .send_to(&payload, SocketAddr::new(t.dst, self.port))
+            {
+                Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
+                Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+    }
+
+    /// Wakes the I/O thread when a command armed a timer earlier than the one it sleeps to.
+    fn maybe_wake(&self, next: Option<Instant>) {
+        let Some(next) = next else { return };
+        let sleeping_until = *sync::lock(&self.wake_at);
+        if sleeping_until.is_none_or(|w| next < w) {
+            let _ = self.sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        }
+    }
+
+    fn route(self: &Arc<Self>, events: Vec<(CepHandle, CmEvent)>) {
+        for (h, ev) in events {
+            match ev {
+                CmEvent::ReqReceived {
+                    listener,
+                    cep,
+                    info,
+                } => {
+                    crate::id::on_connect_request(
+                        self,
+                        listener,
+                        cep,
+                        crate::id::Incoming::Rc(info),
+                    );
+                }
+                CmEvent::SidrReqReceived {
+                    listener,
+                    cep,
+                    service_id,
+                    private_data,
+                    ..
+                } => {
+                    crate::id::on_connect_request(
+                        self,
+                        listener,
+                        cep,
+                        crate::id::Incoming::Ud {
+                            service_id,
+                            private_data,
+                        },
+                    );
+                }
+                ev => {
+                    let id = sync::lock(&self.ceps).get(&h).and_then(Weak::upgrade);
+                    if let Some(id) = id {
+                        crate::id::on_engine_event(&id, self, ev);
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle_datagram(self: &Arc<Self>, from: SocketAddr, buf: &[u8]) {
+        if buf.len() == 1 && from.ip() == self.ip {
+            return; // our own wake-up
+        }
+        self.stats.rx.fetch_add(1, Ordering::Relaxed);
+        match GsiDatagram::parse(buf) {
+            // A UDP socket cannot see the IPv4 ID the ICRC covers, so it is not checked here.
+            Ok(g) => self.with_engine(|ep, now| ep.handle_datagram(now, from.ip(), g.mad)),
+            Err(_) => {
+                self.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Stops the I/O thread (after removal completed, or at fabric shutdown).
+    pub(crate) fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        let h = sync::lock(&self.thread).take();
+        if let Some(h) = h {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+
+    /// The engine's counters and table sizes (for tests).
+    pub(crate) fn engine_stats(
+        &self,
+    ) -> (
+        rcm_proto::ib::Stats,
+        usize,
+        (usize, usize, usize, usize, usize),
+    ) {
+        let ep = sync::lock(&self.engine);
+        (ep.stats().clone(), ep.cep_count(), ep.table_sizes())
+    }
+}
+
+fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
+    let mut buf = [0u8; 4096];
+    loop {
+        let Some(d) = dev.upgrade() else { return };
+        if d.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        // Time is the engine's to keep; this loop only sleeps until its next deadline.
+        let next = d.with_engine(|ep, now| {
+            ep.handle_timeout(now);
+            ep.poll_timeout()
+        });
+        let now = Instant::now();
+        let wait = next.map_or(Duration::from_millis(500), |t| {
+            t.saturating_duration_since(now)
+        });
+        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(500));
+        *sync::lock(&d.wake_at) = Some(now + wait);
+        let _ = sock.set_read_timeout(Some(wait));
+        drop(d);
+        // Drain what is there, in a batch, before looking at timers again.
+        let mut first = true;
+        loop {
+            let r = sock.recv_from(&mut buf);
+            let Ok((n, from)) = r else { break };
+            let Some(d) = dev.upgrade() else { return };
+            if d.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            d.handle_datagram(from, &buf[..n]);
+            if first {
+                first = false;
+                let _ = sock.set_nonblocking(true);
+            }
+        }
+        let _ = sock.set_nonblocking(false);
+    }
+}

@@ -1,0 +1,118 @@
+//! rdma_cm events (`enum rdma_cm_event_type`, multicast ones aside).
+
+use crate::id::CmId;
+use rcm_wire::cm::RejReason;
+
+/// Connection parameters a peer offered (CONNECT_REQUEST / CONNECT_RESPONSE).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConnParam {
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// Retry count.
+    pub retry_count: u8,
+    /// RNR retry count.
+    pub rnr_retry_count: u8,
+    /// Whether the peer uses an SRQ.
+    pub srq: bool,
+    /// The peer's QP number.
+    pub qpn: u32,
+}
+
+/// The parameters of a resolved UD service (SIDR): where to send datagrams.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UdParam {
+    /// The remote UD QPN.
+    pub qpn: u32,
+    /// Its Q_Key.
+    pub qkey: u32,
+}
+
+/// Why a connection attempt failed without a REJ from the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreachable {
+    /// The REQ (or SIDR_REQ) was never answered.
+    Timeout,
+    /// The REP was never confirmed by an RTU.
+    RepTimeout,
+    /// SIDR: the peer has no service at that port.
+    NoService,
+}
+
+/// One rdma_cm event.
+#[derive(Debug)]
+pub enum Event {
+    /// `resolve_addr` completed: a local device reaches the destination.
+    AddrResolved,
+    /// `resolve_addr` failed.
+    AddrError(crate::Error),
+    /// `resolve_route` completed.
+    RouteResolved,
+    /// `resolve_route` failed.
+    RouteError(crate::Error),
+    /// A peer wants to connect. Delivered on the new child id (with the listener's handler or
+    /// channel); accept, reject or destroy it. Returning `Flow::Destroy` rejects it.
+    ConnectRequest {
+        /// The listener the request arrived on.
+        listener: CmId,
+        /// The user private data (the whole area: 56 bytes for a REQ, 180 for SIDR_REQ).
+        private_data: Vec<u8>,
+        /// What the peer offered.
+        param: ConnParam,
+        /// Whether this is a UD (SIDR) request.
+        ud: bool,
+    },
+    /// The peer accepted (REP); with no QP attached, call `establish` to send the RTU.
+    ConnectResponse {
+        /// The REP's private data (196 bytes).
+        private_data: Vec<u8>,
+        /// What the peer offered.
+        param: ConnParam,
+    },
+    /// Establishing failed locally.
+    ConnectError(crate::Error),
+    /// The peer did not answer.
+    Unreachable(Unreachable),
+    /// The peer rejected.
+    Rejected {
+        /// The IB reject reason (28 = consumer reject).
+        reason: RejReason,
+        /// The REJ's private data (148 bytes) or SIDR_REP's (136).
+        private_data: Vec<u8>,
+    },
+    /// The connection is up (for UD: the service is resolved).
+    Established {
+        /// UD only: where to send.
+        ud: Option<UdParam>,
+        /// UD only: the SIDR_REP private data.
+        private_data: Vec<u8>,
+    },
+    /// The connection is down (DREQ received or our DREQ answered or timed out).
+    Disconnected,
+    /// The id's device was removed; only destroy is valid now.
+    DeviceRemoval,
+    /// Timewait is over: the QP may be reused.
+    TimewaitExit,
+}
+
+impl Event {
+    /// The librdmacm name of the event type (`RDMA_CM_EVENT_*` without the prefix).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Event::AddrResolved => "ADDR_RESOLVED",
+            Event::AddrError(_) => "ADDR_ERROR",
+            Event::RouteResolved => "ROUTE_RESOLVED",
+            Event::RouteError(_) => "ROUTE_ERROR",
+            Event::ConnectRequest { .. } => "CONNECT_REQUEST",
+            Event::ConnectResponse { .. } => "CONNECT_RESPONSE",
+            Event::ConnectError(_) => "CONNECT_ERROR",
+            Event::Unreachable(_) => "UNREACHABLE",
+            Event::Rejected { .. } => "REJECTED",
+            Event::Established { .. } => "ESTABLISHED",
+            Event::Disconnected => "DISCONNECTED",
+            Event::DeviceRemoval => "DEVICE_REMOVAL",
+            Event::TimewaitExit => "TIMEWAIT_EXIT",
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! The fabric: the devices of this process, the port spaces, the dispatcher that runs
+//! callbacks, and the registry of live ids.
+
+use crate::device::DeviceInner;
+use crate::event::Event;
+use crate::id::IdInner;
+use crate::ports::Ports;
+use crate::slot::{Scheduler, Slot};
+use crate::sync;
+use rcm_proto::ib::{Endpoint, EndpointConfig, RetryPolicy};
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+/// How a fabric is set up.
+#[derive(Debug, Clone)]
+pub struct FabricConfig {
+    /// UDP port of every RoCEv2 device (4791 on a real network).
+    pub udp_port: u16,
+    /// Retransmission policy of the CM engines.
+    pub retry: RetryPolicy,
+    /// Threads that run callbacks.
+    pub dispatcher_threads: usize,
+    /// Seed for comm IDs and PSNs; `None` draws one from the OS.
+    pub seed: Option<u64>,
+    /// Shortest timewait (the path's ACK timeout is used when longer).
+    pub min_timewait: Duration,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        FabricConfig {
+            udp_port: rcm_wire::roce::ROCE_V2_UDP_PORT,
+            retry: RetryPolicy::default(),
+            dispatcher_threads: 2,
+            seed: None,
+            min_timewait: Duration::ZERO,
+        }
+    }
+}
+
+/// Runs scheduled slots on a small pool of threads.
+pub(crate) struct Dispatcher {
+    ready: Mutex<VecDeque<Arc<Slot<Event>>>>,
+    cond: Condvar,
+    stop: AtomicBool,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Scheduler<Event> for Dispatcher {
+    fn schedule(&self, slot: Arc<Slot<Event>>) {
+        sync::lock(&self.ready).push_back(slot);
+        self.cond.notify_one();
+    }
+}
+
+impl Dispatcher {
+    fn start(n: usize) -> Arc<Self> {
+        let d = Arc::new(Dispatcher {
+            ready: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+            stop: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+        });
+        for i in 0..n.max(1) {
+            let w = Arc::downgrade(&d);
+            if let Ok(h) = std::thread::Builder::new()
+                .name(format!("rcm-cb-{i}"))
+                .spawn(move || worker(&w))
+            {
+                sync::lock(&d.threads).push(h);
+            }
+        }
+        d
+    }
+
+    fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.cond.notify_all();
+        let hs = std::mem::take(&mut *sync::lock(&self.threads));
+        for h in hs {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+fn worker(d: &Weak<Dispatcher>) {
+    loop {
+        let Some(disp) = d.upgrade() else { return };
+        let slot = {
+            let mut q = sync::lock(&disp.ready);
+            loop {
+                if disp.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Some(s) = q.pop_front() {
+                    break s;
+                }
+                q = disp
+                    .cond
+                    .wait_timeout(q, Duration::from_millis(200))
+                    .map_or_else(|e| e.into_inner().0, |r| r.0);
+            }
+        };
+        drop(disp);
+        slot.drain();
+    }
+}
+
+pub(crate) struct FabricInner {
+    pub cfg: FabricConfig,
+    pub devices: Mutex<Vec<Arc<DeviceInner>>>,
+    pub ports: Mutex<Ports>,
+    pub dispatcher: Arc<Dispatcher>,
+    pub ids: Mutex<HashMap<u64, Weak<IdInner>>>,
+    pub wildcard_listeners: Mutex<Vec<Weak<IdInner>>>,
+    next_key: AtomicU64,
+    next_qpn: AtomicU32,
+    seed: u64,
+}
+
+impl FabricInner {
+    pub(crate) fn new_key(&self) -> u64 {
+        self.next_key.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn new_qpn(&self) -> u32 {
+        // Soft QPNs start above the reserved QP0/QP1 and wrap within 24 bits.
+        let n = self.next_qpn.fetch_add(1, Ordering::Relaxed);
+        0x100 + (n % 0x00FF_FE00)
+    }
+
+    pub(crate) fn device(&self, ip: IpAddr) -> Option<Arc<DeviceInner>> {
+        sync::lock(&self.devices)
+            .iter()
+            .find(|d| d.ip == ip && !d.removed.load(Ordering::SeqCst))
+            .cloned()
+    }
+
+    pub(crate) fn devices(&self) -> Vec<Arc<DeviceInner>> {
+        sync::lock(&self.devices)
+            .iter()
+            .filter(|d| !d.removed.load(Ordering::SeqCst))
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn scheduler(&self) -> Arc<dyn Scheduler<Event>> {
+        self.dispatcher.clone()
+    }
+}
+
+/// A set of RoCEv2 devices in this process and everything bound to them. Cheap to clone.
+#[derive(Clone)]
+pub struct Fabric(pub(crate) Arc<FabricInner>);
+
+impl Fabric {
+    /// An empty fabric.
+    pub fn new(cfg: FabricConfig) -> Self {
+        let seed = cfg.seed.unwrap_or_else(rand::random);
+        let dispatcher = Dispatcher::start(cfg.dispatcher_threads);
+        Fabric(Arc::new(FabricInner {
+            cfg,
+            devices: Mutex::new(Vec::new()),
+            ports: Mutex::new(Ports::new(seed as u16)),
+            dispatcher,
+            ids: Mutex::new(HashMap::new()),
+            wildcard_listeners: Mutex::new(Vec::new()),
+            next_key: AtomicU64::new(1),
+            next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
+            seed,
+        }))
+    }
+
+    /// The embedded default: `n` devices on 127.0.0.1, 127.0.0.2, … in this process. Needs no
+    /// privileges and nothing installed.
+    pub fn loopback(n: u8) -> crate::Result<Self> {
+        Self::loopback_with(n, FabricConfig::default())
+    }
+
+    /// Like [`Fabric::loopback`] with a configuration.
+    pub fn loopback_with(n: u8, cfg: FabricConfig) -> crate::Result<Self> {
+        let f = Fabric::new(cfg);
+        for i in 1..=n {
+            f.add_device(IpAddr::from([127, 0, 0, i]))?;
+        }
+        Ok(f)
+    }
+
+    /// Adds a RoCEv2 device on a local address (it binds UDP `udp_port` there). Wildcard
+    /// listeners start listening on it at once.
+    pub fn add_device(&self, ip: IpAddr) -> crate::Result<Device> {
+        if self.0.device(ip).is_some() {
+            return Err(crate::Error::DeviceExists(ip));
+        }
+        let n = sync::lock(&self.0.devices).len() as u64;
+        let mut cfg = EndpointConfig::new(
+            ip,
+            0x0200_00FF_FE00_0000 | (self.0.seed & 0xFFFF) << 8 | n,
+            self.0.seed ^ n,
+        );
+        cfg.retry = self.0.cfg.retry;
+        cfg.min_timewait = self.0.cfg.min_timewait;
+        let dev = DeviceInner::open(ip, self.0.cfg.udp_port, Endpoint::new(cfg))?;
+        sync::lock(&self.0.devices).push(dev.clone());
+        crate::id::on_device_added(&self.0, &dev);
+        Ok(Device(dev))
+    }
+
+    /// Removes a device: every id bound to it gets one `DeviceRemoval` event (after the
+    /// callback in flight; never if that callback asked for destroy), listeners on it stop.
+    /// The returned handle completes when all those ids are destroyed.
+    pub fn remove_device(&self, ip: IpAddr) -> crate::Result<Removal> {
+        let dev = self
+            .0
+            .device(ip)
+            .ok_or(crate::Error::AddrNotAvailable(ip))?;
+        dev.removed.store(true, Ordering::SeqCst);
+        let holders = crate::id::on_device_removed(&self.0, &dev);
+        Ok(Removal { dev, holders })
+    }
+
+    /// The devices' addresses.
+    pub fn device_addrs(&self) -> Vec<IpAddr> {
+        self.0.devices().iter().map(|d| d.ip).collect()
+    }
+
+    /// Ids alive (created and not yet torn down), for leak checks.
+    pub fn live_ids(&self) -> usize {
+        sync::lock(&self.0.ids)
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count()
+    }
+
+    /// Port bindings held, for leak checks.
+    pub fn bound_ports(&self) -> usize {
+        sync::lock(&self.0.ports).len()
+    }
+
+    /// Connection endpoints each device's engine still holds (timewait included), for leak
+    /// checks.
+    pub fn engine_ceps(&self) -> usize {
+        self.0.devices().iter().map(|d| d.engine_stats().1).sum()
+    }
+
+    /// Destroys every id and stops every device and the dispatcher.
+    pub fn shutdown(&self) {
+        let ids: Vec<_> = sync::lock(&self.0.ids)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for id in ids {
+            let _ = crate::id::CmId(id).begin_destroy();
+        }
+        for d in sync::lock(&self.0.devices).drain(..) {
+            d.shutdown();
+        }
+        self.0.dispatcher.stop();
+    }
+}
+
+/// A device of a fabric.
+#[derive(Clone)]
+pub struct Device(pub(crate) Arc<DeviceInner>);
+
+impl Device {
+    /// Its address.
+    pub fn addr(&self) -> IpAddr {
+        self.0.ip
+    }
+
+    /// (received, sent) datagram counts.
+    pub fn traffic(&self) -> (u64, u64) {
+        (
+            self.0.stats.rx.load(Ordering::Relaxed),
+            self.0.stats.tx.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The engine's counters.
+    pub fn engine_stats(&self) -> rcm_proto::ib::Stats {
+        self.0.engine_stats().0
+    }
+}
+
+/// A device removal in progress.
+pub struct Removal {
+    dev: Arc<DeviceInner>,
+    holders: Vec<(u64, Arc<Slot<Event>>)>,
+}
+
+impl Removal {
+    /// Ids that still hold the device (their keys).
+    pub fn holding(&self) -> Vec<u64> {
+        self.holders
+            .iter()
+            .filter(|(_, s)| s.phase() != crate::slot::Phase::Destroyed)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Waits up to `timeout` for every id on the device to be destroyed; then stops the
+    /// device. On timeout returns the keys of the ids still holding it (the device keeps
+    /// running; wait again).
+    pub fn wait(&self, timeout: Duration) -> Result<(), Vec<u64>> {
+        let end = std::time::Instant::now() + timeout;
+        for (_, s) in &self.holders {
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if !s.wait_destroyed_for(left) {
+                return Err(self.holding());
+            }
+        }
+        self.dev.shutdown();
+        Ok(())
+    }
+
+    /// Waits until done, reporting every 10 s which ids hold the device (as Linux's
+    /// `cm_destroy_id_wait_timeout` does) instead of hanging silently.
+    pub fn wait_reporting(&self) {
+        while let Err(ids) = self.wait(Duration::from_secs(10)) {
+            eprintln!(
+                "rcm: removal of device {} still held by ids {ids:?}",
+                self.dev.ip
+            );
+        }
+    }
+}

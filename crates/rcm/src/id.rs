@@ -1,0 +1,1423 @@
+//! `CmId`: the rdma_cm communication identifier, its state machine, and what the engines'
+//! events do to it.
+//!
+//! Lock order: an id's state lock, then a device's engine lock, then a device's tables. The
+//! engine lock is never held while events are routed, callbacks run or teardowns happen.
+
+use crate::device::{DeviceInner, ServiceListen};
+use crate::event::{ConnParam, Event, UdParam, Unreachable};
+use crate::fabric::{Fabric, FabricInner};
+use crate::slot::{ChannelCore, DestroyOutcome, Flow, Slot, Target};
+use crate::sync;
+use crate::{Error, Result};
+use rcm_proto::ib::{
+    self, AcceptParams, CepHandle, CmEvent, ConnectParams, PathParams, SidrParams, SidrReplyParams,
+};
+use rcm_wire::cm::{RejReason, SidrStatus};
+use rcm_wire::cma::{self, CmaHdr, PortSpace, CMA_HDR_LEN};
+use rcm_wire::Gid;
+use std::any::Any;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex, Weak};
+
+/// rdma_cm id states (`enum rdma_cm_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Created.
+    Idle,
+    /// Address resolution running.
+    AddrQuery,
+    /// A local device reaches the destination.
+    AddrResolved,
+    /// Route resolution running.
+    RouteQuery,
+    /// Ready to connect.
+    RouteResolved,
+    /// Connecting (active), or a connect request not yet answered / accepted (passive).
+    Connect,
+    /// Connected.
+    Established,
+    /// Disconnected, rejected or unreachable: only destroy (or waiting for timewait) is left.
+    Disconnect,
+    /// Bound to a local address and port.
+    AddrBound,
+    /// Listening.
+    Listen,
+    /// The device was removed: only destroy is valid.
+    DeviceRemoval,
+    /// Being destroyed.
+    Destroying,
+}
+
+/// The user's handler: called with the id and the event, one call at a time per id.
+pub type Handler = Arc<dyn Fn(&CmId, Event) -> Flow + Send + Sync>;
+
+/// What `connect` asks for.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// User private data: at most 56 bytes (RC) or 180 (UD), after rdma_cm's 36-byte header.
+    pub private_data: Vec<u8>,
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// QP retry count (clamped to 7).
+    pub retry_count: u8,
+    /// RNR retry count (clamped to 7).
+    pub rnr_retry_count: u8,
+    /// QP number to announce when no QP is attached (`None`: a fresh soft QPN).
+    pub qpn: Option<u32>,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            private_data: Vec::new(),
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            qpn: None,
+        }
+    }
+}
+
+/// What `accept` answers with.
+#[derive(Debug, Clone)]
+pub struct AcceptOptions {
+    /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP).
+    pub private_data: Vec<u8>,
+    /// Responder resources.
+    pub responder_resources: u8,
+    /// Initiator depth.
+    pub initiator_depth: u8,
+    /// RNR retry count.
+    pub rnr_retry_count: u8,
+    /// QP number when no QP is attached.
+    pub qpn: Option<u32>,
+}
+
+impl Default for AcceptOptions {
+    fn default() -> Self {
+        AcceptOptions {
+            private_data: Vec::new(),
+            responder_resources: 1,
+            initiator_depth: 1,
+            rnr_retry_count: 7,
+            qpn: None,
+        }
+    }
+}
+
+/// QP states, for `init_qp_attr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// Initialised.
+    Init,
+    /// Ready to receive.
+    Rtr,
+    /// Ready to send.
+    Rts,
+}
+
+/// The attributes to move a QP to a state with (what `rdma_init_qp_attr` fills in).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QpAttr {
+    /// Target state.
+    pub qp_state: Option<QpState>,
+    /// P_Key index (always 0: the default partition on RoCE).
+    pub pkey_index: u16,
+    /// Port number (1).
+    pub port_num: u8,
+    /// Q_Key (UD only).
+    pub qkey: u32,
+    /// Path MTU enum (RTR).
+    pub path_mtu: u8,
+    /// Remote QPN (RTR).
+    pub dest_qp_num: u32,
+    /// Receive PSN: the peer's starting PSN (RTR).
+    pub rq_psn: u32,
+    /// Max incoming RDMA reads (RTR).
+    pub max_dest_rd_atomic: u8,
+    /// Minimum RNR NAK timer (RTR).
+    pub min_rnr_timer: u8,
+    /// Source GID.
+    pub sgid: Gid,
+    /// Destination GID (RTR).
+    pub dgid: Gid,
+    /// Flow label (RTR).
+    pub flow_label: u32,
+    /// Hop limit (RTR).
+    pub hop_limit: u8,
+    /// Traffic class (RTR).
+    pub traffic_class: u8,
+    /// Send PSN: ours (RTS).
+    pub sq_psn: u32,
+    /// Local ACK timeout (RTS).
+    pub timeout: u8,
+    /// Retry count (RTS).
+    pub retry_cnt: u8,
+    /// RNR retry (RTS).
+    pub rnr_retry: u8,
+    /// Max outstanding RDMA reads (RTS).
+    pub max_rd_atomic: u8,
+}
+
+/// A soft QP: rcm does not own the data path, but it keeps the CM's rules about QPs.
+#[derive(Debug)]
+pub(crate) struct SoftQp {
+    pub qpn: u32,
+    /// Connected, or a connect/accept is under way with it.
+    pub in_use: bool,
+    pub destroyed: bool,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Conn {
+    remote_qpn: u32,
+    remote_psn: u32,
+    local_psn: u32,
+    local_qpn: u32,
+    responder_resources: u8,
+    initiator_depth: u8,
+    retry_count: u8,
+    rnr_retry_count: u8,
+    ack_timeout: u8,
+    ud: Option<UdParam>,
+    accepted: bool,
+}
+
+pub(crate) struct IdState {
+    pub state: State,
+    src: Option<SocketAddr>,
+    bound: bool,
+    dst: Option<SocketAddr>,
+    pub device: Option<Arc<DeviceInner>>,
+    pub cep: Option<CepHandle>,
+    listen: Vec<(Arc<DeviceInner>, u64)>,
+    wildcard: bool,
+    backlog: usize,
+    path: PathParams,
+    qp: Option<Arc<Mutex<SoftQp>>>,
+    conn: Conn,
+    context: Option<Box<dyn Any + Send + Sync>>,
+    removed: bool,
+    disconnected_reported: bool,
+    /// Passive child: its listener, and whether the connect request is still unseen.
+    listener: Option<Weak<IdInner>>,
+    pub request_unseen: bool,
+    children: Vec<Weak<IdInner>>,
+}
+
+pub(crate) struct IdInner {
+    pub key: u64,
+    pub ps: PortSpace,
+    pub fabric: Arc<FabricInner>,
+    pub slot: Arc<Slot<Event>>,
+    pub st: Mutex<IdState>,
+}
+
+/// An rdma_cm communication identifier. Cloning gives another handle to the same id; the id
+/// lives until destroyed (dropping handles does not destroy it).
+#[derive(Clone)]
+pub struct CmId(pub(crate) Arc<IdInner>);
+
+impl std::fmt::Debug for CmId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CmId({})", self.0.key)
+    }
+}
+
+impl PartialEq for CmId {
+    fn eq(&self, o: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &o.0)
+    }
+}
+impl Eq for CmId {}
+
+/// A librdmacm-style event channel: events of the ids bound to it, in order, taken with
+/// `get_event`. An event holds its id; dropping it acks it.
+#[derive(Clone)]
+pub struct EventChannel(pub(crate) Arc<ChannelCore<Event>>);
+
+impl Default for EventChannel {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EventChannel {
+    /// A new channel.
+    pub fn new() -> Self {
+        EventChannel(ChannelCore::new())
+    }
+
+    /// The next event, waiting up to `timeout` (`None`: forever). The event holds its id and
+    /// is acked when dropped; while any event of an id is held, a blocking `destroy` of that
+    /// id fails with [`Error::EventsOutstanding`] rather than hanging.
+    pub fn get_event(&self, timeout: Option<std::time::Duration>) -> Option<ChannelEvent> {
+        let (slot, event) = self.0.take(timeout)?;
+        let Some(id) = owner_of(&slot) else {
+            slot.ack();
+            return None;
+        };
+        if matches!(event, Event::ConnectRequest { .. }) {
+            sync::lock(&id.0.st).request_unseen = false;
+        }
+        Some(ChannelEvent {
+            id,
+            event: Some(event),
+            slot,
+        })
+    }
+
+    /// Events waiting (including ones of ids destroyed since, which are skipped).
+    pub fn pending(&self) -> usize {
+        self.0.len()
+    }
+}
+
+fn owner_of(slot: &Arc<Slot<Event>>) -> Option<CmId> {
+    slot.owner()
+        .and_then(|a| a.downcast::<IdInner>().ok())
+        .map(CmId)
+}
+
+/// An event taken from a channel. Dropping it acks it.
+pub struct ChannelEvent {
+    id: CmId,
+    event: Option<Event>,
+    slot: Arc<Slot<Event>>,
+}
+
+impl ChannelEvent {
+    /// The id the event is for (for a connect request: the new child id).
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
+    /// The event.
+    pub fn event(&self) -> &Event {
+        self.event.as_ref().unwrap_or(&Event::Disconnected)
+    }
+
+    /// Takes the event's payload out (the event stays held until this value is dropped).
+    pub fn take(&mut self) -> Option<Event> {
+        self.event.take()
+    }
+}
+
+impl Drop for ChannelEvent {
+    fn drop(&mut self) {
+        self.slot.ack();
+    }
+}
+
+impl std::fmt::Debug for ChannelEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChannelEvent({:?}, {:?})", self.id, self.event)
+    }
+}
+
+fn discard(ev: Event) {
+    drop(ev);
+}
+
+fn new_state() -> IdState {
+    IdState {
+        state: State::Idle,
+        src: None,
+        bound: false,
+        dst: None,
+        device: None,
+        cep: None,
+        listen: Vec::new(),
+        wildcard: false,
+        backlog: 0,
+        path: PathParams::default(),
+        qp: None,
+        conn: Conn::default(),
+        context: None,
+        removed: false,
+        disconnected_reported: false,
+        listener: None,
+        request_unseen: false,
+        children: Vec::new(),
+    }
+}
+
+/// Wraps the user's handler as the slot's callback.
+fn callback(h: Handler) -> Target<Event> {
+    Target::Callback(Arc::new(
+        move |owner: Option<Arc<dyn Any + Send + Sync>>, ev: Event| {
+            let Some(inner) = owner.and_then(|o| o.downcast::<IdInner>().ok()) else {
+                return Flow::Continue;
+            };
+            if matches!(ev, Event::ConnectRequest { .. }) {
+                sync::lock(&inner.st).request_unseen = false;
+            }
+            h(&CmId(inner), ev)
+        },
+    ))
+}
+
+fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmId {
+    let key = fabric.new_key();
+    let inner = Arc::new(IdInner {
+        key,
+        ps,
+        fabric: fabric.clone(),
+        slot: Slot::new(target, fabric.scheduler(), discard),
+        st: Mutex::new(new_state()),
+    });
+    let td = inner.clone();
+    inner.slot.set_teardown(Box::new(move || teardown(&td)));
+    let owner: Arc<dyn Any + Send + Sync> = inner.clone();
+    inner.slot.set_owner(Arc::downgrade(&owner));
+    sync::lock(&fabric.ids).insert(key, Arc::downgrade(&inner));
+    CmId(inner)
+}
+
+impl Fabric {
+    /// Creates an id whose events go to `handler` (one call at a time per id, in order).
+    pub fn create_id(
+        &self,
+        ps: PortSpace,
+        handler: impl Fn(&CmId, Event) -> Flow + Send + Sync + 'static,
+    ) -> CmId {
+        let h: Handler = Arc::new(handler);
+        build(&self.0, ps, callback(h))
+    }
+
+    /// Creates an id whose events go to `channel`.
+    pub fn create_id_on(&self, ps: PortSpace, channel: &EventChannel) -> CmId {
+        let ch = channel.0.clone();
+        build(&self.0, ps, Target::Channel(ch))
+    }
+}
+
+fn pd_limit(ps: PortSpace, op: &str) -> usize {
+    let ud = matches!(ps, PortSpace::Udp | PortSpace::Ipoib);
+    match (op, ud) {
+        ("connect", false) => cma::limits::CONNECT,
+        ("connect", true) => cma::limits::CONNECT_UD,
+        ("accept", false) => cma::limits::ACCEPT,
+        ("accept", true) => cma::limits::ACCEPT_UD,
+        ("reject", false) => cma::limits::REJECT,
+        _ => cma::limits::REJECT_UD,
+    }
+}
+
+fn check_pd(ps: PortSpace, op: &str, pd: &[u8]) -> Result<()> {
+    let max = pd_limit(ps, op);
+    if pd.len() > max {
+        return Err(Error::PrivateDataTooLong { len: pd.len(), max });
+    }
+    Ok(())
+}
+
+fn is_ud(ps: PortSpace) -> bool {
+    matches!(ps, PortSpace::Udp | PortSpace::Ipoib)
+}
+
+impl CmId {
+    /// A stable number naming this id (for logs and device-removal reports).
+    pub fn key(&self) -> u64 {
+        self.0.key
+    }
+
+    /// The port space.
+    pub fn port_space(&self) -> PortSpace {
+        self.0.ps
+    }
+
+    /// The current state.
+    pub fn state(&self) -> State {
+        if !self.0.slot.is_live() {
+            return State::Destroying;
+        }
+        sync::lock(&self.0.st).state
+    }
+
+    /// The local address and port, once bound.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        sync::lock(&self.0.st).src
+    }
+
+    /// The peer's address and port, once known.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        sync::lock(&self.0.st).dst
+    }
+
+    /// The address of the device the id is bound to.
+    pub fn device_addr(&self) -> Option<IpAddr> {
+        sync::lock(&self.0.st).device.as_ref().map(|d| d.ip)
+    }
+
+    /// Attaches a context value; it is dropped exactly once, after the id's last callback.
+    pub fn set_context(&self, ctx: impl Any + Send + Sync) {
+        sync::lock(&self.0.st).context = Some(Box::new(ctx));
+    }
+
+    /// Runs `f` on the context, if it is a `T`.
+    pub fn with_context<T: 'static, R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+        let g = sync::lock(&self.0.st);
+        g.context
+            .as_ref()
+            .and_then(|c| c.downcast_ref::<T>())
+            .map(f)
+    }
+
+    /// Locks the state after checking the id is usable.
+    fn usable(&self) -> Result<std::sync::MutexGuard<'_, IdState>> {
+        if !self.0.slot.is_live() {
+            return Err(Error::Destroyed);
+        }
+        let g = sync::lock(&self.0.st);
+        if g.removed {
+            return Err(Error::DeviceRemoved);
+        }
+        Ok(g)
+    }
+
+    /// Binds to a local address (`rdma_bind_addr`). Port 0 picks an ephemeral port; an
+    /// unspecified IP binds every device. Idle → AddrBound.
+    pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::Idle {
+            return Err(Error::InvalidState(g.state));
+        }
+        let device = if addr.ip().is_unspecified() {
+            None
+        } else {
+            Some(
+                self.0
+                    .fabric
+                    .device(addr.ip())
+                    .ok_or(Error::AddrNotAvailable(addr.ip()))?,
+            )
+        };
+        let bound = sync::lock(&self.0.fabric.ports).bind(self.0.ps, addr, self.0.key)?;
+        g.src = Some(bound);
+        g.bound = true;
+        g.device = device;
+        g.state = State::AddrBound;
+        Ok(())
+    }
+
+    /// Picks the device that reaches `dst` (`rdma_resolve_addr`): the bound device, or `src`'s,
+    /// or one of the same family (another device first, then `dst`'s own). Binds an
+    /// ephemeral port if unbound. Reports `AddrResolved` or `AddrError`; a failure changes
+    /// nothing.
+    pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
+        let mut g = self.usable()?;
+        if !matches!(g.state, State::Idle | State::AddrBound) {
+            return Err(Error::InvalidState(g.state));
+        }
+        let fab = &self.0.fabric;
+        let chosen = match (&g.device, src) {
+            (Some(d), _) => Some(d.clone()),
+            (None, Some(s)) => fab.device(s),
+            (None, None) => {
+                let devs = fab.devices();
+                devs.iter()
+                    .find(|d| d.ip.is_ipv4() == dst.is_ipv4() && d.ip != dst.ip())
+                    .or_else(|| devs.iter().find(|d| d.ip == dst.ip()))
+                    .cloned()
+            }
+        };
+        let Some(dev) = chosen else {
+            drop(g);
+            self.0.slot.push(Event::AddrError(Error::AddrNotAvailable(
+                src.unwrap_or(dst.ip()),
+            )));
+            return Ok(());
+        };
+        if dev.ip.is_ipv4() != dst.is_ipv4() {
+            drop(g);
+            self.0
+                .slot
+                .push(Event::AddrError(Error::AddrNotAvailable(dst.ip())));
+            return Ok(());
+        }
+        let src_addr = if g.bound {
+            let b = g.src.unwrap_or_else(|| SocketAddr::new(dev.ip, 0));
+            SocketAddr::new(dev.ip, b.port())
+        } else {
+            let b =
+                sync::lock(&fab.ports).bind(self.0.ps, SocketAddr::new(dev.ip, 0), self.0.key)?;
+            g.bound = true;
+            b
+        };
+        // Rebind the port to the concrete device address when it was a wildcard.
+        if let Some(old) = g.src {
+            if old.ip() != src_addr.ip() {
+                let mut ports = sync::lock(&fab.ports);
+                ports.release(self.0.ps, old, self.0.key);
+                let _ = ports.bind(self.0.ps, src_addr, self.0.key);
+            }
+        }
+        g.src = Some(src_addr);
+        g.dst = Some(dst);
+        g.device = Some(dev);
+        g.state = State::AddrResolved;
+        drop(g);
+        self.0.slot.push(Event::AddrResolved);
+        Ok(())
+    }
+
+    /// Builds the RoCE path locally as rdma_cm does (`rdma_resolve_route`): no SA; flow label
+    /// from the ports, hop limit 64, packet lifetime 18. AddrResolved → RouteResolved.
+    pub fn resolve_route(&self) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::AddrResolved {
+            return Err(Error::InvalidState(g.state));
+        }
+        let (Some(src), Some(dst)) = (g.src, g.dst) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let loopback = src.ip().is_loopback();
+        g.path = PathParams {
+            flow_label: (u32::from(src.port()) * 31 + u32::from(dst.port())) & 0xF_FFFF,
+            hop_limit: 64,
+            mtu: if loopback { 5 } else { 3 },
+            ..PathParams::default()
+        };
+        g.state = State::RouteResolved;
+        drop(g);
+        self.0.slot.push(Event::RouteResolved);
+        Ok(())
+    }
+
+    /// Listens (`rdma_listen`): on the bound device, or on every device (present and future)
+    /// for a wildcard address. AddrBound (or Idle, binding the wildcard) → Listen. `backlog`
+    /// bounds connect requests not yet answered (0: the default, 256).
+    pub fn listen(&self, backlog: usize) -> Result<()> {
+        let mut g = self.usable()?;
+        match g.state {
+            State::AddrBound => {}
+            State::Idle => {
+                let b = sync::lock(&self.0.fabric.ports).bind(
+                    self.0.ps,
+                    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+                    self.0.key,
+                )?;
+                g.src = Some(b);
+                g.bound = true;
+            }
+            s => return Err(Error::InvalidState(s)),
+        }
+        let Some(src) = g.src else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let wildcard = src.ip().is_unspecified();
+        let devices = if wildcard {
+            self.0
+                .fabric
+                .devices()
+                .into_iter()
+                .filter(|d| d.ip.is_ipv4() == src.is_ipv4() || src.is_ipv6())
+                .collect()
+        } else {
+            g.device.clone().into_iter().collect::<Vec<_>>()
+        };
+        let sid = cma::service_id(self.0.ps, src.port());
+        let mut done = Vec::new();
+        for d in devices {
+            match register_listen(&d, sid, backlog, Arc::downgrade(&self.0)) {
+                Ok(()) => done.push((d, sid)),
+                Err(e) => {
+                    // Unwind what this call registered: a failure changes nothing.
+                    for (d, sid) in done {
+                        unregister_listen(&d, sid, &self.0);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        g.listen = done;
+        g.wildcard = wildcard;
+        g.backlog = backlog;
+        g.state = State::Listen;
+        drop(g);
+        if wildcard {
+            sync::lock(&self.0.fabric.wildcard_listeners).push(Arc::downgrade(&self.0));
+        }
+        Ok(())
+    }
+
+    /// Attaches a soft QP; returns its number.
+    pub fn create_qp(&self) -> Result<u32> {
+        let mut g = self.usable()?;
+        if g.qp.is_some() {
+            return Err(Error::QpBusy("the id already has a QP"));
+        }
+        let qpn = self.0.fabric.new_qpn();
+        g.qp = Some(Arc::new(Mutex::new(SoftQp {
+            qpn,
+            in_use: false,
+            destroyed: false,
+        })));
+        Ok(qpn)
+    }
+
+    /// Destroys the attached QP (`rdma_destroy_qp`). A connect or accept after this fails.
+    pub fn destroy_qp(&self) -> Result<()> {
+        let g = sync::lock(&self.0.st);
+        let qp = g.qp.clone().ok_or(Error::QpBusy("no QP attached"))?;
+        sync::lock(&qp).destroyed = true;
+        Ok(())
+    }
+
+    /// Takes the QP for a connect/accept: not destroyed, not already in use.
+    fn claim_qp(g: &IdState, fallback: Option<u32>, fabric: &FabricInner) -> Result<u32> {
+        match &g.qp {
+            Some(qp) => {
+                let mut q = sync::lock(qp);
+                if q.destroyed {
+                    return Err(Error::QpBusy("the QP is being destroyed"));
+                }
+                if q.in_use {
+                    return Err(Error::QpBusy("the QP is already connected"));
+                }
+                q.in_use = true;
+                Ok(q.qpn)
+            }
+            None => Ok(fallback.unwrap_or_else(|| fabric.new_qpn())),
+        }
+    }
+
+    fn unclaim_qp(g: &IdState) {
+        if let Some(qp) = &g.qp {
+            sync::lock(qp).in_use = false;
+        }
+    }
+
+    /// Connects (`rdma_connect`): a REQ (RC) or SIDR_REQ (UD) with rdma_cm's header.
+    /// RouteResolved → Connect.
+    pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::RouteResolved {
+            return Err(Error::InvalidState(g.state));
+        }
+        check_pd(self.0.ps, "connect", &opts.private_data)?;
+        let (Some(src), Some(dst), Some(dev)) = (g.src, g.dst, g.device.clone()) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let hdr = CmaHdr {
+            src_port: src.port(),
+            src: src.ip(),
+            dst: dst.ip(),
+        };
+        let pd = hdr
+            .with_user_data(&opts.private_data, pd_limit(self.0.ps, "connect"))
+            .map_err(|_| Error::PrivateDataTooLong {
+                len: opts.private_data.len(),
+                max: pd_limit(self.0.ps, "connect"),
+            })?;
+        let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+        let sid = cma::service_id(self.0.ps, dst.port());
+        let weak = Arc::downgrade(&self.0);
+        let r = if is_ud(self.0.ps) {
+            let p = SidrParams {
+                dst: dst.ip(),
+                service_id: sid,
+                private_data: pd,
+                timeout: 20,
+                max_retries: 15,
+            };
+            dev.with_engine(|ep, now| {
+                let h = ep.sidr_request(now, &p)?;
+                sync::lock(&dev.ceps).insert(h, weak);
+                Ok::<_, ib::CmError>(h)
+            })
+        } else {
+            let mut p = ConnectParams::new(dst.ip(), sid, qpn);
+            p.responder_resources = opts.responder_resources;
+            p.initiator_depth = opts.initiator_depth;
+            p.retry_count = opts.retry_count.min(7);
+            p.rnr_retry_count = opts.rnr_retry_count.min(7);
+            p.path = g.path;
+            p.private_data = pd;
+            let psn = rand::random::<u32>() & 0xFF_FFFF;
+            p.starting_psn = Some(psn);
+            g.conn.local_psn = psn;
+            g.conn.retry_count = p.retry_count;
+            g.conn.rnr_retry_count = p.rnr_retry_count;
+            g.conn.ack_timeout = ib::cm_ack_timeout(15, p.path.packet_life_time);
+            dev.with_engine(|ep, now| {
+                let h = ep.connect(now, &p)?;
+                sync::lock(&dev.ceps).insert(h, weak);
+                Ok::<_, ib::CmError>(h)
+            })
+        };
+        match r {
+            Ok(h) => {
+                g.cep = Some(h);
+                g.conn.local_qpn = qpn;
+                g.state = State::Connect;
+                Ok(())
+            }
+            Err(e) => {
+                Self::unclaim_qp(&g);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Accepts a connect request (`rdma_accept`) on the child id: REP (RC) or SIDR_REP (UD).
+    pub fn accept(&self, opts: &AcceptOptions) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+            return Err(Error::InvalidState(g.state));
+        }
+        check_pd(self.0.ps, "accept", &opts.private_data)?;
+        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+        let r = if is_ud(self.0.ps) {
+            let p = SidrReplyParams {
+                status: SidrStatus::Success,
+                qpn,
+                qkey: cma::RDMA_UDP_QKEY,
+                private_data: opts.private_data.clone(),
+            };
+            dev.with_engine(|ep, _| ep.sidr_reply(cep, &p))
+        } else {
+            let psn = rand::random::<u32>() & 0xFF_FFFF;
+            let p = AcceptParams {
+                qpn,
+                starting_psn: Some(psn),
+                responder_resources: opts.responder_resources,
+                initiator_depth: opts.initiator_depth,
+                rnr_retry_count: opts.rnr_retry_count.min(7),
+                srq: false,
+                private_data: opts.private_data.clone(),
+            };
+            g.conn.local_psn = psn;
+            dev.with_engine(|ep, now| ep.accept(now, cep, &p))
+        };
+        match r {
+            Ok(()) => {
+                g.conn.local_qpn = qpn;
+                g.conn.accepted = true;
+                if is_ud(self.0.ps) {
+                    g.state = State::Established;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                Self::unclaim_qp(&g);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Rejects a connect request (`rdma_reject`) with private data: REJ reason 28, or
+    /// SIDR_REP status "rejected". Connect → Disconnect.
+    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+            return Err(Error::InvalidState(g.state));
+        }
+        check_pd(self.0.ps, "reject", private_data)?;
+        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let r = if is_ud(self.0.ps) {
+            let p = SidrReplyParams {
+                status: SidrStatus::Rejected,
+                private_data: private_data.to_vec(),
+                ..Default::default()
+            };
+            dev.with_engine(|ep, _| ep.sidr_reply(cep, &p))
+        } else {
+            dev.with_engine(|ep, now| {
+                ep.reject(now, cep, RejReason::ConsumerDefined, &[], private_data)
+            })
+        };
+        r?;
+        g.state = State::Disconnect;
+        Ok(())
+    }
+
+    /// Sends the RTU after a `ConnectResponse` (`rdma_establish`, active side without a QP).
+    pub fn establish(&self) -> Result<()> {
+        let g = self.usable()?;
+        if g.state != State::Connect || g.listener.is_some() {
+            return Err(Error::InvalidState(g.state));
+        }
+        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        drop(g);
+        dev.with_engine(|ep, _| ep.establish(cep))?;
+        Ok(())
+    }
+
+    /// Disconnects (`rdma_disconnect`): DREQ, or the DREP when the peer disconnected first.
+    /// Established → Disconnect; `Disconnected` follows.
+    pub fn disconnect(&self) -> Result<()> {
+        let mut g = self.usable()?;
+        if g.state != State::Established || is_ud(self.0.ps) {
+            return Err(Error::InvalidState(g.state));
+        }
+        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        dev.with_engine(|ep, now| ep.disconnect(now, cep, &[]))?;
+        g.state = State::Disconnect;
+        Ok(())
+    }
+
+    /// The attributes to move the QP to `state` with (`rdma_init_qp_attr`), from what the
+    /// two sides negotiated.
+    pub fn init_qp_attr(&self, state: QpState) -> Result<QpAttr> {
+        let g = self.usable()?;
+        let (Some(src), Some(dst)) = (g.src, g.dst) else {
+            return Err(Error::InvalidState(g.state));
+        };
+        let mut a = QpAttr {
+            qp_state: Some(state),
+            port_num: 1,
+            ..QpAttr::default()
+        };
+        if is_ud(self.0.ps) {
+            a.qkey = cma::RDMA_UDP_QKEY;
+            return Ok(a);
+        }
+        if state == QpState::Init {
+            return Ok(a);
+        }
+        if !matches!(g.state, State::Connect | State::Established) || g.conn.remote_qpn == 0 {
+            return Err(Error::InvalidState(g.state));
+        }
+        a.path_mtu = g.path.mtu;
+        a.dest_qp_num = g.conn.remote_qpn;
+        a.rq_psn = g.conn.remote_psn;
+        a.max_dest_rd_atomic = g.conn.responder_resources;
+        a.min_rnr_timer = 12;
+        a.sgid = Gid::from_ip(src.ip());
+        a.dgid = Gid::from_ip(dst.ip());
+        a.flow_label = g.path.flow_label;
+        a.hop_limit = g.path.hop_limit;
+        a.traffic_class = g.path.traffic_class;
+        if state == QpState::Rts {
+            a.sq_psn = g.conn.local_psn;
+            a.timeout = g.conn.ack_timeout;
+            a.retry_cnt = g.conn.retry_count;
+            a.rnr_retry = g.conn.rnr_retry_count;
+            a.max_rd_atomic = g.conn.initiator_depth;
+        }
+        Ok(a)
+    }
+
+    /// Moves the id to another event channel (`rdma_migrate_id`). Events not yet taken move
+    /// with it, in order; events already held stay valid and ack to this id.
+    pub fn migrate(&self, to: &EventChannel) -> Result<()> {
+        let _g = self.usable()?;
+        if self.0.slot.migrate(&to.0) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument("only channel-mode ids can migrate"))
+        }
+    }
+
+    /// Destroys the id (`rdma_destroy_id`), blocking until no callback is running and none
+    /// ever will, the protocol was driven to a clean end (REJ, DREQ or DREP as the state
+    /// needs), and the context was dropped — `Done`. Called from inside a callback (this
+    /// id's, or another's, whose in-flight callback it may not wait for) it returns
+    /// `Deferred` at once: no further callback starts, and the teardown completes when the
+    /// running callback returns. With channel events of this id still held it fails with
+    /// [`Error::EventsOutstanding`], changing nothing.
+    pub fn destroy(&self) -> Result<DestroyOutcome> {
+        self.0.slot.destroy(true).map_err(Error::EventsOutstanding)
+    }
+
+    /// Destroys without blocking: returns at once with a handle that completes under the same
+    /// guarantee as [`CmId::destroy`]. Held channel events delay the completion until acked.
+    pub fn begin_destroy(&self) -> DestroyHandle {
+        let _ = self.0.slot.destroy(false);
+        DestroyHandle(self.0.slot.clone())
+    }
+}
+
+/// Completion of a non-blocking destroy: wait on it, or `.await` it.
+pub struct DestroyHandle(Arc<Slot<Event>>);
+
+impl DestroyHandle {
+    /// Blocks until the id is destroyed.
+    pub fn wait(&self) {
+        self.0.wait_destroyed();
+    }
+
+    /// Blocks up to `d`; returns whether the id is destroyed.
+    pub fn wait_for(&self, d: std::time::Duration) -> bool {
+        self.0.wait_destroyed_for(d)
+    }
+
+    /// Whether the id is destroyed.
+    pub fn is_done(&self) -> bool {
+        self.0.phase() == crate::slot::Phase::Destroyed
+    }
+}
+
+impl std::future::Future for DestroyHandle {
+    type Output = ();
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.0.poll_destroyed(cx.waker()) {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+}
+
+fn register_listen(
+    d: &Arc<DeviceInner>,
+    sid: u64,
+    backlog: usize,
+    id: Weak<IdInner>,
+) -> Result<()> {
+    let existing = sync::lock(&d.listens).get(&sid).is_some();
+    if !existing {
+        let h = d.with_engine(|ep, _| ep.listen(sid, u64::MAX, backlog))?;
+        sync::lock(&d.listens).entry(sid).or_insert(ServiceListen {
+            handle: h,
+            ids: Vec::new(),
+        });
+    }
+    let mut l = sync::lock(&d.listens);
+    let Some(entry) = l.get_mut(&sid) else {
+        return Err(Error::Destroyed);
+    };
+    entry.ids.push(id);
+    Ok(())
+}
+
+fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
+    let handle = {
+        let mut l = sync::lock(&d.listens);
+        let Some(entry) = l.get_mut(&sid) else { return };
+        entry.ids.retain(|w| {
+            w.upgrade()
+                .is_some_and(|x| !std::ptr::eq(Arc::as_ptr(&x), id))
+        });
+        if entry.ids.is_empty() {
+            let h = entry.handle;
+            l.remove(&sid);
+            Some(h)
+        } else {
+            None
+        }
+    };
+    if let Some(h) = handle {
+        d.with_engine(|ep, now| {
+            let _ = ep.destroy(now, h);
+        });
+    }
+}
+
+/// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
+/// port, QP and context.
+fn teardown(inner: &Arc<IdInner>) {
+    let (dev, cep, listen, src, bound, ctx, children, wildcard) = {
+        let mut g = sync::lock(&inner.st);
+        g.state = State::Destroying;
+        (
+            g.device.clone(),
+            g.cep.take(),
+            std::mem::take(&mut g.listen),
+            g.src,
+            g.bound,
+            g.context.take(),
+            std::mem::take(&mut g.children),
+            g.wildcard,
+        )
+    };
+    if let (Some(dev), Some(cep)) = (&dev, cep) {
+        sync::lock(&dev.ceps).remove(&cep);
+        dev.with_engine(|ep, now| {
+            let _ = ep.destroy(now, cep);
+        });
+    }
+    for (d, sid) in listen {
+        unregister_listen(&d, sid, inner);
+    }
+    if wildcard {
+        sync::lock(&inner.fabric.wildcard_listeners)
+            .retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, inner)));
+    }
+    // Connect requests nobody has seen die with their listener (rejected).
+    for c in children.iter().filter_map(Weak::upgrade) {
+        let unseen = sync::lock(&c.st).request_unseen;
+        if unseen {
+            let _ = CmId(c).begin_destroy();
+        }
+    }
+    if let (true, Some(src)) = (bound, src) {
+        sync::lock(&inner.fabric.ports).release(inner.ps, src, inner.key);
+    }
+    sync::lock(&inner.fabric.ids).remove(&inner.key);
+    drop(ctx);
+}
+
+/// What arrived for a listener.
+pub(crate) enum Incoming {
+    Rc(Box<ib::ReqInfo>),
+    Ud {
+        service_id: u64,
+        private_data: Vec<u8>,
+    },
+}
+
+/// A REQ or SIDR_REQ arrived for an engine listener: find the rdma_cm listener it is for
+/// (matching the cma_hdr's destination address), build the child id completely, publish it,
+/// then deliver `ConnectRequest` on it.
+pub(crate) fn on_connect_request(
+    dev: &Arc<DeviceInner>,
+    listener: CepHandle,
+    cep: CepHandle,
+    inc: Incoming,
+) {
+    let (sid, pd) = match &inc {
+        Incoming::Rc(info) => (info.service_id, info.private_data.clone()),
+        Incoming::Ud {
+            service_id,
+            private_data,
+            ..
+        } => (*service_id, private_data.clone()),
+    };
+    let refuse = |dev: &Arc<DeviceInner>| {
+        dev.with_engine(|ep, now| match &inc {
+            Incoming::Rc(_) => {
+                let _ = ep.reject(now, cep, RejReason::ConsumerDefined, &[], &[]);
+                let _ = ep.destroy(now, cep);
+            }
+            Incoming::Ud { .. } => {
+                let p = SidrReplyParams {
+                    status: SidrStatus::Rejected,
+                    ..Default::default()
+                };
+                let _ = ep.sidr_reply(cep, &p);
+                let _ = ep.destroy(now, cep);
+            }
+        });
+    };
+    let Ok(hdr) = CmaHdr::parse(&pd) else {
+        return refuse(dev);
+    };
+    let candidates: Vec<Arc<IdInner>> = {
+        let l = sync::lock(&dev.listens);
+        l.get(&sid)
+            .filter(|e| e.handle == listener)
+            .map(|e| e.ids.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    };
+    let pick = candidates
+        .iter()
+        .find(|l| sync::lock(&l.st).src.is_some_and(|s| s.ip() == hdr.dst))
+        .or_else(|| {
+            candidates.iter().find(|l| {
+                sync::lock(&l.st)
+                    .src
+                    .is_some_and(|s| s.ip().is_unspecified())
+            })
+        })
+        .filter(|l| l.slot.is_live())
+        .cloned();
+    let Some(lst) = pick else { return refuse(dev) };
+    let Some(target) = lst.slot_target() else {
+        return refuse(dev);
+    };
+    let Some(local_port) = cma::parse_service_id(sid).map(|(_, p)| p) else {
+        return refuse(dev);
+    };
+    // The child shares the listener's handler or channel, as rdma_cm children do.
+    let child = build(&lst.fabric, lst.ps, target);
+    let ud = matches!(inc, Incoming::Ud { .. });
+    let param = match &inc {
+        Incoming::Rc(info) => ConnParam {
+            responder_resources: info.responder_resources,
+            initiator_depth: info.initiator_depth,
+            retry_count: info.retry_count,
+            rnr_retry_count: info.rnr_retry_count,
+            srq: info.srq,
+            qpn: info.remote_qpn,
+        },
+        Incoming::Ud { .. } => ConnParam::default(),
+    };
+    {
+        let mut g = sync::lock(&child.0.st);
+        g.state = State::Connect;
+        g.src = Some(SocketAddr::new(hdr.dst, local_port));
+        g.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
+        g.device = Some(dev.clone());
+        g.cep = Some(cep);
+        g.listener = Some(Arc::downgrade(&lst));
+        g.request_unseen = true;
+        if let Incoming::Rc(info) = &inc {
+            g.conn.remote_qpn = info.remote_qpn;
+            g.conn.remote_psn = info.starting_psn;
+            g.conn.responder_resources = info.initiator_depth;
+            g.conn.initiator_depth = info.responder_resources;
+            g.conn.retry_count = info.retry_count;
+            g.conn.rnr_retry_count = info.rnr_retry_count;
+            g.conn.ack_timeout = info.local_ack_timeout;
+            g.path = PathParams {
+                flow_label: info.flow_label,
+                traffic_class: info.traffic_class,
+                hop_limit: info.hop_limit,
+                mtu: info.mtu,
+                ..PathParams::default()
+            };
+        }
+    }
+    // Publish, fully built, then tell the user.
+    sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
+    {
+        let mut g = sync::lock(&lst.st);
+        g.children.retain(|w| w.strong_count() > 0);
+        g.children.push(Arc::downgrade(&child.0));
+    }
+    let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
+    child.0.slot.push(Event::ConnectRequest {
+        listener: CmId(lst),
+        private_data: user_pd,
+        param,
+        ud,
+    });
+}
+
+impl IdInner {
+    fn slot_target(&self) -> Option<Target<Event>> {
+        self.slot.target_clone()
+    }
+}
+
+/// What an engine event does to the id it names.
+pub(crate) fn on_engine_event(id: &Arc<IdInner>, dev: &Arc<DeviceInner>, ev: CmEvent) {
+    enum After {
+        None,
+        Establish(CepHandle),
+        Drep(CepHandle),
+    }
+    let mut after = After::None;
+    let mut out: Option<Event> = None;
+    {
+        let mut g = sync::lock(&id.st);
+        let cep = g.cep;
+        match ev {
+            CmEvent::RepReceived(info) => {
+                if g.state == State::Connect {
+                    g.conn.remote_qpn = info.remote_qpn;
+                    g.conn.remote_psn = info.starting_psn;
+                    g.conn.responder_resources = info.initiator_depth;
+                    g.conn.initiator_depth = info.responder_resources;
+                    if g.qp.is_some() {
+                        // A QP is attached: move it along and send the RTU ourselves.
+                        if let Some(c) = cep {
+                            after = After::Establish(c);
+                        }
+                    } else {
+                        out = Some(Event::ConnectResponse {
+                            private_data: info.private_data,
+                            param: ConnParam {
+                                responder_resources: info.responder_resources,
+                                initiator_depth: info.initiator_depth,
+                                rnr_retry_count: info.rnr_retry_count,
+                                srq: info.srq,
+                                qpn: info.remote_qpn,
+                                ..ConnParam::default()
+                            },
+                        });
+                    }
+                }
+            }
+            CmEvent::Established => {
+                if g.state == State::Connect {
+                    g.state = State::Established;
+                    out = Some(Event::Established {
+                        ud: None,
+                        private_data: Vec::new(),
+                    });
+                }
+            }
+            CmEvent::Rejected {
+                reason,
+                private_data,
+                ..
+            } => {
+                g.state = State::Disconnect;
+                CmId::unclaim_qp(&g);
+                out = Some(Event::Rejected {
+                    reason,
+                    private_data,
+                });
+            }
+            CmEvent::TimedOut(what) => {
+                g.state = State::Disconnect;
+                out = Some(match what {
+                    ib::TimedOut::Req | ib::TimedOut::SidrReq => {
+                        Event::Unreachable(Unreachable::Timeout)
+                    }
+                    ib::TimedOut::Rep => Event::Unreachable(Unreachable::RepTimeout),
+                    ib::TimedOut::Dreq => {
+                        if g.disconnected_reported {
+                            return;
+                        }
+                        g.disconnected_reported = true;
+                        Event::Disconnected
+                    }
+                });
+            }
+            CmEvent::DreqReceived { .. } => {
+                g.state = State::Disconnect;
+                if let Some(c) = cep {
+                    after = After::Drep(c);
+                }
+                if !g.disconnected_reported {
+                    g.disconnected_reported = true;
+                    out = Some(Event::Disconnected);
+                }
+            }
+            CmEvent::DrepReceived => {
+                g.state = State::Disconnect;
+                if !g.disconnected_reported {
+                    g.disconnected_reported = true;
+                    out = Some(Event::Disconnected);
+                }
+            }
+            CmEvent::TimewaitExit => out = Some(Event::TimewaitExit),
+            CmEvent::SidrRepReceived {
+                status,
+                qpn,
+                qkey,
+                private_data,
+            } => {
+                if g.state == State::Connect {
+                    out = Some(match status {
+                        SidrStatus::Success => {
+                            g.state = State::Established;
+                            let ud = UdParam { qpn, qkey };
+                            g.conn.ud = Some(ud);
+                            g.conn.remote_qpn = qpn;
+                            Event::Established {
+                                ud: Some(ud),
+                                private_data,
+                            }
+                        }
+                        SidrStatus::UnsupportedServiceId => {
+                            g.state = State::Disconnect;
+                            Event::Unreachable(Unreachable::NoService)
+                        }
+                        _ => {
+                            g.state = State::Disconnect;
+                            Event::Rejected {
+                                reason: RejReason::ConsumerDefined,
+                                private_data,
+                            }
+                        }
+                    });
+                }
+            }
+            CmEvent::MraReceived { .. }
+            | CmEvent::ReqReceived { .. }
+            | CmEvent::SidrReqReceived { .. } => {}
+        }
+    }
+    match after {
+        After::None => {}
+        After::Establish(c) => {
+            if let Err(e) = dev.with_engine(|ep, _| ep.establish(c)) {
+                id.slot.push(Event::ConnectError(e.into()));
+            }
+        }
+        After::Drep(c) => {
+            // rdma_cm answers a DREQ at once.
+            dev.with_engine(|ep, now| {
+                let _ = ep.disconnect(now, c, &[]);
+            });
+        }
+    }
+    if let Some(ev) = out {
+        id.slot.push(ev);
+    }
+}
+
+/// A device came up: wildcard listeners start listening on it too.
+pub(crate) fn on_device_added(fabric: &Arc<FabricInner>, dev: &Arc<DeviceInner>) {
+    let ls: Vec<Arc<IdInner>> = sync::lock(&fabric.wildcard_listeners)
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for l in ls {
+        let mut g = sync::lock(&l.st);
+        if g.state != State::Listen || !l.slot.is_live() {
+            continue;
+        }
+        let Some(src) = g.src else { continue };
+        if src.is_ipv4() != dev.ip.is_ipv4() && !src.is_ipv6() {
+            continue;
+        }
+        let sid = cma::service_id(l.ps, src.port());
+        let backlog = g.backlog;
+        if register_listen(dev, sid, backlog, Arc::downgrade(&l)).is_ok() {
+            g.listen.push((dev.clone(), sid));
+        }
+    }
+}
+
+/// A device is going: its engine listeners stop, and every id bound to it gets one
+/// `DeviceRemoval`. Returns those ids (the removal waits for them).
+pub(crate) fn on_device_removed(
+    fabric: &Arc<FabricInner>,
+    dev: &Arc<DeviceInner>,
+) -> Vec<(u64, Arc<Slot<Event>>)> {
+    let all: Vec<Arc<IdInner>> = sync::lock(&fabric.ids)
+        .values()
+        .filter_map(Weak::upgrade)
+        .collect();
+    let mut holders = Vec::new();
+    for id in all {
+        let mut g = sync::lock(&id.st);
+        // Wildcard listeners lose their per-device listen silently (as rdma_cm's internal
+        // listen ids are destroyed on removal).
+        if g.wildcard {
+            let mine: Vec<(Arc<DeviceInner>, u64)> = g
+                .listen
+                .iter()
+                .filter(|(d, _)| Arc::ptr_eq(d, dev))
+                .cloned()
+                .collect();
+            g.listen.retain(|(d, _)| !Arc::ptr_eq(d, dev));
+            drop(g);
+            for (d, sid) in mine {
+                unregister_listen(&d, sid, &id);
+            }
+            continue;
+        }
+        if !g.device.as_ref().is_some_and(|d| Arc::ptr_eq(d, dev)) || !id.slot.is_live() {
+            continue;
+        }
+        g.removed = true;
+        g.state = State::DeviceRemoval;
+        drop(g);
+        holders.push((id.key, id.slot.clone()));
+        id.slot.push_removal(Event::DeviceRemoval);
+    }
+    holders
+}
+
+/// The unspecified address of a family, for binding.
+pub fn any_addr(v6: bool, port: u16) -> SocketAddr {
+    if v6 {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port)
+    } else {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)
+    }
+}

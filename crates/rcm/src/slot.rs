@@ -1,0 +1,537 @@
+//! The concurrency core: one `Slot` per id serialises its callbacks, and destroy, deferred
+//! destroy, non-blocking destroy and device removal meet here. It knows nothing of the CM:
+//! events are an opaque `E`, the id's teardown an opaque closure.
+//!
+//! Invariants (each checked by the loom models in `tests/loom.rs` and the stress test):
+//! 1. At most one callback per slot runs at a time; events run in the order pushed.
+//! 2. After the phase leaves `Live`, no callback starts and pushes are discarded.
+//! 3. The teardown closure and the target (handler or channel, with what it captured) are
+//!    dropped exactly once, after the last callback returned and the last held event was acked.
+//! 4. A blocking destroy returns only once 3 has happened, except when it would have to wait
+//!    for a callback from inside a callback (its own or another id's): then it returns
+//!    `Deferred` at once and the teardown happens when the running callback returns.
+
+use crate::sync::{self, Arc, Condvar, Mutex};
+use std::collections::VecDeque;
+use std::task::Waker;
+
+/// What a callback asks for when it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Keep the id.
+    Continue,
+    /// Destroy the id now: no further callback of any kind (device removal included) is made.
+    Destroy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Live,
+    Destroying,
+    Destroyed,
+}
+
+/// What `destroy` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DestroyOutcome {
+    /// The id is gone: no callback is running and none will ever run; its context was dropped.
+    Done,
+    /// No callback will *start* any more, but one is running (the caller's own, or the caller
+    /// is itself inside a callback and may not wait for another); the teardown completes when
+    /// that callback returns.
+    Deferred,
+}
+
+/// The slot's owner (if still alive) and the event. Children share their listener's callback,
+/// so the callback learns which id it runs for from the slot.
+pub(crate) type Callback<E> =
+    Arc<dyn Fn(Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>, E) -> Flow + Send + Sync>;
+
+/// Where a slot's events go.
+pub(crate) enum Target<E> {
+    Callback(Callback<E>),
+    Channel(Arc<ChannelCore<E>>),
+}
+
+impl<E> Clone for Target<E> {
+    fn clone(&self) -> Self {
+        match self {
+            Target::Callback(c) => Target::Callback(c.clone()),
+            Target::Channel(c) => Target::Channel(c.clone()),
+        }
+    }
+}
+
+/// Runs a scheduled slot's pending events (a dispatcher pool, or inline in tests).
+pub(crate) trait Scheduler<E>: Send + Sync {
+    fn schedule(&self, slot: Arc<Slot<E>>);
+}
+
+/// Called for every event that is discarded undelivered (so its resources can be released,
+/// e.g. a connect request's child id rejected).
+pub(crate) type Discard<E> = fn(E);
+
+struct Inner<E> {
+    phase: Phase,
+    queue: VecDeque<E>,
+    scheduled: bool,
+    running: Option<sync::thread::ThreadId>,
+    /// Channel events handed to the user and not yet acked.
+    held: usize,
+    teardown_started: bool,
+    removal_queued: bool,
+    /// Destroy was asked from inside this slot's own running callback.
+    deferred: bool,
+    wakers: Vec<Waker>,
+}
+
+/// One id's serialisation domain.
+pub(crate) struct Slot<E> {
+    inner: Mutex<Inner<E>>,
+    cond: Condvar,
+    target: Mutex<Option<Target<E>>>,
+    teardown: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    sched: Arc<dyn Scheduler<E>>,
+    discard: Discard<E>,
+    /// The object this slot serialises (the upper layer's id), for channel consumers.
+    owner: Mutex<Option<std::sync::Weak<dyn std::any::Any + Send + Sync>>>,
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+#[cfg(loom)]
+loom::thread_local! {
+    static CURRENT: std::cell::Cell<usize> = std::cell::Cell::new(0);
+}
+
+/// Whether the calling thread is inside some slot's callback.
+pub(crate) fn in_callback() -> bool {
+    CURRENT.with(|c| c.get() != 0)
+}
+
+fn current_is<E>(s: &Slot<E>) -> bool {
+    CURRENT.with(|c| c.get() == std::ptr::from_ref(s) as usize)
+}
+
+impl<E: Send + 'static> Slot<E> {
+    pub(crate) fn new(
+        target: Target<E>,
+        sched: Arc<dyn Scheduler<E>>,
+        discard: Discard<E>,
+    ) -> Arc<Self> {
+        Arc::new(Slot {
+            inner: Mutex::new(Inner {
+                phase: Phase::Live,
+                queue: VecDeque::new(),
+                scheduled: false,
+                running: None,
+                held: 0,
+                teardown_started: false,
+                removal_queued: false,
+                deferred: false,
+                wakers: Vec::new(),
+            }),
+            cond: Condvar::new(),
+            target: Mutex::new(Some(target)),
+            teardown: Mutex::new(None),
+            sched,
+            discard,
+            owner: Mutex::new(None),
+        })
+    }
+
+    /// Records the object this slot belongs to.
+    pub(crate) fn set_owner(&self, o: std::sync::Weak<dyn std::any::Any + Send + Sync>) {
+        *sync::lock(&self.owner) = Some(o);
+    }
+
+    /// The object this slot belongs to, while it lives.
+    pub(crate) fn owner(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+        sync::lock(&self.owner)
+            .as_ref()
+            .and_then(std::sync::Weak::upgrade)
+    }
+
+    /// A clone of the target (children inherit their listener's).
+    pub(crate) fn target_clone(&self) -> Option<Target<E>> {
+        self.target()
+    }
+
+    /// Sets the closure run exactly once when the slot is torn down.
+    pub(crate) fn set_teardown(&self, f: Box<dyn FnOnce() + Send>) {
+        *sync::lock(&self.teardown) = Some(f);
+    }
+
+    pub(crate) fn phase(&self) -> Phase {
+        sync::lock(&self.inner).phase
+    }
+
+    pub(crate) fn is_live(&self) -> bool {
+        self.phase() == Phase::Live
+    }
+
+    fn target(&self) -> Option<Target<E>> {
+        sync::lock(&self.target).clone()
+    }
+
+    /// Queues an event. Discarded (and handed to `discard`) once the slot is not live.
+    pub(crate) fn push(self: &Arc<Self>, ev: E) {
+        self.push_inner(ev, false);
+    }
+
+    /// Queues a device-removal event: at most once, after the callback in flight, replacing
+    /// whatever was still queued; never if the slot is being destroyed.
+    pub(crate) fn push_removal(self: &Arc<Self>, ev: E) -> bool {
+        self.push_inner(ev, true)
+    }
+
+    fn push_inner(self: &Arc<Self>, ev: E, removal: bool) -> bool {
+        let target = self.target();
+        let mut g = sync::lock(&self.inner);
+        if g.phase != Phase::Live || (removal && g.removal_queued) || target.is_none() {
+            drop(g);
+            (self.discard)(ev);
+            return false;
+        }
+        let mut dropped = Vec::new();
+        if removal {
+            g.removal_queued = true;
+            dropped.extend(g.queue.drain(..));
+        }
+        match target {
+            Some(Target::Channel(ch)) => {
+                drop(g);
+                if removal {
+                    dropped.extend(ch.purge(self));
+                }
+                ch.push(self.clone(), ev);
+            }
+            Some(Target::Callback(_)) => {
+                g.queue.push_back(ev);
+                let schedule = !g.scheduled && g.running.is_none();
+                if schedule {
+                    g.scheduled = true;
+                }
+                drop(g);
+                if schedule {
+                    self.sched.schedule(self.clone());
+                }
+            }
+            None => {}
+        }
+        for d in dropped {
+            (self.discard)(d);
+        }
+        true
+    }
+
+    /// Runs queued callbacks one at a time until the queue is empty (the scheduler's job).
+    pub(crate) fn drain(self: &Arc<Self>) {
+        loop {
+            let mut g = sync::lock(&self.inner);
+            if g.phase != Phase::Live || g.queue.is_empty() {
+                g.scheduled = false;
+                let finish = g.phase == Phase::Destroying
+                    && g.running.is_none()
+                    && g.held == 0
+                    && !g.teardown_started;
+                if finish {
+                    g.teardown_started = true;
+                }
+                drop(g);
+                if finish {
+                    self.run_teardown();
+                }
+                return;
+            }
+            let Some(ev) = g.queue.pop_front() else {
+                continue;
+            };
+            g.running = Some(sync::thread::current().id());
+            drop(g);
+            let flow = match self.target() {
+                Some(Target::Callback(cb)) => self.call(&cb, ev),
+                _ => Flow::Continue,
+            };
+            let mut g = sync::lock(&self.inner);
+            g.running = None;
+            if (flow == Flow::Destroy || g.deferred) && g.phase == Phase::Live {
+                g.phase = Phase::Destroying;
+            }
+            let mut dropped = Vec::new();
+            if g.phase != Phase::Live {
+                dropped.extend(g.queue.drain(..));
+            }
+            let finish = g.phase == Phase::Destroying && g.held == 0 && !g.teardown_started;
+            if finish {
+                g.teardown_started = true;
+            }
+            if g.phase != Phase::Live {
+                g.scheduled = false;
+            }
+            drop(g);
+            self.cond.notify_all();
+            for d in dropped {
+                (self.discard)(d);
+            }
+            if finish {
+                self.run_teardown();
+                return;
+            }
+        }
+    }
+
+    fn call(&self, cb: &Callback<E>, ev: E) -> Flow {
+        let prev = CURRENT.with(|c| c.replace(std::ptr::from_ref(self) as usize));
+        let owner = self.owner();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(owner, ev)));
+        CURRENT.with(|c| c.set(prev));
+        r.unwrap_or_else(|_| {
+            // A panicking callback cannot be trusted with its id any more.
+            eprintln!("rcm: a callback panicked; destroying its id");
+            Flow::Destroy
+        })
+    }
+
+    /// Destroys the slot. With `block`, waits for a callback in flight on another thread
+    /// (unless the caller is inside a callback itself). Fails, changing nothing, when a
+    /// blocking destroy would wait for channel events the caller still holds.
+    pub(crate) fn destroy(self: &Arc<Self>, block: bool) -> Result<DestroyOutcome, usize> {
+        let mut g = sync::lock(&self.inner);
+        match g.phase {
+            Phase::Destroyed => return Ok(DestroyOutcome::Done),
+            Phase::Destroying => {
+                if !block || in_callback() {
+                    return Ok(DestroyOutcome::Deferred);
+                }
+                while g.phase != Phase::Destroyed {
+                    g = sync::wait(&self.cond, g);
+                }
+                return Ok(DestroyOutcome::Done);
+            }
+            Phase::Live => {}
+        }
+        if block && g.held > 0 {
+            return Err(g.held);
+        }
+        g.phase = Phase::Destroying;
+        let dropped: Vec<E> = g.queue.drain(..).collect();
+        let own = current_is(self);
+        if own {
+            g.deferred = true;
+        }
+        let busy = g.running.is_some() || g.held > 0;
+        let start_now = !busy && !g.teardown_started;
+        if start_now {
+            g.teardown_started = true;
+        }
+        drop(g);
+        if let Some(Target::Channel(ch)) = self.target() {
+            for d in ch.purge(self) {
+                (self.discard)(d);
+            }
+        }
+        for d in dropped {
+            (self.discard)(d);
+        }
+        if start_now {
+            self.run_teardown();
+            return Ok(DestroyOutcome::Done);
+        }
+        if own || !block || in_callback() {
+            return Ok(DestroyOutcome::Deferred);
+        }
+        let mut g = sync::lock(&self.inner);
+        while g.phase != Phase::Destroyed {
+            g = sync::wait(&self.cond, g);
+        }
+        Ok(DestroyOutcome::Done)
+    }
+
+    fn run_teardown(&self) {
+        let f = sync::lock(&self.teardown).take();
+        if let Some(f) = f {
+            f();
+        }
+        // Dropping the target drops the handler and whatever it captured: after the last
+        // callback, exactly once.
+        let t = sync::lock(&self.target).take();
+        drop(t);
+        let mut g = sync::lock(&self.inner);
+        g.phase = Phase::Destroyed;
+        let wakers = std::mem::take(&mut g.wakers);
+        drop(g);
+        self.cond.notify_all();
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    /// Blocks until the slot is destroyed.
+    pub(crate) fn wait_destroyed(&self) {
+        let mut g = sync::lock(&self.inner);
+        while g.phase != Phase::Destroyed {
+            g = sync::wait(&self.cond, g);
+        }
+    }
+
+    /// Like `wait_destroyed` with a bound; returns whether it was destroyed.
+    #[cfg(not(loom))]
+    pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
+        let end = std::time::Instant::now() + d;
+        let mut g = sync::lock(&self.inner);
+        while g.phase != Phase::Destroyed {
+            let now = std::time::Instant::now();
+            if now >= end {
+                return false;
+            }
+            g = sync::wait_timeout(&self.cond, g, end - now);
+        }
+        true
+    }
+
+    /// Registers a waker for async completion; returns true if already destroyed.
+    pub(crate) fn poll_destroyed(&self, w: &Waker) -> bool {
+        let mut g = sync::lock(&self.inner);
+        if g.phase == Phase::Destroyed {
+            return true;
+        }
+        if !g.wakers.iter().any(|x| x.will_wake(w)) {
+            g.wakers.push(w.clone());
+        }
+        false
+    }
+
+    /// A channel event was handed out.
+    fn hold(&self) -> bool {
+        let mut g = sync::lock(&self.inner);
+        if g.phase != Phase::Live {
+            return false;
+        }
+        g.held += 1;
+        true
+    }
+
+    /// A held channel event was dropped (acked).
+    pub(crate) fn ack(&self) {
+        let mut g = sync::lock(&self.inner);
+        g.held = g.held.saturating_sub(1);
+        let finish = g.held == 0
+            && g.phase == Phase::Destroying
+            && g.running.is_none()
+            && !g.teardown_started;
+        if finish {
+            g.teardown_started = true;
+        }
+        drop(g);
+        self.cond.notify_all();
+        if finish {
+            self.run_teardown();
+        }
+    }
+
+    /// Moves the slot to another channel: events not yet taken move with it, in order.
+    pub(crate) fn migrate(self: &Arc<Self>, to: &Arc<ChannelCore<E>>) -> bool {
+        let mut t = sync::lock(&self.target);
+        let Some(Target::Channel(from)) = t.as_ref() else {
+            return false;
+        };
+        if Arc::ptr_eq(from, to) {
+            return true;
+        }
+        let moved = from.purge(self);
+        *t = Some(Target::Channel(to.clone()));
+        drop(t);
+        for ev in moved {
+            to.push(self.clone(), ev);
+        }
+        true
+    }
+}
+
+/// The queue behind an event channel.
+pub(crate) struct ChannelCore<E> {
+    q: Mutex<VecDeque<(Arc<Slot<E>>, E)>>,
+    cond: Condvar,
+}
+
+impl<E: Send + 'static> ChannelCore<E> {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(ChannelCore {
+            q: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+        })
+    }
+
+    fn push(&self, s: Arc<Slot<E>>, ev: E) {
+        sync::lock(&self.q).push_back((s, ev));
+        self.cond.notify_one();
+    }
+
+    /// Removes and returns every queued event of `s`.
+    fn purge(&self, s: &Slot<E>) -> Vec<E> {
+        let mut q = sync::lock(&self.q);
+        let mut out = Vec::new();
+        let mut keep = VecDeque::with_capacity(q.len());
+        for (slot, ev) in q.drain(..) {
+            if std::ptr::eq(Arc::as_ptr(&slot), s) {
+                out.push(ev);
+            } else {
+                keep.push_back((slot, ev));
+            }
+        }
+        *q = keep;
+        out
+    }
+
+    /// Takes the next event of a live slot, marking it held; waits up to `timeout` (forever
+    /// with `None`; not at all with zero).
+    #[cfg(not(loom))]
+    pub(crate) fn take(&self, timeout: Option<std::time::Duration>) -> Option<(Arc<Slot<E>>, E)> {
+        let end = timeout.map(|t| std::time::Instant::now() + t);
+        let mut q = sync::lock(&self.q);
+        loop {
+            while let Some((s, ev)) = q.pop_front() {
+                if s.hold() {
+                    return Some((s, ev));
+                }
+                let d = s.discard;
+                drop(q);
+                d(ev);
+                q = sync::lock(&self.q);
+            }
+            match end {
+                None => q = sync::wait(&self.cond, q),
+                Some(e) => {
+                    let now = std::time::Instant::now();
+                    if now >= e {
+                        return None;
+                    }
+                    q = sync::wait_timeout(&self.cond, q, e - now);
+                }
+            }
+        }
+    }
+
+    /// Takes the next event without waiting (loom models use this).
+    #[cfg(loom)]
+    pub(crate) fn try_take(&self) -> Option<(Arc<Slot<E>>, E)> {
+        let mut q = sync::lock(&self.q);
+        while let Some((s, ev)) = q.pop_front() {
+            if s.hold() {
+                return Some((s, ev));
+            }
+            drop(q);
+            (s.discard)(ev);
+            q = sync::lock(&self.q);
+        }
+        None
+    }
+
+    /// Events queued (live or not).
+    pub(crate) fn len(&self) -> usize {
+        sync::lock(&self.q).len()
+    }
+}

@@ -1,0 +1,27 @@
+//! The one socket option std does not offer. Kept apart so the CM core stays free of `unsafe`.
+
+use std::net::UdpSocket;
+
+/// Sets `IP_MTU_DISCOVER = IP_PMTUDISC_DO` on an IPv4 UDP socket: Linux then sends IPv4 ID 0
+/// with DF set from an unconnected socket, which makes the RoCEv2 ICRC (it covers the ID)
+/// computable before sending. With the default (`WANT`) the kernel picks a hashed ID.
+pub(crate) fn pmtudisc_do(sock: &UdpSocket) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let val: libc::c_int = libc::IP_PMTUDISC_DO;
+    // SAFETY: `sock` owns a valid socket fd for the whole call, and the option value points at
+    // a live c_int whose size is passed as the length.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            std::ptr::from_ref(&val).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}

@@ -1,0 +1,301 @@
+//! Two devices on loopback in one process: connect, accept, reject with private data,
+//! disconnect, time out against a silent peer, device removal mid-connection, in callback
+//! and channel mode.
+
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
+    FabricConfig, Flow, PortSpace, State, Unreachable,
+};
+use rcm_proto::ib::RetryPolicy;
+use rcm_wire::cm::RejReason;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+/// A fabric of two loopback devices on a UDP port of its own (tests run in parallel).
+fn fabric(port: u16) -> Fabric {
+    let cfg = FabricConfig {
+        udp_port: port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(100),
+            max_wait: Duration::from_millis(400),
+            deadline: Duration::from_millis(1500),
+        },
+        min_timewait: Duration::ZERO,
+        ..FabricConfig::default()
+    };
+    Fabric::loopback_with(2, cfg).expect("loopback devices")
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::from([127, 0, 0, last]), port)
+}
+
+/// A server on 127.0.0.1:`port` that accepts (or rejects) with private data and reports
+/// what happened on `tx`.
+fn server(f: &Fabric, port: u16, reject: bool, tx: mpsc::Sender<String>) -> CmId {
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { private_data, .. } => {
+                tx.send(format!(
+                    "request {}",
+                    String::from_utf8_lossy(&private_data[..5])
+                ))
+                .unwrap();
+                if reject {
+                    id.reject(b"go away").unwrap();
+                } else {
+                    id.accept(&AcceptOptions {
+                        private_data: b"welcome".to_vec(),
+                        ..AcceptOptions::default()
+                    })
+                    .unwrap();
+                }
+            }
+            Event::Established { .. } => tx.send("server established".into()).unwrap(),
+            Event::Disconnected => tx.send("server disconnected".into()).unwrap(),
+            other => tx.send(format!("server {}", other.name())).unwrap(),
+        }
+        Flow::Continue
+    });
+    id.bind(addr(1, port)).unwrap();
+    id.listen(0).unwrap();
+    id
+}
+
+/// A client that resolves, connects with "hello", establishes and reports.
+fn client(f: &Fabric, dst: SocketAddr, tx: mpsc::Sender<String>) -> CmId {
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => {
+                id.connect(&ConnectOptions {
+                    private_data: b"hello".to_vec(),
+                    ..ConnectOptions::default()
+                })
+                .unwrap();
+            }
+            Event::ConnectResponse { private_data, .. } => {
+                tx.send(format!(
+                    "response {}",
+                    String::from_utf8_lossy(&private_data[..7])
+                ))
+                .unwrap();
+                id.establish().unwrap();
+            }
+            Event::Established { .. } => tx.send("client established".into()).unwrap(),
+            Event::Rejected {
+                reason,
+                private_data,
+            } => {
+                tx.send(format!(
+                    "rejected {} {}",
+                    reason.raw(),
+                    String::from_utf8_lossy(&private_data[..7])
+                ))
+                .unwrap();
+            }
+            Event::Unreachable(u) => tx.send(format!("unreachable {u:?}")).unwrap(),
+            Event::Disconnected => tx.send("client disconnected".into()).unwrap(),
+            other => tx.send(format!("client {}", other.name())).unwrap(),
+        }
+        Flow::Continue
+    });
+    id.resolve_addr(None, dst).unwrap();
+    id
+}
+
+fn expect(rx: &mpsc::Receiver<String>, want: &str) {
+    let mut seen = Vec::new();
+    loop {
+        match rx.recv_timeout(T) {
+            Ok(m) if m == want => return,
+            Ok(m) => seen.push(m),
+            Err(_) => panic!("waited for {want:?}; saw {seen:?}"),
+        }
+    }
+}
+
+#[test]
+fn connect_accept_disconnect_with_callbacks() {
+    let f = fabric(24791);
+    let (tx, rx) = mpsc::channel();
+    let srv = server(&f, 7471, false, tx.clone());
+    let cli = client(&f, addr(1, 7471), tx);
+    expect(&rx, "request hello");
+    expect(&rx, "response welcome");
+    expect(&rx, "client established");
+    expect(&rx, "server established");
+    assert_eq!(cli.state(), State::Established);
+    assert_eq!(cli.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 2]));
+    assert_eq!(cli.peer_addr(), Some(addr(1, 7471)));
+    cli.disconnect().unwrap();
+    expect(&rx, "server disconnected");
+    expect(&rx, "client disconnected");
+    assert_eq!(cli.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
+    // The child id (accepted connection) is still alive until destroyed; shutdown cleans up.
+    f.shutdown();
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+}
+
+#[test]
+fn reject_with_private_data_reaches_the_client() {
+    let f = fabric(24792);
+    let (tx, rx) = mpsc::channel();
+    let _srv = server(&f, 7471, true, tx.clone());
+    let _cli = client(&f, addr(1, 7471), tx);
+    expect(&rx, "request hello");
+    expect(&rx, "rejected 28 go away");
+    f.shutdown();
+}
+
+#[test]
+fn no_listener_is_rejected_invalid_service_id() {
+    let f = fabric(24793);
+    let (tx, rx) = mpsc::channel();
+    let _cli = client(&f, addr(1, 9999), tx);
+    let m = loop {
+        let m = rx.recv_timeout(T).unwrap();
+        if m.starts_with("rejected") {
+            break m;
+        }
+    };
+    assert!(
+        m.starts_with(&format!("rejected {}", RejReason::InvalidServiceId.raw())),
+        "{m}"
+    );
+    f.shutdown();
+}
+
+#[test]
+fn silent_peer_times_out_unreachable() {
+    let f = fabric(24794);
+    let (tx, rx) = mpsc::channel();
+    // Nobody serves 127.0.0.9: the REQ goes unanswered until the deadline.
+    let _cli = client(&f, addr(9, 7471), tx);
+    expect(&rx, &format!("unreachable {:?}", Unreachable::Timeout));
+    f.shutdown();
+}
+
+#[test]
+fn channel_mode_connect_and_held_events() {
+    let f = fabric(24795);
+    let ch = EventChannel::new();
+    let srv = f.create_id_on(PortSpace::Tcp, &ch);
+    srv.bind(addr(1, 7472)).unwrap();
+    srv.listen(4).unwrap();
+    let cli = f.create_id_on(PortSpace::Tcp, &ch);
+    cli.resolve_addr(None, addr(1, 7472)).unwrap();
+    let mut child = None;
+    let mut established = 0;
+    while established < 2 {
+        let mut e = ch.get_event(Some(T)).expect("event");
+        let id = e.id().clone();
+        match e.take().unwrap() {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => id.connect(&ConnectOptions::default()).unwrap(),
+            Event::ConnectRequest { listener, .. } => {
+                assert_eq!(listener, srv);
+                assert_ne!(id, srv);
+                id.accept(&AcceptOptions::default()).unwrap();
+                child = Some(id);
+            }
+            Event::ConnectResponse { .. } => {
+                // Holding this event: a blocking destroy must refuse, not hang.
+                assert_eq!(id.destroy(), Err(Error::EventsOutstanding(1)));
+                assert_eq!(
+                    id.state(),
+                    State::Connect,
+                    "the failed destroy changed nothing"
+                );
+                id.establish().unwrap();
+            }
+            Event::Established { .. } => established += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(cli.state(), State::Established);
+    let child = child.unwrap();
+    child.disconnect().unwrap();
+    let mut disc = 0;
+    while disc < 2 {
+        let e = ch.get_event(Some(T)).expect("event");
+        if matches!(e.event(), Event::Disconnected) {
+            disc += 1;
+        }
+    }
+    for id in [cli, child, srv] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+#[test]
+fn device_removal_mid_connection() {
+    let f = fabric(24796);
+    let (tx, rx) = mpsc::channel();
+    let removal_seen = Arc::new(AtomicUsize::new(0));
+    let seen = removal_seen.clone();
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let kids = children.clone();
+    let tx2 = tx.clone();
+    let srv = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                kids.lock().unwrap().push(id.clone());
+                id.accept(&AcceptOptions::default()).unwrap();
+            }
+            Event::Established { .. } => tx2.send("server established".into()).unwrap(),
+            Event::DeviceRemoval => {
+                seen.fetch_add(1, Ordering::SeqCst);
+                // After removal only destroy is valid.
+                assert_eq!(id.disconnect(), Err(Error::DeviceRemoved));
+                return Flow::Destroy;
+            }
+            _ => {}
+        }
+        Flow::Continue
+    });
+    srv.bind(addr(1, 7473)).unwrap();
+    srv.listen(0).unwrap();
+    let _cli = client(&f, addr(1, 7473), tx);
+    expect(&rx, "server established");
+    let removal = f.remove_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    // The listener (bound to the device) and the child both get exactly one DeviceRemoval,
+    // and both destroy themselves by returning Flow::Destroy.
+    removal
+        .wait(T)
+        .expect("removal completes once every id is destroyed");
+    assert_eq!(removal_seen.load(Ordering::SeqCst), 2);
+    assert_eq!(children.lock().unwrap()[0].state(), State::Destroying);
+    assert_eq!(srv.state(), State::Destroying);
+    f.shutdown();
+}
+
+#[test]
+fn removal_reports_who_holds_the_device() {
+    let f = fabric(24797);
+    let ch = EventChannel::new();
+    let srv = f.create_id_on(PortSpace::Tcp, &ch);
+    srv.bind(addr(1, 7474)).unwrap();
+    srv.listen(0).unwrap();
+    let removal = f.remove_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    assert_eq!(
+        removal.wait(Duration::from_millis(200)),
+        Err(vec![srv.key()])
+    );
+    let e = ch.get_event(Some(T)).unwrap();
+    assert!(matches!(e.event(), Event::DeviceRemoval));
+    drop(e);
+    assert_eq!(srv.listen(0), Err(Error::DeviceRemoved));
+    srv.destroy().unwrap();
+    removal.wait(T).unwrap();
+    f.shutdown();
+}
