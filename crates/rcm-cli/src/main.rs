@@ -1,4 +1,4 @@
-//! The `rcm` command: decode CM traffic now; bench, ping, stress and daemon to come.
+//! The `rcm` command: the benchmark, capture decoding, and (to come) ping, stress, daemon.
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -17,6 +17,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Connection-setup benchmark (cmtime for rcm). With no options it runs a server and a
+    /// client in this process on two loopback devices (127.0.0.1, 127.0.0.2), connects all
+    /// connections at once, and prints cmtime's per-step table, the connect rate, connect
+    /// latency percentiles and the loopback UDP round trip measured in the same run.
+    ///
+    /// Exit status: 0 when every connection was established and disconnected, 1 otherwise,
+    /// 2 on bad usage or when the devices cannot be opened.
+    Bench(BenchArgs),
     /// Decode RDMA CM traffic in a pcap/pcapng file: IB CM MADs over RoCEv2 (UDP 4791) and
     /// iWARP MPA over TCP, one line per message, every ICRC and MPA CRC verified.
     ///
@@ -34,6 +42,50 @@ enum Cmd {
     },
 }
 
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Connections.
+    #[arg(short = 'c', long = "connections", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    connections: u32,
+    /// Make connections one at a time (latency) instead of all in flight (throughput).
+    #[arg(long)]
+    serial: bool,
+    /// Transport: roce (RoCEv2 CM over UDP) or iwarp (MPA over TCP).
+    #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"])]
+    transport: String,
+    /// Callback threads.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// rdma_cm port (TCP port space).
+    #[arg(short = 'p', long, default_value_t = 7471)]
+    port: u16,
+    /// UDP port of the RoCEv2 devices (4791 is the standard; change it to run beside another rcm).
+    #[arg(long, default_value_t = 4791)]
+    udp_port: u16,
+    /// Also time the TCP baseline: the same N connections as TCP connect + 56-byte exchange + close.
+    #[arg(long, value_parser = ["tcp"])]
+    baseline: Option<String>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write the connect-latency distribution (CDF) as an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Serve only, on --bind (another host runs the client with --server).
+    #[arg(long, conflicts_with = "server", requires = "bind")]
+    listen: bool,
+    /// Run only the client, against a server on this address.
+    #[arg(long, value_name = "IP", requires = "bind")]
+    server: Option<std::net::IpAddr>,
+    /// Local address of this side (its device).
+    #[arg(long, value_name = "IP")]
+    bind: Option<std::net::IpAddr>,
+    /// Seconds to wait for any one step before giving up.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -42,6 +94,59 @@ fn main() -> ExitCode {
             verbose,
             json,
         } => decode(&file, verbose, json),
+        Cmd::Bench(a) => bench(&a),
+    }
+}
+
+fn bench(a: &BenchArgs) -> ExitCode {
+    use rcm_cli::bench;
+    if a.transport == "iwarp" {
+        eprintln!("rcm bench: the iWARP transport is not implemented yet (only roce)");
+        return ExitCode::from(2);
+    }
+    let o = bench::BenchOpts {
+        connections: a.connections as usize,
+        serial: a.serial,
+        listen: a.listen,
+        server: a.server,
+        bind: a.bind,
+        port: a.port,
+        udp_port: a.udp_port,
+        threads: a.threads as usize,
+        baseline_tcp: a.baseline.is_some(),
+        progress: !a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        step_timeout: std::time::Duration::from_secs(a.timeout),
+    };
+    let r = if a.listen || a.server.is_some() {
+        bench::run_remote(&o)
+    } else {
+        bench::run_local(&o)
+    };
+    let r = match r {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rcm bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let Some(r) = r else {
+        return ExitCode::SUCCESS;
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+    } else {
+        bench::print_table(&r);
+    }
+    if let Some(p) = &a.plot {
+        if let Err(e) = bench::write_plot(&r, p) {
+            eprintln!("rcm bench: writing {}: {e}", p.display());
+            return ExitCode::from(2);
+        }
+    }
+    if r.errors == 0 && r.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

@@ -56,6 +56,7 @@ impl DeviceInner {
         if ip.is_ipv4() {
             crate::sys::pmtudisc_do(&sock)?;
         }
+        crate::sys::grow_buffers(&sock, 16 << 20);
         let sock = Arc::new(sock);
         let io_sock = sock.clone();
         let dev = Arc::new(DeviceInner {

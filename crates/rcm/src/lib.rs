@@ -22,23 +22,42 @@
 //! 7. A channel event holds its id; a blocking destroy of an id whose events are held fails
 //!    with [`Error::EventsOutstanding`] instead of hanging.
 
+// Under `--cfg loom` only the concurrency core (`slot`, `sync`) is built, for the models in
+// `tests/loom.rs`: the rest does I/O on std threads and sockets that loom cannot run.
+#[cfg(not(loom))]
 mod device;
+#[cfg(not(loom))]
 mod error;
+#[cfg(not(loom))]
 mod event;
+#[cfg(not(loom))]
 mod fabric;
+#[cfg(not(loom))]
 mod id;
+#[cfg(not(loom))]
 mod ports;
+// Under loom the core's users are not built, so some of its crate-private API is unused.
+#[cfg_attr(loom, allow(dead_code))]
 mod slot;
 mod sync;
+#[cfg(not(loom))]
 mod sys;
 
+#[cfg(not(loom))]
 pub use error::{Error, Result};
+#[cfg(not(loom))]
 pub use event::{ConnParam, Event, UdParam, Unreachable};
+#[cfg(not(loom))]
 pub use fabric::{Device, Fabric, FabricConfig, Removal};
+#[cfg(not(loom))]
 pub use id::{
     any_addr, AcceptOptions, ChannelEvent, CmId, ConnectOptions, DestroyHandle, EventChannel,
     Handler, QpAttr, QpState, State,
 };
+#[cfg(not(loom))]
 pub use ports::EPHEMERAL;
 pub use rcm_wire::cma::PortSpace;
+/// Test support for the loom models (`--cfg loom` only; not part of the API).
+#[cfg(loom)]
+pub use slot::loom_api;
 pub use slot::{DestroyOutcome, Flow};

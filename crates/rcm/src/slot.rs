@@ -535,3 +535,189 @@ impl<E: Send + 'static> ChannelCore<E> {
         sync::lock(&self.q).len()
     }
 }
+
+/// Test support for the loom models in `tests/loom.rs`, built only with `--cfg loom`: a public
+/// face over the crate-private core. Thin wrappers only; not part of the API.
+#[cfg(loom)]
+pub mod loom_api {
+    use super::{ChannelCore, DestroyOutcome, Flow, Scheduler, Slot, Target};
+    use std::sync::{Arc, Weak};
+    use std::task::Waker;
+
+    /// A slot's lifecycle phase.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Phase {
+        /// Callbacks may run.
+        Live,
+        /// No callback starts any more; the teardown has not completed.
+        Destroying,
+        /// Torn down.
+        Destroyed,
+    }
+
+    struct FnSched<E>(Box<dyn Fn(SlotHandle<E>) + Send + Sync>);
+
+    impl<E> Scheduler<E> for FnSched<E> {
+        fn schedule(&self, slot: Arc<Slot<E>>) {
+            (self.0)(SlotHandle(slot));
+        }
+    }
+
+    /// A shared handle on one slot.
+    pub struct SlotHandle<E>(Arc<Slot<E>>);
+
+    impl<E> Clone for SlotHandle<E> {
+        fn clone(&self) -> Self {
+            SlotHandle(self.0.clone())
+        }
+    }
+
+    /// A weak handle on a slot (for callbacks that refer to slots without keeping them alive).
+    pub struct WeakSlot<E>(Weak<Slot<E>>);
+
+    impl<E> Clone for WeakSlot<E> {
+        fn clone(&self) -> Self {
+            WeakSlot(self.0.clone())
+        }
+    }
+
+    impl<E> WeakSlot<E> {
+        /// The slot, if it still exists.
+        pub fn upgrade(&self) -> Option<SlotHandle<E>> {
+            self.0.upgrade().map(SlotHandle)
+        }
+    }
+
+    /// Whether the calling thread is inside some slot's callback.
+    pub fn in_callback() -> bool {
+        super::in_callback()
+    }
+
+    impl<E: Send + 'static> SlotHandle<E> {
+        /// A callback-mode slot: `cb` gets its events; `sched` is called whenever the slot is
+        /// scheduled and must (eventually) call [`SlotHandle::drain`] once — calling it
+        /// directly is an inline scheduler.
+        pub fn with_callback(
+            cb: impl Fn(E) -> Flow + Send + Sync + 'static,
+            sched: impl Fn(SlotHandle<E>) + Send + Sync + 'static,
+            discard: fn(E),
+        ) -> Self {
+            let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
+            SlotHandle(Slot::new(
+                Target::Callback(cb),
+                Arc::new(FnSched(Box::new(sched))),
+                discard,
+            ))
+        }
+
+        /// A channel-mode slot whose events go to `ch`.
+        pub fn with_channel(ch: &Channel<E>, discard: fn(E)) -> Self {
+            SlotHandle(Slot::new(
+                Target::Channel(ch.0.clone()),
+                Arc::new(FnSched(Box::new(|_| {}))),
+                discard,
+            ))
+        }
+
+        /// Sets the teardown closure.
+        pub fn set_teardown(&self, f: impl FnOnce() + Send + 'static) {
+            self.0.set_teardown(Box::new(f));
+        }
+
+        /// `Slot::push`.
+        pub fn push(&self, ev: E) {
+            self.0.push(ev);
+        }
+
+        /// `Slot::push_removal`.
+        pub fn push_removal(&self, ev: E) -> bool {
+            self.0.push_removal(ev)
+        }
+
+        /// `Slot::drain` (the scheduler's job).
+        pub fn drain(&self) {
+            self.0.drain();
+        }
+
+        /// `Slot::destroy`.
+        pub fn destroy(&self, block: bool) -> Result<DestroyOutcome, usize> {
+            self.0.destroy(block)
+        }
+
+        /// `Slot::ack`.
+        pub fn ack(&self) {
+            self.0.ack();
+        }
+
+        /// `Slot::migrate`.
+        pub fn migrate(&self, to: &Channel<E>) -> bool {
+            self.0.migrate(&to.0)
+        }
+
+        /// `Slot::wait_destroyed`.
+        pub fn wait_destroyed(&self) {
+            self.0.wait_destroyed();
+        }
+
+        /// `Slot::poll_destroyed`.
+        pub fn poll_destroyed(&self, w: &Waker) -> bool {
+            self.0.poll_destroyed(w)
+        }
+
+        /// The slot's phase.
+        pub fn phase(&self) -> Phase {
+            match self.0.phase() {
+                super::Phase::Live => Phase::Live,
+                super::Phase::Destroying => Phase::Destroying,
+                super::Phase::Destroyed => Phase::Destroyed,
+            }
+        }
+
+        /// A weak handle.
+        pub fn downgrade(&self) -> WeakSlot<E> {
+            WeakSlot(Arc::downgrade(&self.0))
+        }
+
+        /// Whether both handles are the same slot.
+        pub fn ptr_eq(&self, other: &Self) -> bool {
+            Arc::ptr_eq(&self.0, &other.0)
+        }
+    }
+
+    /// An event channel's queue.
+    pub struct Channel<E>(Arc<ChannelCore<E>>);
+
+    impl<E> Clone for Channel<E> {
+        fn clone(&self) -> Self {
+            Channel(self.0.clone())
+        }
+    }
+
+    impl<E: Send + 'static> Default for Channel<E> {
+        fn default() -> Self {
+            Channel(ChannelCore::new())
+        }
+    }
+
+    impl<E: Send + 'static> Channel<E> {
+        /// A new channel.
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        /// `ChannelCore::try_take`: the next event of a live slot, now held.
+        pub fn try_take(&self) -> Option<(SlotHandle<E>, E)> {
+            self.0.try_take().map(|(s, e)| (SlotHandle(s), e))
+        }
+
+        /// Events queued (live or not).
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+
+        /// Whether no event is queued.
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+    }
+}

@@ -1,10 +1,15 @@
 //! The synchronisation primitives the concurrency core uses: std's, or loom's when the crate
 //! is built with `--cfg loom` so the core can be model-checked.
 
+// `Arc` stays std's under loom: the core needs `self: &Arc<Self>` receivers and `Arc<dyn ..>`
+// coercions, which loom's `Arc` cannot provide on stable. Reference counting is not what the
+// models check; the locks and condition variables, which are, are loom's.
 #[cfg(loom)]
-pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
+pub(crate) use loom::sync::{Condvar, Mutex, MutexGuard};
 #[cfg(loom)]
 pub(crate) use loom::thread;
+#[cfg(loom)]
+pub(crate) use std::sync::Arc;
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -25,3 +25,33 @@ pub(crate) fn pmtudisc_do(sock: &UdpSocket) -> std::io::Result<()> {
         Err(std::io::Error::last_os_error())
     }
 }
+
+/// Asks for `bytes` of socket buffer in each direction: `SO_RCVBUFFORCE`/`SO_SNDBUFFORCE`
+/// when permitted (root or CAP_NET_ADMIN), else the capped `SO_RCVBUF`/`SO_SNDBUF`. A burst
+/// of thousands of connects arrives faster than one thread drains it; a small buffer turns
+/// that into drops and second-long retransmission tails.
+pub(crate) fn grow_buffers(sock: &UdpSocket, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let val = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    for (force, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        for opt in [force, plain] {
+            // SAFETY: `sock` owns a valid fd for the call; the value points at a live c_int
+            // whose size is passed.
+            let rc = unsafe {
+                libc::setsockopt(
+                    sock.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    std::ptr::from_ref(&val).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc == 0 {
+                break;
+            }
+        }
+    }
+}

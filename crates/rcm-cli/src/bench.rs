@@ -1,0 +1,811 @@
+//! `rcm bench`: cmtime for rcm. The same steps and columns as rdma-core's cmtime (v52+), so
+//! results compare directly, plus connect-latency percentiles, a TCP baseline and the
+//! loopback UDP round trip measured in the same run.
+
+use hdrhistogram::Histogram;
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, Flow,
+    PortSpace, QpState,
+};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOpts {
+    /// Connections.
+    pub connections: usize,
+    /// One connection at a time instead of all in flight.
+    pub serial: bool,
+    /// Serve only (on `bind`, forever or until `connections` were served).
+    pub listen: bool,
+    /// Connect to a server elsewhere instead of running both sides here.
+    pub server: Option<IpAddr>,
+    /// Local address (client side with `server`, server side with `listen`).
+    pub bind: Option<IpAddr>,
+    /// rdma_cm port.
+    pub port: u16,
+    /// UDP port of the RoCEv2 devices (4791 on a real network).
+    pub udp_port: u16,
+    /// Callback threads.
+    pub threads: usize,
+    /// Also run the TCP baseline.
+    pub baseline_tcp: bool,
+    /// Show a progress bar.
+    pub progress: bool,
+    /// Give up waiting for a step after this long.
+    pub step_timeout: Duration,
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Step {
+    /// cmtime's step name.
+    pub step: &'static str,
+    /// total / connections.
+    pub avg_per_conn_us: f64,
+    /// Wall time of the step over all connections.
+    pub total_us: f64,
+    /// sum / connections.
+    pub us_per_conn: f64,
+    /// Sum of per-connection durations.
+    pub sum_us: f64,
+    /// Slowest connection.
+    pub max_us: f64,
+    /// Fastest connection.
+    pub min_us: f64,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Connections attempted.
+    pub connections: usize,
+    /// Connections established.
+    pub established: usize,
+    /// Connections that failed (reject, unreachable, error, timeout).
+    pub errors: usize,
+    /// Whether connections were made one at a time.
+    pub serial: bool,
+    /// Connections per second: connections / wall time from first resolve to last established.
+    pub conn_per_s: f64,
+    /// Full cycles (connect + private-data exchange + disconnect) per second.
+    pub cycle_per_s: f64,
+    /// Connect latency (connect call → established), microseconds.
+    pub connect_p50_us: f64,
+    /// 99th percentile.
+    pub connect_p99_us: f64,
+    /// Loopback UDP round trip measured in the same run (median, microseconds).
+    pub udp_rtt_p50_us: f64,
+    /// The per-step table.
+    pub steps: Vec<Step>,
+    /// TCP baseline: connect + QP-info-sized exchange + close, per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline_conn_per_s: Option<f64>,
+    /// What went wrong, if anything.
+    pub failures: Vec<String>,
+    /// Connect latencies (for plots), microseconds.
+    #[serde(skip)]
+    pub latencies_us: Vec<f64>,
+}
+
+struct Timing {
+    start: Vec<Option<Instant>>,
+    dur: Vec<Option<Duration>>,
+}
+
+impl Timing {
+    fn new(n: usize) -> Self {
+        Timing {
+            start: vec![None; n],
+            dur: vec![None; n],
+        }
+    }
+    fn begin(&mut self, i: usize) {
+        self.start[i] = Some(Instant::now());
+    }
+    fn end(&mut self, i: usize) {
+        if let Some(s) = self.start[i] {
+            self.dur[i].get_or_insert(s.elapsed());
+        }
+    }
+    fn done(&self) -> usize {
+        self.dur.iter().filter(|d| d.is_some()).count()
+    }
+}
+
+fn step(name: &'static str, total: Duration, t: &Timing, n: usize) -> Step {
+    let ds: Vec<f64> = t
+        .dur
+        .iter()
+        .flatten()
+        .map(|d| d.as_secs_f64() * 1e6)
+        .collect();
+    let sum: f64 = ds.iter().sum();
+    let n = n.max(1) as f64;
+    Step {
+        step: name,
+        avg_per_conn_us: total.as_secs_f64() * 1e6 / n,
+        total_us: total.as_secs_f64() * 1e6,
+        us_per_conn: sum / n,
+        sum_us: sum,
+        max_us: ds.iter().copied().fold(0.0, f64::max),
+        min_us: ds
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min)
+            .min(if ds.is_empty() { 0.0 } else { f64::INFINITY }),
+    }
+}
+
+/// Times a synchronous per-connection step.
+fn sync_step(
+    name: &'static str,
+    ids: &[CmId],
+    f: impl Fn(&CmId) -> rcm::Result<()>,
+    failures: &mut Vec<String>,
+) -> Step {
+    let mut t = Timing::new(ids.len());
+    let start = Instant::now();
+    for (i, id) in ids.iter().enumerate() {
+        t.begin(i);
+        if let Err(e) = f(id) {
+            failures.push(format!("{name} #{i}: {e}"));
+        }
+        t.end(i);
+    }
+    step(name, start.elapsed(), &t, ids.len())
+}
+
+/// A server on `fabric`: accepts every request, destroys each connection when it goes down.
+pub fn serve(
+    fabric: &Fabric,
+    bind: SocketAddr,
+    backlog: usize,
+    served: Arc<AtomicUsize>,
+) -> rcm::Result<CmId> {
+    let l = fabric.create_id(PortSpace::Tcp, move |id, ev| match ev {
+        Event::ConnectRequest { .. } => {
+            let opts = AcceptOptions {
+                private_data: b"rcm bench accept".to_vec(),
+                ..AcceptOptions::default()
+            };
+            if id.accept(&opts).is_err() {
+                return Flow::Destroy;
+            }
+            Flow::Continue
+        }
+        Event::Established { .. } => {
+            served.fetch_add(1, Ordering::Relaxed);
+            Flow::Continue
+        }
+        Event::Disconnected
+        | Event::Rejected { .. }
+        | Event::Unreachable(_)
+        | Event::DeviceRemoval => Flow::Destroy,
+        _ => Flow::Continue,
+    });
+    l.bind(bind)?;
+    l.listen(backlog)?;
+    Ok(l)
+}
+
+/// Runs the client side against `dst` on `fabric`, all connections in flight at once (or one
+/// at a time with `serial`).
+pub fn run_client(fabric: &Fabric, src: IpAddr, dst: SocketAddr, o: &BenchOpts) -> Report {
+    let n = o.connections;
+    let mut failures = Vec::new();
+    let mut steps = Vec::new();
+    let pb = progress(o, n);
+    let ch = EventChannel::new();
+
+    let create_start = Instant::now();
+    let mut t = Timing::new(n);
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        t.begin(i);
+        ids.push(fabric.create_id_on(PortSpace::Tcp, &ch));
+        t.end(i);
+    }
+    steps.push(step("create id", create_start.elapsed(), &t, n));
+    let index: HashMap<u64, usize> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (id.key(), i))
+        .collect();
+    steps.push(sync_step(
+        "bind addr",
+        &ids,
+        |id| id.bind(SocketAddr::new(src, 0)),
+        &mut failures,
+    ));
+
+    let batch = if o.serial { 1 } else { n };
+    let mut resolve_addr = Timing::new(n);
+    let mut resolve_route = Timing::new(n);
+    let mut connect = Timing::new(n);
+    let mut establish = Timing::new(n);
+    let mut rtr = Timing::new(n);
+    let mut rts = Timing::new(n);
+    let mut latency = Timing::new(n);
+    let mut disconnect = Timing::new(n);
+    let mut failed = vec![false; n];
+    let (mut t_addr, mut t_route, mut t_conn, mut t_est, mut t_disc) = (
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+    );
+    let mut qp_create = Duration::ZERO;
+    let mut init_attr = Duration::ZERO;
+    let mut full = Duration::ZERO;
+    let mut cycle = Duration::ZERO;
+    let mut qp_timing = Timing::new(n);
+    let mut init_timing = Timing::new(n);
+
+    for chunk_start in (0..n).step_by(batch) {
+        let range = chunk_start..(chunk_start + batch).min(n);
+        let chunk_ids = &ids[range.clone()];
+        let full_start = Instant::now();
+        // resolve addr
+        let s = Instant::now();
+        for (k, id) in chunk_ids.iter().enumerate() {
+            resolve_addr.begin(chunk_start + k);
+            if let Err(e) = id.resolve_addr(None, dst) {
+                failures.push(format!("resolve addr: {e}"));
+            }
+        }
+        wait(
+            &ch,
+            &index,
+            &range,
+            o.step_timeout,
+            &mut failures,
+            &mut failed,
+            |i, ev, _| match ev {
+                Event::AddrResolved => {
+                    resolve_addr.end(i);
+                    true
+                }
+                _ => false,
+            },
+        );
+        t_addr += s.elapsed();
+        // resolve route
+        let s = Instant::now();
+        for (k, id) in chunk_ids.iter().enumerate() {
+            resolve_route.begin(chunk_start + k);
+            if let Err(e) = id.resolve_route() {
+                failures.push(format!("resolve route: {e}"));
+            }
+        }
+        wait(
+            &ch,
+            &index,
+            &range,
+            o.step_timeout,
+            &mut failures,
+            &mut failed,
+            |i, ev, _| match ev {
+                Event::RouteResolved => {
+                    resolve_route.end(i);
+                    true
+                }
+                _ => false,
+            },
+        );
+        t_route += s.elapsed();
+        // create qp: as cmtime -m, QPs are mimicked: a QPN is invented, no QP is attached, so
+        // the active side gets CONNECT_RESPONSE and finishes with RTR/RTS + establish.
+        let s = Instant::now();
+        for k in 0..chunk_ids.len() {
+            qp_timing.begin(chunk_start + k);
+            qp_timing.end(chunk_start + k);
+        }
+        qp_create += s.elapsed();
+        let s = Instant::now();
+        for (k, id) in chunk_ids.iter().enumerate() {
+            init_timing.begin(chunk_start + k);
+            let _ = id.init_qp_attr(QpState::Init);
+            init_timing.end(chunk_start + k);
+        }
+        init_attr += s.elapsed();
+        // cm connect: REQ out, REP back (CONNECT_RESPONSE).
+        let s = Instant::now();
+        for (k, id) in chunk_ids.iter().enumerate() {
+            let i = chunk_start + k;
+            connect.begin(i);
+            latency.begin(i);
+            let opts = ConnectOptions {
+                private_data: b"rcm bench connect".to_vec(),
+                qpn: Some(1000 + i as u32),
+                ..ConnectOptions::default()
+            };
+            if let Err(e) = id.connect(&opts) {
+                failures.push(format!("connect: {e}"));
+            }
+        }
+        let mut early = vec![false; n];
+        wait(
+            &ch,
+            &index,
+            &range,
+            o.step_timeout,
+            &mut failures,
+            &mut failed,
+            |i, ev, id| match ev {
+                // The RTU goes out inside establish(), so ESTABLISHED can overtake other
+                // connections' responses: note it for the next step.
+                Event::Established { .. } => {
+                    establish.end(i);
+                    latency.end(i);
+                    early[i] = true;
+                    false
+                }
+                Event::ConnectResponse { .. } => {
+                    connect.end(i);
+                    rtr.begin(i);
+                    let _ = id.init_qp_attr(QpState::Rtr);
+                    rtr.end(i);
+                    rts.begin(i);
+                    let _ = id.init_qp_attr(QpState::Rts);
+                    rts.end(i);
+                    establish.begin(i);
+                    if id.establish().is_err() {
+                        return false;
+                    }
+                    true
+                }
+                _ => false,
+            },
+        );
+        t_conn += s.elapsed();
+        // establish: RTU out, ESTABLISHED reported.
+        let est_start = Instant::now();
+        for i in range.clone() {
+            if early[i] {
+                if let Some(pb) = &pb {
+                    pb.inc(1);
+                }
+            }
+        }
+        let mut skip: Vec<bool> = early.clone();
+        wait(
+            &ch,
+            &index,
+            &range,
+            o.step_timeout,
+            &mut failures,
+            &mut skip,
+            |i, ev, _| match ev {
+                Event::Established { .. } => {
+                    establish.end(i);
+                    latency.end(i);
+                    if let Some(pb) = &pb {
+                        pb.inc(1);
+                    }
+                    true
+                }
+                _ => false,
+            },
+        );
+        t_est += est_start.elapsed();
+        for i in range.clone() {
+            if skip[i] && !early[i] {
+                failed[i] = true;
+            }
+        }
+        full += full_start.elapsed();
+        // disconnect
+        let s = Instant::now();
+        for (k, id) in chunk_ids.iter().enumerate() {
+            let i = chunk_start + k;
+            if failed[i] {
+                continue;
+            }
+            disconnect.begin(i);
+            if let Err(e) = id.disconnect() {
+                failures.push(format!("disconnect: {e}"));
+            }
+        }
+        wait(
+            &ch,
+            &index,
+            &range,
+            o.step_timeout,
+            &mut failures,
+            &mut failed,
+            |i, ev, _| match ev {
+                Event::Disconnected => {
+                    disconnect.end(i);
+                    true
+                }
+                _ => false,
+            },
+        );
+        t_disc += s.elapsed();
+        cycle += full_start.elapsed();
+    }
+    if let Some(pb) = &pb {
+        pb.finish_and_clear();
+    }
+    steps.push(step("resolve addr", t_addr, &resolve_addr, n));
+    steps.push(step("resolve route", t_route, &resolve_route, n));
+    steps.push(step("create qp", qp_create, &qp_timing, n));
+    steps.push(step("init qp attr", init_attr, &init_timing, n));
+    steps.push(step("cm connect", t_conn, &connect, n));
+    steps.push(step("rtr qp attr", t_conn, &rtr, n));
+    steps.push(step("rts qp attr", t_conn, &rts, n));
+    steps.push(step("establish", t_est, &establish, n));
+    steps.push(step("disconnect", t_disc, &disconnect, n));
+    steps.push(sync_step(
+        "destroy id",
+        &ids,
+        |id| id.destroy().map(|_| ()),
+        &mut failures,
+    ));
+    let mut full_step = step("full connect", full, &Timing::new(0), n);
+    full_step.sum_us = 0.0;
+    full_step.us_per_conn = 0.0;
+    full_step.max_us = 0.0;
+    full_step.min_us = 0.0;
+    steps.insert(0, full_step);
+
+    let established = latency.done();
+    let lat: Vec<f64> = latency
+        .dur
+        .iter()
+        .flatten()
+        .map(|d| d.as_secs_f64() * 1e6)
+        .collect();
+    let mut h = Histogram::<u64>::new(3).unwrap_or_else(|_| Histogram::new(2).expect("histogram"));
+    for v in &lat {
+        let _ = h.record(v.max(1.0) as u64);
+    }
+    let pct = |q: f64| {
+        if lat.is_empty() {
+            0.0
+        } else {
+            h.value_at_quantile(q) as f64
+        }
+    };
+    Report {
+        connections: n,
+        established,
+        errors: n - established,
+        serial: o.serial,
+        conn_per_s: if full.is_zero() {
+            0.0
+        } else {
+            established as f64 / full.as_secs_f64()
+        },
+        cycle_per_s: if cycle.is_zero() {
+            0.0
+        } else {
+            established as f64 / cycle.as_secs_f64()
+        },
+        connect_p50_us: pct(0.5),
+        connect_p99_us: pct(0.99),
+        udp_rtt_p50_us: 0.0,
+        steps,
+        baseline_conn_per_s: None,
+        failures,
+        latencies_us: lat,
+    }
+}
+
+/// Takes events until every live connection in `range` satisfied `on` (or failed).
+fn wait(
+    ch: &EventChannel,
+    index: &HashMap<u64, usize>,
+    range: &std::ops::Range<usize>,
+    timeout: Duration,
+    failures: &mut Vec<String>,
+    failed: &mut [bool],
+    mut on: impl FnMut(usize, &Event, &CmId) -> bool,
+) {
+    let mut pending: usize = range.clone().filter(|i| !failed[*i]).count();
+    let end = Instant::now() + timeout;
+    let mut done = vec![false; range.len()];
+    while pending > 0 {
+        let left = end.saturating_duration_since(Instant::now());
+        let Some(e) = ch.get_event(Some(left)) else {
+            failures.push(format!(
+                "timed out with {pending} connection(s) still waiting"
+            ));
+            for (k, d) in done.iter().enumerate() {
+                if !d {
+                    failed[range.start + k] = true;
+                }
+            }
+            return;
+        };
+        let Some(&i) = index.get(&e.id().key()) else {
+            continue;
+        };
+        if !range.contains(&i) || failed[i] {
+            continue;
+        }
+        // Every event goes to `on`, even for connections this step is done with: a later
+        // step's event can arrive early and must not be lost.
+        let hit = on(i, e.event(), e.id());
+        if done[i - range.start] {
+            continue;
+        }
+        if hit {
+            done[i - range.start] = true;
+            pending -= 1;
+        } else if matches!(
+            e.event(),
+            Event::Rejected { .. }
+                | Event::Unreachable(_)
+                | Event::ConnectError(_)
+                | Event::AddrError(_)
+                | Event::RouteError(_)
+        ) {
+            failures.push(format!("connection {i}: {}", e.event().name()));
+            failed[i] = true;
+            done[i - range.start] = true;
+            pending -= 1;
+        }
+    }
+}
+
+fn progress(o: &BenchOpts, n: usize) -> Option<indicatif::ProgressBar> {
+    if !o.progress || n < 2000 {
+        return None;
+    }
+    let pb = indicatif::ProgressBar::new(n as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} connecting [{bar:40}] {pos}/{len} {per_sec}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Some(pb)
+}
+
+/// Median loopback UDP round trip between two sockets, in microseconds.
+pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize) -> std::io::Result<f64> {
+    let s1 = UdpSocket::bind(SocketAddr::new(a, 0))?;
+    let s2 = UdpSocket::bind(SocketAddr::new(b, 0))?;
+    s1.set_read_timeout(Some(Duration::from_secs(1)))?;
+    s2.set_read_timeout(Some(Duration::from_secs(1)))?;
+    let (a2, b2) = (s1.local_addr()?, s2.local_addr()?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = stop.clone();
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while !st.load(Ordering::Relaxed) {
+            if let Ok((n, from)) = s2.recv_from(&mut buf) {
+                let _ = s2.send_to(&buf[..n], from);
+            }
+        }
+    });
+    let msg = [0u8; 280];
+    let mut buf = [0u8; 512];
+    let mut v = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        s1.send_to(&msg, b2)?;
+        s1.recv_from(&mut buf)?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let _ = UdpSocket::bind(SocketAddr::new(a, 0)).and_then(|s| s.send_to(&[0], b2));
+    let _ = echo.join();
+    let _ = a2;
+    v.sort_by(f64::total_cmp);
+    Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
+}
+
+/// The TCP baseline: `n` × (connect + 56-byte exchange each way + close), from two threads,
+/// spread over 127.0.x.y so TIME_WAIT does not cap it. Returns connections per second.
+pub fn tcp_baseline(n: usize) -> std::io::Result<f64> {
+    let listener = TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
+    let port = listener.local_addr()?.port();
+    let served = Arc::new(AtomicUsize::new(0));
+    let sv = served.clone();
+    let total = n;
+    let server = std::thread::spawn(move || {
+        let mut buf = [0u8; 56];
+        while sv.load(Ordering::Relaxed) < total {
+            let Ok((mut s, _)) = listener.accept() else {
+                break;
+            };
+            if s.read_exact(&mut buf).is_ok() {
+                let _ = s.write_all(&buf);
+            }
+            sv.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let threads = 2;
+    let start = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = [0u8; 56];
+                for i in (t..n).step_by(threads) {
+                    let host = 1 + (i % 250) as u8;
+                    let net = (i / 250 % 250) as u8;
+                    let dst = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, net, host)), port);
+                    let mut s = TcpStream::connect(dst)?;
+                    s.set_nodelay(true)?;
+                    s.write_all(&[7u8; 56])?;
+                    s.read_exact(&mut buf)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join()
+            .map_err(|_| std::io::Error::other("baseline thread panicked"))??;
+    }
+    let el = start.elapsed();
+    let _ = server.join();
+    Ok(n as f64 / el.as_secs_f64())
+}
+
+/// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
+/// interrupted (returns `None`), `--server` runs the client from `--bind`.
+pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
+    let bind = o
+        .bind
+        .ok_or("--bind is required with --listen or --server")?;
+    let cfg = FabricConfig {
+        udp_port: o.udp_port,
+        dispatcher_threads: o.threads,
+        ..FabricConfig::default()
+    };
+    let fabric = Fabric::new(cfg);
+    fabric
+        .add_device(bind)
+        .map_err(|e| format!("device on {bind}: {e}"))?;
+    if o.listen {
+        let served = Arc::new(AtomicUsize::new(0));
+        let _srv = serve(
+            &fabric,
+            SocketAddr::new(bind, o.port),
+            65536,
+            served.clone(),
+        )
+        .map_err(|e| format!("listen: {e}"))?;
+        eprintln!(
+            "rcm bench: serving on {bind}:{} (UDP {}); Ctrl-C to stop",
+            o.port, o.udp_port
+        );
+        loop {
+            std::thread::sleep(Duration::from_secs(5));
+            eprintln!(
+                "rcm bench: {} connections served",
+                served.load(Ordering::Relaxed)
+            );
+        }
+    }
+    let server = o.server.ok_or("--server is required")?;
+    let r = run_client(&fabric, bind, SocketAddr::new(server, o.port), o);
+    fabric.shutdown();
+    Ok(Some(r))
+}
+
+/// Runs the default benchmark: server and client in this process on two loopback devices.
+pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
+    let cfg = FabricConfig {
+        udp_port: o.udp_port,
+        dispatcher_threads: o.threads,
+        ..FabricConfig::default()
+    };
+    let fabric = Fabric::loopback_with(2, cfg).map_err(|e| {
+        format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
+    })?;
+    let served = Arc::new(AtomicUsize::new(0));
+    // A burst is accepted as fast as callbacks run; the backlog must hold all of it or the
+    // excess is dropped and retried a second later.
+    let backlog = o.connections.max(1024);
+    let srv = serve(
+        &fabric,
+        SocketAddr::new(IpAddr::from([127, 0, 0, 1]), o.port),
+        backlog,
+        served,
+    )
+    .map_err(|e| format!("listen: {e}"))?;
+    let mut r = run_client(
+        &fabric,
+        IpAddr::from([127, 0, 0, 2]),
+        SocketAddr::new(IpAddr::from([127, 0, 0, 1]), o.port),
+        o,
+    );
+    let _ = srv.destroy();
+    fabric.shutdown();
+    r.udp_rtt_p50_us = udp_rtt(
+        IpAddr::from([127, 0, 0, 2]),
+        IpAddr::from([127, 0, 0, 1]),
+        2000,
+    )
+    .unwrap_or(0.0);
+    if o.baseline_tcp {
+        r.baseline_conn_per_s =
+            Some(tcp_baseline(o.connections).map_err(|e| format!("TCP baseline: {e}"))?);
+    }
+    Ok(Some(r))
+}
+
+/// Prints the cmtime-style table and the summary.
+pub fn print_table(r: &Report) {
+    println!("cm_conn {}", r.connections);
+    println!("mode {}", if r.serial { "serial" } else { "burst" });
+    println!(
+        "{:<14} {:>10} {:>12} {:>10} {:>12} {:>10} {:>10}",
+        "step", "avg/conn", "total(us)", "us/conn", "sum(us)", "max(us)", "min(us)"
+    );
+    for s in &r.steps {
+        println!(
+            "{:<14} {:>10.2} {:>12.0} {:>10.2} {:>12.0} {:>10.0} {:>10.0}",
+            s.step, s.avg_per_conn_us, s.total_us, s.us_per_conn, s.sum_us, s.max_us, s.min_us
+        );
+    }
+    println!();
+    println!(
+        "established {}/{}  errors {}  {:.0} conn/s  {:.0} cycles/s (connect+exchange+disconnect)",
+        r.established, r.connections, r.errors, r.conn_per_s, r.cycle_per_s
+    );
+    println!(
+        "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
+        r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
+    );
+    if let Some(b) = r.baseline_conn_per_s {
+        println!(
+            "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x",
+            r.cycle_per_s / b
+        );
+    }
+    for f in r.failures.iter().take(10) {
+        println!("failure: {f}");
+    }
+}
+
+/// Writes the connect-latency distribution (a CDF) as a small SVG.
+pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
+    let mut v = r.latencies_us.clone();
+    v.sort_by(f64::total_cmp);
+    let (w, h, m) = (640.0, 400.0, 50.0);
+    let max = v.last().copied().unwrap_or(1.0).max(1.0);
+    let mut pts = String::new();
+    let step = (v.len() / 500).max(1);
+    for (i, x) in v.iter().enumerate().step_by(step) {
+        let px = m + x / max * (w - 2.0 * m);
+        let py = h - m - (i as f64 + 1.0) / v.len() as f64 * (h - 2.0 * m);
+        pts.push_str(&format!("{px:.1},{py:.1} "));
+    }
+    let svg = format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{tx}" y="20" text-anchor="middle" font-size="14">rcm bench: connect latency CDF ({n} connections, p50 {p50:.0} us, p99 {p99:.0} us)</text>
+<line x1="{m}" y1="{yb}" x2="{xr}" y2="{yb}" stroke="black"/><line x1="{m}" y1="{m}" x2="{m}" y2="{yb}" stroke="black"/>
+<text x="{tx}" y="{xl}" text-anchor="middle">latency (us), 0 .. {max:.0}</text>
+<text x="15" y="{ty}" transform="rotate(-90 15 {ty})" text-anchor="middle">fraction of connections</text>
+<text x="{m}" y="{yt}" text-anchor="end">0</text><text x="{xr}" y="{yt}" text-anchor="end">{max:.0}</text>
+<text x="{ml}" y="{m}" text-anchor="end">1.0</text><text x="{ml}" y="{yb}" text-anchor="end">0</text>
+<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{pts}"/>
+</svg>
+"##,
+        tx = w / 2.0,
+        n = v.len(),
+        p50 = r.connect_p50_us,
+        p99 = r.connect_p99_us,
+        yb = h - m,
+        xr = w - m,
+        xl = h - 10.0,
+        ty = h / 2.0,
+        yt = h - m + 15.0,
+        ml = m - 5.0,
+    );
+    std::fs::write(path, svg)
+}
