@@ -171,18 +171,25 @@ impl DeviceInner {
         }
     }
 
-    fn handle_datagram(self: &Arc<Self>, from: SocketAddr, buf: &[u8]) {
-        if buf.len() == 1 && from.ip() == self.ip {
-            return; // our own wake-up
-        }
-        self.stats.rx.fetch_add(1, Ordering::Relaxed);
-        match GsiDatagram::parse(buf) {
-            // A UDP socket cannot see the IPv4 ID the ICRC covers, so it is not checked here.
-            Ok(g) => self.with_engine(|ep, now| ep.handle_datagram(now, from.ip(), g.mad)),
-            Err(_) => {
-                self.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
+    /// Feeds a batch of received datagrams to the engine under one lock.
+    fn handle_batch(self: &Arc<Self>, batch: &[(SocketAddr, Vec<u8>)]) {
+        let mut bad = 0;
+        self.with_engine(|ep, now| {
+            for (from, buf) in batch {
+                if buf.len() == 1 && from.ip() == self.ip {
+                    continue; // our own wake-up
+                }
+                match GsiDatagram::parse(buf) {
+                    // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
+                    Ok(g) => ep.handle_datagram(now, from.ip(), g.mad),
+                    Err(_) => bad += 1,
+                }
             }
-        }
+        });
+        self.stats
+            .rx
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
     }
 
     /// Stops the I/O thread (after removal completed, or at fabric shutdown).
@@ -230,21 +237,35 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
         *sync::lock(&d.wake_at) = Some(now + wait);
         let _ = sock.set_read_timeout(Some(wait));
         drop(d);
-        // Drain what is there, in a batch, before looking at timers again.
-        let mut first = true;
+        // Wait for the first datagram (or the next deadline), then take what else is queued,
+        // up to a batch, and feed it to the engine under one lock.
+        let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
         loop {
-            let r = sock.recv_from(&mut buf);
-            let Ok((n, from)) = r else { break };
+            let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                break;
+            };
+            batch.push((from, buf[..n].to_vec()));
+            let _ = sock.set_nonblocking(true);
+            while batch.len() < BATCH {
+                let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                    break;
+                };
+                batch.push((from, buf[..n].to_vec()));
+            }
+            let _ = sock.set_nonblocking(false);
             let Some(d) = dev.upgrade() else { return };
             if d.stop.load(Ordering::SeqCst) {
                 return;
             }
-            d.handle_datagram(from, &buf[..n]);
-            if first {
-                first = false;
-                let _ = sock.set_nonblocking(true);
+            d.handle_batch(&batch);
+            let full = batch.len() == BATCH;
+            batch.clear();
+            if !full {
+                break;
             }
         }
-        let _ = sock.set_nonblocking(false);
     }
 }
+
+/// Datagrams handled under one engine lock.
+const BATCH: usize = 64;

@@ -206,7 +206,7 @@ pub(crate) struct IdState {
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
-    children: Vec<Weak<IdInner>>,
+    children: std::collections::HashMap<u64, Weak<IdInner>>,
 }
 
 pub(crate) struct IdInner {
@@ -342,7 +342,7 @@ fn new_state() -> IdState {
         disconnected_reported: false,
         listener: None,
         request_unseen: false,
-        children: Vec::new(),
+        children: std::collections::HashMap::new(),
     }
 }
 
@@ -1025,7 +1025,7 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
-    let (dev, cep, listen, src, bound, ctx, children, wildcard) = {
+    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener) = {
         let mut g = sync::lock(&inner.st);
         g.state = State::Destroying;
         (
@@ -1037,8 +1037,13 @@ fn teardown(inner: &Arc<IdInner>) {
             g.context.take(),
             std::mem::take(&mut g.children),
             g.wildcard,
+            g.listener.clone(),
         )
     };
+    // A child leaves its listener's list (the list must not grow with every connection).
+    if let Some(l) = listener.and_then(|w| w.upgrade()) {
+        sync::lock(&l.st).children.remove(&inner.key);
+    }
     if let (Some(dev), Some(cep)) = (&dev, cep) {
         sync::lock(&dev.ceps).remove(&cep);
         dev.with_engine(|ep, now| {
@@ -1053,7 +1058,7 @@ fn teardown(inner: &Arc<IdInner>) {
             .retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, inner)));
     }
     // Connect requests nobody has seen die with their listener (rejected).
-    for c in children.iter().filter_map(Weak::upgrade) {
+    for c in children.values().filter_map(Weak::upgrade) {
         let unseen = sync::lock(&c.st).request_unseen;
         if unseen {
             let _ = CmId(c).begin_destroy();
@@ -1181,8 +1186,7 @@ pub(crate) fn on_connect_request(
     sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
     {
         let mut g = sync::lock(&lst.st);
-        g.children.retain(|w| w.strong_count() > 0);
-        g.children.push(Arc::downgrade(&child.0));
+        g.children.insert(child.0.key, Arc::downgrade(&child.0));
     }
     let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
     child.0.slot.push(Event::ConnectRequest {
