@@ -5,3 +5,4 @@ pub mod bench;
 pub mod capture;
 pub mod decode;
 pub mod netbuild;
+pub mod ping;

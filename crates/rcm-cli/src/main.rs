@@ -25,6 +25,14 @@ enum Cmd {
     /// Exit status: 0 when every connection was established and disconnected, 1 otherwise,
     /// 2 on bad usage or when the devices cannot be opened.
     Bench(BenchArgs),
+    /// Make connections and check private data byte for byte both ways (ucmatose/udaddy for
+    /// rcm). `--listen` serves, `--connect IP` connects; with neither, both run here on
+    /// loopback. The server disconnects each connection once established.
+    ///
+    /// Exit status: 0 exactly when every connection was established and disconnected cleanly
+    /// (with --reject: rejected as asked); 1 otherwise, with the event and reason printed; 2 on
+    /// bad usage.
+    Ping(PingArgs),
     /// Decode RDMA CM traffic in a pcap/pcapng file: IB CM MADs over RoCEv2 (UDP 4791) and
     /// iWARP MPA over TCP, one line per message, every ICRC and MPA CRC verified.
     ///
@@ -86,6 +94,104 @@ struct BenchArgs {
     timeout: u64,
 }
 
+#[derive(clap::Args)]
+struct PingArgs {
+    /// Serve connections.
+    #[arg(long, conflicts_with = "connect")]
+    listen: bool,
+    /// Connect to a server at this address.
+    #[arg(long, value_name = "IP")]
+    connect: Option<std::net::IpAddr>,
+    /// This side's address (its device). Defaults: server 127.0.0.1, client 127.0.0.2.
+    #[arg(long, value_name = "IP")]
+    bind: Option<std::net::IpAddr>,
+    /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
+    #[arg(short = 'p', long)]
+    port: Option<u16>,
+    /// Connections (server: 0 = serve forever).
+    #[arg(short = 'c', long, default_value_t = 1)]
+    count: usize,
+    /// Transport.
+    #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"])]
+    transport: String,
+    /// Port space: tcp (RC: REQ/REP/RTU) or udp (UD: SIDR).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "udp"])]
+    ps: String,
+    /// Server: reject every request (with the private data) instead of accepting.
+    #[arg(long)]
+    reject: bool,
+    /// Private data to send and expect back.
+    #[arg(long, default_value = "rcm ping")]
+    private_data: String,
+    /// UDP port of the RoCEv2 devices.
+    #[arg(long, default_value_t = 4791)]
+    udp_port: u16,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn ping(a: &PingArgs) -> ExitCode {
+    use rcm_cli::ping;
+    if a.transport == "iwarp" {
+        eprintln!("rcm ping: the iWARP transport is not implemented yet (only roce)");
+        return ExitCode::from(2);
+    }
+    let ps = if a.ps == "udp" {
+        rcm::PortSpace::Udp
+    } else {
+        rcm::PortSpace::Tcp
+    };
+    let o = ping::PingOpts {
+        listen: if a.listen {
+            Some(true)
+        } else if a.connect.is_some() {
+            Some(false)
+        } else {
+            None
+        },
+        connect: a.connect,
+        bind: a.bind,
+        port: a.port.unwrap_or(ps_default_port(ps)),
+        count: a.count,
+        ps,
+        reject: a.reject,
+        private_data: a.private_data.as_bytes().to_vec(),
+        udp_port: a.udp_port,
+        timeout: std::time::Duration::from_secs(a.timeout),
+    };
+    let r = match ping::run(&o, !a.json) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rcm ping: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&r).unwrap_or_default());
+    } else {
+        println!(
+            "rcm ping: {}: {} of {} established, {} disconnected, {} rejected, private data matched {} time(s)",
+            r.role, r.established, r.connections, r.disconnected, r.rejected, r.private_data_ok
+        );
+        for e in &r.errors {
+            println!("rcm ping: error: {e}");
+        }
+    }
+    if r.ok(a.reject) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn ps_default_port(ps: rcm::PortSpace) -> u16 {
+    ps.default_port()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -95,6 +201,7 @@ fn main() -> ExitCode {
             json,
         } => decode(&file, verbose, json),
         Cmd::Bench(a) => bench(&a),
+        Cmd::Ping(a) => ping(&a),
     }
 }
 

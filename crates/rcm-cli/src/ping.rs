@@ -1,0 +1,389 @@
+//! `rcm ping`: connections with private data checked byte for byte both ways, as
+//! ucmatose/udaddy do. The server disconnects each connection once it is established (as
+//! `ucmatose -C 0` does), so rcm interoperates with the kernel's tools in both roles.
+
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace,
+};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+/// What to do.
+#[derive(Debug, Clone)]
+pub struct PingOpts {
+    /// Serve (`Some(true)`), connect (`Some(false)`), or both in this process (`None`).
+    pub listen: Option<bool>,
+    /// Server address when connecting.
+    pub connect: Option<IpAddr>,
+    /// This side's device address.
+    pub bind: Option<IpAddr>,
+    /// rdma_cm port.
+    pub port: u16,
+    /// Connections (0 = serve forever).
+    pub count: usize,
+    /// Port space (TCP → RC with REQ/REP; UDP → SIDR).
+    pub ps: PortSpace,
+    /// Server rejects every request (with the private data) instead of accepting.
+    pub reject: bool,
+    /// Private data sent (and expected back).
+    pub private_data: Vec<u8>,
+    /// UDP port of the RoCEv2 devices.
+    pub udp_port: u16,
+    /// Overall time limit.
+    pub timeout: Duration,
+}
+
+/// What happened.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct PingReport {
+    /// "server", "client" or "both".
+    pub role: String,
+    /// Connections asked for.
+    pub connections: usize,
+    /// Established.
+    pub established: usize,
+    /// Rejected (as asked, with `--reject`).
+    pub rejected: usize,
+    /// Disconnected cleanly.
+    pub disconnected: usize,
+    /// Private-data checks that matched byte for byte.
+    pub private_data_ok: usize,
+    /// Everything that went wrong, with the event and reason.
+    pub errors: Vec<String>,
+}
+
+impl PingReport {
+    /// Whether the run did exactly what was asked.
+    pub fn ok(&self, reject: bool) -> bool {
+        if !self.errors.is_empty() {
+            return false;
+        }
+        if reject {
+            self.rejected == self.connections
+        } else {
+            self.established == self.connections && self.disconnected == self.connections
+        }
+    }
+}
+
+fn pd_matches(got: &[u8], want: &[u8]) -> bool {
+    // The wire carries no length: the area is zero-padded past what was sent.
+    got.len() >= want.len()
+        && &got[..want.len()] == want
+        && got[want.len()..].iter().all(|&b| b == 0)
+}
+
+fn ud(ps: PortSpace) -> bool {
+    matches!(ps, PortSpace::Udp | PortSpace::Ipoib)
+}
+
+/// Runs the server side on `fabric` with events on `ch`; returns when `count` connections
+/// finished (never with 0) or the time is up.
+fn server_loop(
+    ch: &EventChannel,
+    listener: &CmId,
+    o: &PingOpts,
+    r: &mut PingReport,
+    deadline: Instant,
+    log: bool,
+) {
+    let mut finished = 0usize;
+    let mut children: Vec<CmId> = Vec::new();
+    while o.count == 0 || finished < o.count {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() && o.count != 0 {
+            r.errors.push(format!(
+                "server: timed out after {finished} of {} connections",
+                o.count
+            ));
+            break;
+        }
+        let Some(e) = ch.get_event(Some(if o.count == 0 {
+            Duration::from_secs(3600)
+        } else {
+            left
+        })) else {
+            continue;
+        };
+        let id = e.id().clone();
+        match e.event() {
+            Event::ConnectRequest { private_data, .. } => {
+                if pd_matches(private_data, &o.private_data) {
+                    r.private_data_ok += 1;
+                } else {
+                    r.errors.push(format!(
+                        "server: request private data differs: {:02x?}",
+                        &private_data[..o.private_data.len().min(private_data.len())]
+                    ));
+                }
+                if o.reject {
+                    if let Err(err) = id.reject(&o.private_data) {
+                        r.errors.push(format!("server: reject: {err}"));
+                    }
+                    r.rejected += 1;
+                    finished += 1;
+                } else if let Err(err) = id.accept(&AcceptOptions {
+                    private_data: o.private_data.clone(),
+                    ..AcceptOptions::default()
+                }) {
+                    r.errors.push(format!("server: accept: {err}"));
+                    finished += 1;
+                } else if ud(o.ps) {
+                    r.established += 1;
+                    r.disconnected += 1;
+                    finished += 1;
+                }
+                children.push(id);
+            }
+            Event::Established { .. } => {
+                r.established += 1;
+                if log {
+                    println!("rcm ping: server: established with {:?}", id.peer_addr());
+                }
+                if let Err(err) = id.disconnect() {
+                    r.errors.push(format!("server: disconnect: {err}"));
+                    finished += 1;
+                }
+            }
+            Event::Disconnected => {
+                r.disconnected += 1;
+                finished += 1;
+            }
+            Event::TimewaitExit => {}
+            other => {
+                if id != *listener {
+                    r.errors
+                        .push(format!("server: event {}: {other:?}", other.name()));
+                    finished += 1;
+                }
+            }
+        }
+    }
+    drop(children);
+}
+
+/// Runs the client side.
+fn client_loop(
+    fabric: &Fabric,
+    ch: &EventChannel,
+    dst: SocketAddr,
+    o: &PingOpts,
+    r: &mut PingReport,
+    deadline: Instant,
+    log: bool,
+) {
+    let n = o.count.max(1);
+    let mut ids = HashMap::new();
+    for i in 0..n {
+        let id = fabric.create_id_on(o.ps, ch);
+        if let Err(e) = id.resolve_addr(None, dst) {
+            r.errors.push(format!("client {i}: resolve_addr: {e}"));
+            continue;
+        }
+        ids.insert(id.key(), (i, id));
+    }
+    let mut finished = 0usize;
+    while finished < ids.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(e) = ch.get_event(Some(left)) else {
+            r.errors.push(format!(
+                "client: timed out with {} connection(s) unfinished",
+                ids.len() - finished
+            ));
+            break;
+        };
+        let id = e.id().clone();
+        let i = ids.get(&id.key()).map_or(usize::MAX, |(i, _)| *i);
+        match e.event() {
+            Event::AddrResolved => {
+                if let Err(err) = id.resolve_route() {
+                    r.errors.push(format!("client {i}: resolve_route: {err}"));
+                    finished += 1;
+                }
+            }
+            Event::RouteResolved => {
+                let opts = ConnectOptions {
+                    private_data: o.private_data.clone(),
+                    ..ConnectOptions::default()
+                };
+                if let Err(err) = id.connect(&opts) {
+                    r.errors.push(format!("client {i}: connect: {err}"));
+                    finished += 1;
+                }
+            }
+            Event::ConnectResponse { private_data, .. } => {
+                if pd_matches(private_data, &o.private_data) {
+                    r.private_data_ok += 1;
+                } else {
+                    r.errors
+                        .push(format!("client {i}: reply private data differs"));
+                }
+                if let Err(err) = id.establish() {
+                    r.errors.push(format!("client {i}: establish: {err}"));
+                    finished += 1;
+                }
+            }
+            Event::Established {
+                private_data,
+                ud: udp,
+            } => {
+                r.established += 1;
+                if log {
+                    println!(
+                        "rcm ping: client {i}: established to {dst}{}",
+                        udp.map(|u| format!(" (UD QPN {:#x}, Q_Key {:#x})", u.qpn, u.qkey))
+                            .unwrap_or_default()
+                    );
+                }
+                if ud(o.ps) {
+                    if pd_matches(private_data, &o.private_data) {
+                        r.private_data_ok += 1;
+                    } else {
+                        r.errors
+                            .push(format!("client {i}: SIDR_REP private data differs"));
+                    }
+                    r.disconnected += 1;
+                    finished += 1;
+                }
+            }
+            Event::Disconnected => {
+                r.disconnected += 1;
+                finished += 1;
+            }
+            Event::Rejected {
+                reason,
+                private_data,
+            } => {
+                r.rejected += 1;
+                finished += 1;
+                if !o.reject {
+                    r.errors.push(format!(
+                        "client {i}: rejected, reason {} ({reason:?})",
+                        reason.raw()
+                    ));
+                } else if pd_matches(private_data, &o.private_data) {
+                    r.private_data_ok += 1;
+                }
+                if log {
+                    println!(
+                        "rcm ping: client {i}: rejected, reason {} ({reason:?})",
+                        reason.raw()
+                    );
+                }
+            }
+            other => {
+                r.errors
+                    .push(format!("client {i}: event {}: {other:?}", other.name()));
+                finished += 1;
+            }
+        }
+    }
+    for (_, (_, id)) in ids {
+        let _ = id.begin_destroy();
+    }
+}
+
+/// Runs `rcm ping` as asked.
+pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
+    if o.private_data.len() > 56 && !ud(o.ps) {
+        return Err(format!(
+            "--private-data is {} bytes; a REQ carries at most 56 user bytes",
+            o.private_data.len()
+        ));
+    }
+    let cfg = FabricConfig {
+        udp_port: o.udp_port,
+        ..FabricConfig::default()
+    };
+    let fabric = Fabric::new(cfg);
+    let deadline = Instant::now() + o.timeout;
+    let mut r = PingReport {
+        connections: o.count.max(usize::from(o.listen != Some(true))),
+        ..PingReport::default()
+    };
+    let default_port = o.port;
+    match o.listen {
+        Some(true) => {
+            let bind = o.bind.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            fabric
+                .add_device(bind)
+                .map_err(|e| format!("device on {bind}: {e}"))?;
+            let ch = EventChannel::new();
+            let l = fabric.create_id_on(o.ps, &ch);
+            l.bind(SocketAddr::new(bind, default_port))
+                .map_err(|e| format!("bind: {e}"))?;
+            l.listen(0).map_err(|e| format!("listen: {e}"))?;
+            if log {
+                println!("rcm ping: listening on {bind}:{default_port} ({:?})", o.ps);
+            }
+            r.role = "server".into();
+            r.connections = o.count;
+            server_loop(&ch, &l, o, &mut r, deadline, log);
+        }
+        Some(false) => {
+            let dst = o.connect.ok_or("--connect needs an address")?;
+            let bind = o.bind.unwrap_or(if dst.is_ipv4() {
+                IpAddr::from([127, 0, 0, 2])
+            } else {
+                dst
+            });
+            fabric
+                .add_device(bind)
+                .map_err(|e| format!("device on {bind}: {e}"))?;
+            let ch = EventChannel::new();
+            r.role = "client".into();
+            client_loop(
+                &fabric,
+                &ch,
+                SocketAddr::new(dst, default_port),
+                o,
+                &mut r,
+                deadline,
+                log,
+            );
+        }
+        None => {
+            let (s, c) = (IpAddr::from([127, 0, 0, 1]), IpAddr::from([127, 0, 0, 2]));
+            fabric
+                .add_device(s)
+                .map_err(|e| format!("device on {s}: {e}"))?;
+            fabric
+                .add_device(c)
+                .map_err(|e| format!("device on {c}: {e}"))?;
+            let sch = EventChannel::new();
+            let l = fabric.create_id_on(o.ps, &sch);
+            l.bind(SocketAddr::new(s, default_port))
+                .map_err(|e| format!("bind: {e}"))?;
+            l.listen(0).map_err(|e| format!("listen: {e}"))?;
+            let so = PingOpts {
+                count: o.count.max(1),
+                ..o.clone()
+            };
+            let server = std::thread::spawn(move || {
+                let mut sr = PingReport::default();
+                server_loop(&sch, &l, &so, &mut sr, deadline, false);
+                sr
+            });
+            let ch = EventChannel::new();
+            r.role = "both".into();
+            client_loop(
+                &fabric,
+                &ch,
+                SocketAddr::new(s, default_port),
+                o,
+                &mut r,
+                deadline,
+                log,
+            );
+            let sr = server
+                .join()
+                .map_err(|_| "server thread panicked".to_string())?;
+            r.errors.extend(sr.errors.into_iter());
+            r.private_data_ok += sr.private_data_ok;
+        }
+    }
+    fabric.shutdown();
+    Ok(r)
+}
