@@ -19,6 +19,13 @@ pub(crate) struct ServiceListen {
     pub ids: Vec<Weak<IdInner>>,
 }
 
+/// Engine events waiting to be routed, and whether a thread is routing them.
+#[derive(Default)]
+struct Pending {
+    events: std::collections::VecDeque<(CepHandle, CmEvent)>,
+    routing: bool,
+}
+
 /// Counters of one device.
 #[derive(Debug, Default)]
 pub struct DeviceStats {
@@ -45,6 +52,8 @@ pub(crate) struct DeviceInner {
     pub removed: AtomicBool,
     stop: AtomicBool,
     wake_at: Mutex<Option<Instant>>,
+    /// Engine events in engine order, waiting to be routed by one thread at a time.
+    pending: Mutex<Pending>,
     psn: AtomicU32,
     pub stats: DeviceStats,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -69,6 +78,7 @@ impl DeviceInner {
             removed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
+            pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
@@ -83,22 +93,47 @@ impl DeviceInner {
     }
 
     /// Runs `f` on the engine, then sends what it queued and routes what it reported.
+    ///
+    /// Events leave the engine in order and are queued before the engine lock is released;
+    /// one thread at a time routes the queue, so the events of one connection reach its id in
+    /// engine order even when several threads drive the engine. A call made while this thread
+    /// is already routing (a teardown inside routing) only queues: the router picks it up.
     pub(crate) fn with_engine<R>(
         self: &Arc<Self>,
         f: impl FnOnce(&mut Endpoint, Instant) -> R,
     ) -> R {
         let now = Instant::now();
-        let (r, tx, ev, next) = {
+        let (r, tx, next) = {
             let mut ep = sync::lock(&self.engine);
             let r = f(&mut ep, now);
             let tx: Vec<Transmit> = std::iter::from_fn(|| ep.poll_transmit()).collect();
-            let ev: Vec<(CepHandle, CmEvent)> = std::iter::from_fn(|| ep.poll_event()).collect();
-            (r, tx, ev, ep.poll_timeout())
+            let mut p = sync::lock(&self.pending);
+            p.events.extend(std::iter::from_fn(|| ep.poll_event()));
+            drop(p);
+            (r, tx, ep.poll_timeout())
         };
         self.send_all(&tx);
         self.maybe_wake(next);
-        self.route(ev);
+        self.route_pending();
         r
+    }
+
+    fn route_pending(self: &Arc<Self>) {
+        let mut p = sync::lock(&self.pending);
+        if p.routing {
+            return;
+        }
+        p.routing = true;
+        loop {
+            let batch: Vec<_> = p.events.drain(..).collect();
+            if batch.is_empty() {
+                p.routing = false;
+                return;
+            }
+            drop(p);
+            self.route(batch);
+            p = sync::lock(&self.pending);
+        }
     }
 
     fn send_all(&self, tx: &[Transmit]) {

@@ -1,0 +1,231 @@
+//! `rcm bench` and `rcm ping` as a user runs them (each test on a UDP port of its own, since
+//! tests run in parallel and the devices bind 127.0.0.1/.2).
+
+use std::process::Command;
+
+fn rcm(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(args)
+        .output()
+        .expect("run rcm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bench_json_reports_every_connection_and_the_table() {
+    let dir = std::env::temp_dir().join(format!("rcm-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plot = dir.join("lat.svg");
+    let (code, out, err) = rcm(&[
+        "bench",
+        "-c",
+        "300",
+        "--udp-port",
+        "26791",
+        "--json",
+        "--baseline",
+        "tcp",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["connections"], 300);
+    assert_eq!(v["established"], 300);
+    assert_eq!(v["errors"], 0);
+    assert!(v["conn_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["connect_p50_us"].as_f64().unwrap() > 0.0);
+    assert!(v["connect_p99_us"].as_f64().unwrap() >= v["connect_p50_us"].as_f64().unwrap());
+    assert!(v["baseline_conn_per_s"].as_f64().unwrap() > 0.0);
+    let steps: Vec<&str> = v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["step"].as_str().unwrap())
+        .collect();
+    for s in [
+        "full connect",
+        "create id",
+        "bind addr",
+        "resolve addr",
+        "resolve route",
+        "create qp",
+        "init qp attr",
+        "cm connect",
+        "rtr qp attr",
+        "rts qp attr",
+        "establish",
+        "disconnect",
+        "destroy id",
+    ] {
+        assert!(steps.contains(&s), "missing step {s}: {steps:?}");
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_table_and_serial_mode() {
+    let (code, out, err) = rcm(&["bench", "-c", "20", "--serial", "--udp-port", "26792"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(
+            "step             avg/conn    total(us)    us/conn      sum(us)    max(us)    min(us)"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("mode serial"));
+    assert!(out.contains("established 20/20  errors 0"), "{out}");
+}
+
+#[test]
+fn bench_usage_errors_are_clear() {
+    let (code, _, err) = rcm(&["bench", "-c", "0"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("connections"), "{err}");
+    let (code, _, err) = rcm(&["bench", "--listen"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--bind"), "{err}");
+    let (code, _, err) = rcm(&["bench", "--transport", "iwarp", "--udp-port", "26793"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("iWARP"), "{err}");
+}
+
+#[test]
+fn ping_both_roles_in_one_process() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "-c",
+        "3",
+        "--udp-port",
+        "26794",
+        "--private-data",
+        "abc123",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(
+            "3 of 3 established, 3 disconnected, 0 rejected, private data matched 6 time(s)"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn ping_ud_and_reject_and_json() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--ps",
+        "udp",
+        "-c",
+        "2",
+        "--udp-port",
+        "26795",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["established"], 2);
+    let (code, out, _) = rcm(&["ping", "--reject", "-c", "2", "--udp-port", "26796"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("2 rejected"), "{out}");
+}
+
+#[test]
+fn ping_separate_server_and_client_processes() {
+    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "ping",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "-c",
+            "2",
+            "--udp-port",
+            "26797",
+            "--timeout",
+            "20",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "2",
+        "--udp-port",
+        "26797",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let s = server.wait_with_output().unwrap();
+    assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stdout));
+}
+
+#[test]
+fn ping_against_nobody_fails_with_the_reason() {
+    let (code, out, _) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "--udp-port",
+        "26798",
+        "--timeout",
+        "5",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("error:"), "{out}");
+}
+
+#[test]
+fn help_texts_name_every_option() {
+    for (cmd, opts) in [
+        (
+            "bench",
+            &[
+                "--connections",
+                "--serial",
+                "--transport",
+                "--baseline",
+                "--json",
+                "--plot",
+                "--listen",
+                "--server",
+            ][..],
+        ),
+        (
+            "ping",
+            &[
+                "--listen",
+                "--connect",
+                "--bind",
+                "--port",
+                "--count",
+                "--ps",
+                "--reject",
+                "--private-data",
+                "--json",
+            ][..],
+        ),
+    ] {
+        let (code, out, _) = rcm(&[cmd, "--help"]);
+        assert_eq!(code, 0);
+        for o in opts {
+            assert!(out.contains(o), "{cmd} --help lacks {o}");
+        }
+    }
+}
