@@ -176,7 +176,7 @@ impl DeviceInner {
                         self,
                         listener,
                         cep,
-                        crate::id::Incoming::Rc(info),
+                        &crate::id::Incoming::Rc(info),
                     );
                 }
                 CmEvent::SidrReqReceived {
@@ -190,7 +190,7 @@ impl DeviceInner {
                         self,
                         listener,
                         cep,
-                        crate::id::Incoming::Ud {
+                        &crate::id::Incoming::Ud {
                             service_id,
                             private_data,
                         },
@@ -275,10 +275,7 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
         // Wait for the first datagram (or the next deadline), then take what else is queued,
         // up to a batch, and feed it to the engine under one lock.
         let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
-        loop {
-            let Ok((n, from)) = sock.recv_from(&mut buf) else {
-                break;
-            };
+        while let Ok((n, from)) = sock.recv_from(&mut buf) {
             batch.push((from, buf[..n].to_vec()));
             let _ = sock.set_nonblocking(true);
             while batch.len() < BATCH {

@@ -255,7 +255,7 @@ impl Fabric {
             .filter_map(Weak::upgrade)
             .collect();
         for id in ids {
-            let _ = crate::id::CmId(id).begin_destroy();
+            drop(crate::id::CmId(id).begin_destroy());
         }
         for d in sync::lock(&self.0.devices).drain(..) {
             d.shutdown();

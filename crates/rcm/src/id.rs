@@ -1061,7 +1061,7 @@ fn teardown(inner: &Arc<IdInner>) {
     for c in children.values().filter_map(Weak::upgrade) {
         let unseen = sync::lock(&c.st).request_unseen;
         if unseen {
-            let _ = CmId(c).begin_destroy();
+            drop(CmId(c).begin_destroy());
         }
     }
     if let (true, Some(src)) = (bound, src) {
@@ -1087,9 +1087,9 @@ pub(crate) fn on_connect_request(
     dev: &Arc<DeviceInner>,
     listener: CepHandle,
     cep: CepHandle,
-    inc: Incoming,
+    inc: &Incoming,
 ) {
-    let (sid, pd) = match &inc {
+    let (sid, pd) = match inc {
         Incoming::Rc(info) => (info.service_id, info.private_data.clone()),
         Incoming::Ud {
             service_id,
@@ -1098,7 +1098,7 @@ pub(crate) fn on_connect_request(
         } => (*service_id, private_data.clone()),
     };
     let refuse = |dev: &Arc<DeviceInner>| {
-        dev.with_engine(|ep, now| match &inc {
+        dev.with_engine(|ep, now| match inc {
             Incoming::Rc(_) => {
                 let _ = ep.reject(now, cep, RejReason::ConsumerDefined, &[], &[]);
                 let _ = ep.destroy(now, cep);
@@ -1145,7 +1145,7 @@ pub(crate) fn on_connect_request(
     // The child shares the listener's handler or channel, as rdma_cm children do.
     let child = build(&lst.fabric, lst.ps, target);
     let ud = matches!(inc, Incoming::Ud { .. });
-    let param = match &inc {
+    let param = match inc {
         Incoming::Rc(info) => ConnParam {
             responder_resources: info.responder_resources,
             initiator_depth: info.initiator_depth,
@@ -1165,7 +1165,7 @@ pub(crate) fn on_connect_request(
         g.cep = Some(cep);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
-        if let Incoming::Rc(info) = &inc {
+        if let Incoming::Rc(info) = inc {
             g.conn.remote_qpn = info.remote_qpn;
             g.conn.remote_psn = info.starting_psn;
             g.conn.responder_resources = info.initiator_depth;
