@@ -6,3 +6,4 @@ pub mod capture;
 pub mod decode;
 pub mod netbuild;
 pub mod ping;
+pub mod stress;

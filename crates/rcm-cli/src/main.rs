@@ -33,6 +33,12 @@ enum Cmd {
     /// (with --reject: rejected as asked); 1 otherwise, with the event and reason printed; 2 on
     /// bad usage.
     Ping(PingArgs),
+    /// Race create, connect, accept, reject, disconnect, destroy, non-blocking destroy and
+    /// device removal from several threads against one in-process fabric, checking the
+    /// lifecycle invariants; prints what it checked and the counts.
+    ///
+    /// Exit status: 0 when every invariant held, 1 otherwise (each violation printed).
+    Stress(StressArgs),
     /// Decode RDMA CM traffic in a pcap/pcapng file: IB CM MADs over RoCEv2 (UDP 4791) and
     /// iWARP MPA over TCP, one line per message, every ICRC and MPA CRC verified.
     ///
@@ -188,6 +194,68 @@ fn ping(a: &PingArgs) -> ExitCode {
     }
 }
 
+#[derive(clap::Args)]
+struct StressArgs {
+    /// How long to run, in seconds.
+    #[arg(short = 'd', long, default_value_t = 10)]
+    duration: u64,
+    /// Worker threads.
+    #[arg(short = 't', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: u32,
+    /// Seed of the random choices (printed, so a run can be repeated).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// UDP port of the loopback devices.
+    #[arg(long, default_value_t = 4791)]
+    udp_port: u16,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn stress(a: &StressArgs) -> ExitCode {
+    let seed = a.seed.unwrap_or_else(rand::random);
+    let o = rcm_cli::stress::StressOpts {
+        duration: std::time::Duration::from_secs(a.duration),
+        threads: a.threads as usize,
+        seed,
+        udp_port: a.udp_port,
+    };
+    if !a.json {
+        println!(
+            "rcm stress: {} threads for {} s, seed {seed}",
+            a.threads, a.duration
+        );
+    }
+    let r = match rcm_cli::stress::run(&o) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rcm stress: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&r).unwrap_or_default());
+    } else {
+        println!(
+            "ids created {}  established {}  rejected {}  disconnected {}  destroys {} (deferred {})  non-blocking destroys {}  device removals {}  callbacks {}  contexts {}/{} dropped",
+            r.created, r.established, r.rejected, r.disconnected, r.destroys, r.deferred, r.begin_destroys,
+            r.removals, r.callbacks, r.contexts.1, r.contexts.0
+        );
+        for i in &r.invariants {
+            println!("checked: {i}");
+        }
+        for v in &r.violations {
+            println!("VIOLATION: {v}");
+        }
+    }
+    if r.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn ps_default_port(ps: rcm::PortSpace) -> u16 {
     ps.default_port()
 }
@@ -202,6 +270,7 @@ fn main() -> ExitCode {
         } => decode(&file, verbose, json),
         Cmd::Bench(a) => bench(&a),
         Cmd::Ping(a) => ping(&a),
+        Cmd::Stress(a) => stress(&a),
     }
 }
 

@@ -1,0 +1,425 @@
+//! `rcm stress`: threads racing create, connect, accept, reject, disconnect, destroy,
+//! non-blocking destroy and device removal against one in-process fabric, checking the
+//! lifecycle invariants as they go and at the end.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Event, Fabric, FabricConfig, Flow,
+    PortSpace,
+};
+use rcm_proto::ib::RetryPolicy;
+use serde::Serialize;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How to stress.
+#[derive(Debug, Clone)]
+pub struct StressOpts {
+    /// How long.
+    pub duration: Duration,
+    /// Worker threads.
+    pub threads: usize,
+    /// Seed (runs with the same seed make the same choices; thread timing still varies).
+    pub seed: u64,
+    /// UDP port of the loopback devices.
+    pub udp_port: u16,
+}
+
+/// Counts and verdicts.
+#[derive(Debug, Default, Serialize)]
+pub struct StressReport {
+    /// Ids created.
+    pub created: u64,
+    /// Connections established (client side).
+    pub established: u64,
+    /// Requests the server rejected.
+    pub rejected: u64,
+    /// Connections torn down by disconnect.
+    pub disconnected: u64,
+    /// Blocking destroys.
+    pub destroys: u64,
+    /// Non-blocking destroys.
+    pub begin_destroys: u64,
+    /// Destroys that returned `Deferred` (from inside callbacks).
+    pub deferred: u64,
+    /// Device removals (and re-adds).
+    pub removals: u64,
+    /// Callbacks run.
+    pub callbacks: u64,
+    /// Contexts created / dropped.
+    pub contexts: (u64, u64),
+    /// Invariant violations found (empty when all held).
+    pub violations: Vec<String>,
+    /// The invariants checked.
+    pub invariants: Vec<&'static str>,
+}
+
+struct Shared {
+    callbacks: AtomicU64,
+    established: AtomicU64,
+    rejected: AtomicU64,
+    disconnected: AtomicU64,
+    ctx_made: AtomicU64,
+    ctx_dropped: AtomicU64,
+    violations: Mutex<Vec<String>>,
+    progress: AtomicU64,
+}
+
+/// The context every client id carries: it checks no callback runs after destroy returned
+/// `Done`, and counts its own drop.
+struct Ctx {
+    shared: Arc<Shared>,
+    destroyed: Arc<AtomicBool>,
+    in_cb: AtomicBool,
+    dropped: AtomicBool,
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        if self.dropped.swap(true, Ordering::SeqCst) {
+            self.shared
+                .violations
+                .lock()
+                .map(|mut v| v.push("context dropped twice".into()))
+                .ok();
+        }
+        self.shared.ctx_dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn violation(s: &Shared, msg: String) {
+    if let Ok(mut v) = s.violations.lock() {
+        if v.len() < 100 {
+            v.push(msg);
+        }
+    }
+}
+
+/// Runs the stress test.
+pub fn run(o: &StressOpts) -> Result<StressReport, String> {
+    let cfg = FabricConfig {
+        udp_port: o.udp_port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        min_timewait: Duration::ZERO,
+        dispatcher_threads: 2,
+        seed: Some(o.seed),
+    };
+    let fabric = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
+    let removable = IpAddr::from([127, 0, 0, 3]);
+    fabric
+        .add_device(removable)
+        .map_err(|e| format!("device {removable}: {e}"))?;
+    let shared = Arc::new(Shared {
+        callbacks: AtomicU64::new(0),
+        established: AtomicU64::new(0),
+        rejected: AtomicU64::new(0),
+        disconnected: AtomicU64::new(0),
+        ctx_made: AtomicU64::new(0),
+        ctx_dropped: AtomicU64::new(0),
+        violations: Mutex::new(Vec::new()),
+        progress: AtomicU64::new(0),
+    });
+    // The server: a wildcard listener; rejects one request in four, accepts the rest,
+    // disconnects some established connections itself.
+    let seed = o.seed;
+    let sh = shared.clone();
+    let children: Arc<Mutex<Vec<CmId>>> = Arc::new(Mutex::new(Vec::new()));
+    let kids = children.clone();
+    let server = fabric.create_id(PortSpace::Tcp, move |id, ev| {
+        sh.callbacks.fetch_add(1, Ordering::Relaxed);
+        match ev {
+            Event::ConnectRequest { .. } => {
+                if (id.key() ^ seed) % 4 == 0 {
+                    let _ = id.reject(b"stress reject");
+                    sh.rejected.fetch_add(1, Ordering::Relaxed);
+                    Flow::Destroy
+                } else if id.accept(&AcceptOptions::default()).is_err() {
+                    Flow::Destroy
+                } else {
+                    if let Ok(mut k) = kids.lock() {
+                        k.retain(|c| c.state() != rcm::State::Destroying);
+                        k.push(id.clone());
+                    }
+                    Flow::Continue
+                }
+            }
+            Event::Established { .. } => {
+                if (id.key() ^ seed) % 3 == 0 {
+                    let _ = id.disconnect();
+                }
+                Flow::Continue
+            }
+            Event::Disconnected
+            | Event::Rejected { .. }
+            | Event::Unreachable(_)
+            | Event::DeviceRemoval => Flow::Destroy,
+            _ => Flow::Continue,
+        }
+    });
+    server
+        .bind(rcm::any_addr(false, 7471))
+        .map_err(|e| format!("bind: {e}"))?;
+    server.listen(65536).map_err(|e| format!("listen: {e}"))?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new((
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+    ));
+    let mut workers = Vec::new();
+    for t in 0..o.threads.max(1) {
+        let (fabric, shared, stop, counts) =
+            (fabric.clone(), shared.clone(), stop.clone(), counts.clone());
+        let mut rng =
+            StdRng::seed_from_u64(o.seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        workers.push(std::thread::spawn(move || {
+            let mut live: Vec<(CmId, Arc<AtomicBool>)> = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                shared.progress.fetch_add(1, Ordering::Relaxed);
+                match rng.gen_range(0..10) {
+                    0..=4 => {
+                        let (id, flag) = new_client(&fabric, &shared, &mut rng);
+                        counts.0.fetch_add(1, Ordering::Relaxed);
+                        let dst = if rng.gen_bool(0.2) {
+                            [127, 0, 0, 3]
+                        } else {
+                            [127, 0, 0, 1]
+                        };
+                        let _ = id.resolve_addr(None, SocketAddr::new(IpAddr::from(dst), 7471));
+                        live.push((id, flag));
+                    }
+                    5..=7 if !live.is_empty() => {
+                        let (id, flag) = live.swap_remove(rng.gen_range(0..live.len()));
+                        match id.destroy() {
+                            Ok(DestroyOutcome::Done) => flag.store(true, Ordering::SeqCst),
+                            Ok(DestroyOutcome::Deferred) => {
+                                counts.2.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => violation(&shared, format!("destroy failed: {e}")),
+                        }
+                        counts.1.fetch_add(1, Ordering::Relaxed);
+                    }
+                    8 if !live.is_empty() => {
+                        let (id, flag) = live.swap_remove(rng.gen_range(0..live.len()));
+                        let h = id.begin_destroy();
+                        if h.wait_for(Duration::from_secs(10)) {
+                            flag.store(true, Ordering::SeqCst);
+                        } else {
+                            violation(&shared, format!("begin_destroy of {id:?} not done in 10 s"));
+                        }
+                        counts.3.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => std::thread::sleep(Duration::from_micros(rng.gen_range(0..500))),
+                }
+                if live.len() > 200 {
+                    let (id, flag) = live.swap_remove(0);
+                    if matches!(id.destroy(), Ok(DestroyOutcome::Done)) {
+                        flag.store(true, Ordering::SeqCst);
+                    }
+                    counts.1.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            for (id, flag) in live {
+                if matches!(id.destroy(), Ok(DestroyOutcome::Done)) {
+                    flag.store(true, Ordering::SeqCst);
+                }
+                counts.1.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    // Device removal racing everything: remove 127.0.0.3 now and then, wait, add it back.
+    let remover = {
+        let (fabric, stop, counts, shared) =
+            (fabric.clone(), stop.clone(), counts.clone(), shared.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(300));
+                if let Ok(r) = fabric.remove_device(removable) {
+                    if let Err(held) = r.wait(Duration::from_secs(10)) {
+                        violation(
+                            &shared,
+                            format!("device removal held for 10 s by ids {held:?}"),
+                        );
+                        r.wait_reporting();
+                    }
+                    counts.4.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(50));
+                    let _ = fabric.add_device(removable);
+                }
+            }
+        })
+    };
+    // Watchdog: progress must continue.
+    let start = Instant::now();
+    let mut last = (0, Instant::now());
+    while start.elapsed() < o.duration {
+        std::thread::sleep(Duration::from_millis(200));
+        let p = shared.progress.load(Ordering::Relaxed);
+        if p != last.0 {
+            last = (p, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(20) {
+            violation(
+                &shared,
+                "no progress for 20 s: a worker is stuck (destroy or removal waiting)".into(),
+            );
+            break;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for w in workers {
+        while !w.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if w.is_finished() {
+            let _ = w.join();
+        } else {
+            violation(&shared, "a worker did not stop within 30 s (hang)".into());
+        }
+    }
+    let _ = remover.join();
+    let _ = server.destroy();
+    let kids: Vec<CmId> = children
+        .lock()
+        .map(|mut k| std::mem::take(&mut *k))
+        .unwrap_or_default();
+    for k in kids {
+        let _ = k.destroy();
+    }
+    // Everything is destroyed; endpoints in timewait leave within the path's ACK timeout.
+    let settle = Instant::now() + Duration::from_secs(15);
+    while (fabric.engine_ceps() > 0 || fabric.live_ids() > 0) && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (left_ids, left_ceps, left_ports) = (
+        fabric.live_ids(),
+        fabric.engine_ceps(),
+        fabric.bound_ports(),
+    );
+    fabric.shutdown();
+    let c = &*counts;
+    let mut r = StressReport {
+        created: c.0.load(Ordering::Relaxed),
+        destroys: c.1.load(Ordering::Relaxed),
+        deferred: c.2.load(Ordering::Relaxed),
+        begin_destroys: c.3.load(Ordering::Relaxed),
+        removals: c.4.load(Ordering::Relaxed),
+        established: shared.established.load(Ordering::Relaxed),
+        rejected: shared.rejected.load(Ordering::Relaxed),
+        disconnected: shared.disconnected.load(Ordering::Relaxed),
+        callbacks: shared.callbacks.load(Ordering::Relaxed),
+        contexts: (
+            shared.ctx_made.load(Ordering::SeqCst),
+            shared.ctx_dropped.load(Ordering::SeqCst),
+        ),
+        violations: shared
+            .violations
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default(),
+        invariants: vec![
+            "no callback runs after destroy() returned Done",
+            "callbacks of one id never overlap",
+            "every context is dropped exactly once",
+            "device removal completes within 10 s of its ids' destruction",
+            "no worker hangs (watchdog: progress every 20 s; stop within 30 s)",
+            "no id, port binding or engine endpoint is left at the end",
+        ],
+    };
+    if r.contexts.0 != r.contexts.1 {
+        r.violations.push(format!(
+            "{} contexts created, {} dropped",
+            r.contexts.0, r.contexts.1
+        ));
+    }
+    if left_ids != 0 || left_ceps != 0 || left_ports != 0 {
+        r.violations.push(format!(
+            "left at the end: {left_ids} ids, {left_ceps} engine endpoints, {left_ports} port bindings"
+        ));
+    }
+    Ok(r)
+}
+
+fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId, Arc<AtomicBool>) {
+    let destroyed = Arc::new(AtomicBool::new(false));
+    let ctx = Arc::new(Ctx {
+        shared: shared.clone(),
+        destroyed: destroyed.clone(),
+        in_cb: AtomicBool::new(false),
+        dropped: AtomicBool::new(false),
+    });
+    shared.ctx_made.fetch_add(1, Ordering::SeqCst);
+    let destroy_at = rng.gen_range(0..8u8);
+    let id = fabric.create_id(PortSpace::Tcp, move |id, ev| {
+        let c = &ctx;
+        c.shared.callbacks.fetch_add(1, Ordering::Relaxed);
+        if c.destroyed.load(Ordering::SeqCst) {
+            violation(
+                &c.shared,
+                format!(
+                    "callback {} on {id:?} after destroy returned Done",
+                    ev.name()
+                ),
+            );
+        }
+        if c.in_cb.swap(true, Ordering::SeqCst) {
+            violation(&c.shared, format!("overlapping callbacks on {id:?}"));
+        }
+        let step = match &ev {
+            Event::AddrResolved => 1,
+            Event::RouteResolved => 2,
+            Event::ConnectResponse { .. } => 3,
+            Event::Established { .. } => 4,
+            _ => 5,
+        };
+        let flow = if step == destroy_at {
+            // Destroy from inside the own callback, or by return value.
+            if destroy_at % 2 == 0 {
+                let _ = id.destroy();
+                Flow::Continue
+            } else {
+                Flow::Destroy
+            }
+        } else {
+            match ev {
+                Event::AddrResolved => {
+                    let _ = id.resolve_route();
+                    Flow::Continue
+                }
+                Event::RouteResolved => {
+                    let _ = id.connect(&ConnectOptions::default());
+                    Flow::Continue
+                }
+                Event::ConnectResponse { .. } => {
+                    let _ = id.establish();
+                    Flow::Continue
+                }
+                Event::Established { .. } => {
+                    c.shared.established.fetch_add(1, Ordering::Relaxed);
+                    if destroy_at > 5 {
+                        let _ = id.disconnect();
+                    }
+                    Flow::Continue
+                }
+                Event::Disconnected => {
+                    c.shared.disconnected.fetch_add(1, Ordering::Relaxed);
+                    Flow::Continue
+                }
+                _ => Flow::Continue,
+            }
+        };
+        c.in_cb.store(false, Ordering::SeqCst);
+        flow
+    });
+    (id, destroyed)
+}
