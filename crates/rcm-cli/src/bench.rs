@@ -9,6 +9,7 @@ use rcm::{
 };
 use serde::Serialize;
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -782,7 +783,7 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
     for (i, x) in v.iter().enumerate().step_by(step) {
         let px = m + x / max * (w - 2.0 * m);
         let py = h - m - (i as f64 + 1.0) / v.len() as f64 * (h - 2.0 * m);
-        pts.push_str(&format!("{px:.1},{py:.1} "));
+        let _ = write!(pts, "{px:.1},{py:.1} ");
     }
     let svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">

@@ -281,7 +281,7 @@ fn client_loop(
         }
     }
     for (_, (_, id)) in ids {
-        let _ = id.begin_destroy();
+        drop(id.begin_destroy());
     }
 }
 
@@ -380,7 +380,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             let sr = server
                 .join()
                 .map_err(|_| "server thread panicked".to_string())?;
-            r.errors.extend(sr.errors.into_iter());
+            r.errors.extend(sr.errors);
             r.private_data_ok += sr.private_data_ok;
         }
     }
