@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn skip_or_fail(why: &str) {
-    if std::env::var("RCM_REQUIRE_INTEROP").as_deref() == Ok("1") {
-        panic!("kernel interop test cannot run: {why}");
-    }
+    assert!(
+        std::env::var("RCM_REQUIRE_INTEROP").as_deref() != Ok("1"),
+        "kernel interop test cannot run: {why}"
+    );
     eprintln!("\n==============================================================");
     eprintln!("SKIPPED: kernel interop test: {why}");
     eprintln!("==============================================================\n");
