@@ -115,7 +115,7 @@ fn expect(rx: &mpsc::Receiver<String>, want: &str) {
         match rx.recv_timeout(T) {
             Ok(m) if m == want => return,
             Ok(m) => seen.push(m),
-            Err(_) => panic!("waited for {want:?}; saw {seen:?}"),
+            Err(e) => panic!("waited for {want:?} ({e}); saw {seen:?}"),
         }
     }
 }
