@@ -68,3 +68,41 @@ fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
     println!("{}", show("active.txt"));
     println!("{}", show("passive.txt"));
 }
+
+/// The `rcm` binary itself against the kernel: `rcm ping` both ways, rejects both ways
+/// (reasons 8 and 28), and the kernel's cmtime client with 50 connections in flight against
+/// `rcm bench --listen` (tests/interop/rcm-roce.sh).
+#[test]
+fn rcm_tools_interoperate_with_the_linux_kernel() {
+    let top = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let harness = top.join("../shared/interop/run-vm.sh");
+    if !harness.exists() {
+        return skip_or_fail(&format!("{} not found", harness.display()));
+    }
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    if uid.as_deref() != Some("0") {
+        return skip_or_fail("not root (QEMU and apt need it)");
+    }
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
+    let out = target.join("interop/rcm");
+    let _ = std::fs::remove_dir_all(&out);
+    let status = Command::new(top.join("tests/interop/run-rcm.sh"))
+        .arg(env!("CARGO_BIN_EXE_rcm"))
+        .arg(&out)
+        .status()
+        .expect("run tests/interop/run-rcm.sh");
+    let console = std::fs::read_to_string(out.join("console.log")).unwrap_or_default();
+    let verdicts: Vec<&str> = console
+        .lines()
+        .filter(|l| l.starts_with("verdict "))
+        .collect();
+    println!("{}", verdicts.join("\n"));
+    assert!(status.success(), "interop failed:\n{}", verdicts.join("\n"));
+    assert_eq!(verdicts.len(), 9, "every check ran");
+    assert!(verdicts.iter().all(|v| v.ends_with(" 0")));
+}

@@ -1,0 +1,50 @@
+# Guest scenario: the rcm binary (in netns "peer", a plain IP stack) against the kernel's
+# rdma_cm on rxe0, with rdma-core's tools as judges. Prints one "verdict NAME rc" line per
+# check; exits 0 only if all passed.
+FAIL=0
+command -v rcm >/dev/null || { echo "run with --extra-bin .../rcm"; exit 2; }
+verdict() { echo "verdict $1 $2"; [ "$2" = 0 ] || FAIL=1; }
+
+step "1: rcm ping connects 3 times to the kernel's ucmatose server (-C 0)"
+cap_start s1 veth0
+bg srv ucmatose -b $INIT_IP -p 7471 -c 3 -C 0
+sleep 1
+# ucmatose answers with no private data, so expect none back.
+in_peer rcm ping --connect $INIT_IP --bind $PEER_IP -c 3 --private-data "" --timeout 40; verdict rcm-active $?
+wait_job srv 40; verdict ucmatose-server $?
+stop srv; cap_stop s1
+
+step "2: the kernel's ucmatose client connects 3 times to rcm ping --listen"
+cap_start s2 veth0
+bg_peer app rcm ping --listen --bind $PEER_IP -c 3 --private-data "" --timeout 40
+sleep 1
+ucmatose -s $PEER_IP -p 7471 -c 3 -C 0; verdict ucmatose-client $?
+wait_job app 40; verdict rcm-passive $?
+stop app; cap_stop s2
+
+step "3: rejects"
+cap_start s3 veth0
+bg_peer app rcm ping --listen --bind $PEER_IP -c 1 --reject --private-data "" --timeout 30
+sleep 1
+ucmatose -s $PEER_IP -p 7999 -c 1 -C 0 > /tmp/rej8.log 2>&1
+grep -q "RDMA_CM_EVENT_REJECTED, error: 8" /tmp/rej8.log; verdict kernel-sees-reject-8 $?
+cat /tmp/rej8.log
+ucmatose -s $PEER_IP -p 7471 -c 1 -C 0 > /tmp/rej28.log 2>&1
+grep -q "RDMA_CM_EVENT_REJECTED, error: 28" /tmp/rej28.log; verdict kernel-sees-consumer-reject-28 $?
+cat /tmp/rej28.log
+wait_job app 30; verdict rcm-rejected-as-asked $?
+stop app
+in_peer rcm ping --connect $INIT_IP --bind $PEER_IP -p 7999 -c 1 --timeout 20 > /tmp/norcv.log 2>&1
+grep -q "rejected, reason 8" /tmp/norcv.log; verdict rcm-sees-reject-8 $?
+cat /tmp/norcv.log
+cap_stop s3
+
+step "4: kernel cmtime client (50 connections in flight) against rcm bench --listen"
+cap_start s4 veth0
+bg_peer bsrv rcm bench --listen --bind $PEER_IP
+sleep 1
+cmtime -s $PEER_IP -c 50 > /tmp/cmtime.log 2>&1; verdict cmtime-client-50 $?
+cat /tmp/cmtime.log
+stop bsrv
+cap_stop s4
+exit $FAIL
