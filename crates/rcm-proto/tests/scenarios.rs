@@ -1249,3 +1249,31 @@ fn commands_in_the_wrong_state_are_refused() {
     p.private_data = vec![0; 93];
     assert!(matches!(t.ep.connect(t.now, &p), Err(CmError::Wire(_))));
 }
+
+#[test]
+fn stale_rep_is_rejected_and_its_later_copies_dropped() {
+    let mut t = T::new();
+    let (old, _) = t.established_active(); // holds the peer's QPN 0x99
+    let (h, req, tid) = t.connect();
+    let mut rep = peer_rep(req.local_comm_id);
+    rep.local_comm_id = 0x6666_0000; // a new connection of the peer, reusing QPN 0x99
+    t.recv(tid, CmMessage::Rep(rep.clone()));
+    let names: Vec<_> = t.sent().iter().map(|m| m.msg.name()).collect();
+    assert_eq!(
+        names,
+        ["REJ", "DREQ"],
+        "stale REP rejected, the old connection torn down"
+    );
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    // The old connection goes away entirely.
+    t.ep.destroy(t.now, old).unwrap();
+    t.advance(Duration::from_secs(5));
+    t.sent();
+    t.events();
+    // A retransmitted copy of the stale REP must not establish a connection whose passive
+    // side our REJ already sent to timewait.
+    t.recv(tid, CmMessage::Rep(rep));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert!(t.ep.stats().rx_duplicates >= 1);
+}

@@ -89,6 +89,9 @@ pub(crate) struct Cep {
     pub mra_honoured: bool,
     pub timer_gen: u32,
     pub timer: TimerKind,
+    /// The peer comm ID of a REP we rejected as stale: later copies of it are dropped, so a
+    /// retransmitted stale REP cannot half-open a connection its sender already tore down.
+    pub stale_rep: Option<u32>,
 }
 
 impl Cep {
@@ -115,6 +118,7 @@ impl Cep {
             mra_honoured: false,
             timer_gen: 0,
             timer: TimerKind::None,
+            stale_rep: None,
         }
     }
 }

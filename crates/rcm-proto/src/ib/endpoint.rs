@@ -1086,6 +1086,9 @@ impl Endpoint {
         };
         let Some(c) = self.ceps.get(&h) else { return };
         match c.state {
+            State::ReqSent | State::MraReqRcvd if c.stale_rep == Some(rep.local_comm_id) => {
+                return self.stats.rx_duplicates += 1;
+            }
             State::ReqSent | State::MraReqRcvd => {}
             State::Established => {
                 // Our RTU was lost: send it again (Linux cm_dup_rep_handler).
@@ -1120,6 +1123,9 @@ impl Endpoint {
                 };
                 self.send(from, tid, CmMessage::Rej(rej));
                 self.stats.stale_rejects += 1;
+                if let Some(c) = self.ceps.get_mut(&h) {
+                    c.stale_rep = Some(rep.local_comm_id);
+                }
                 if self
                     .ceps
                     .get(&other)
