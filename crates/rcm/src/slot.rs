@@ -176,6 +176,15 @@ impl<E: Send + 'static> Slot<E> {
         sync::lock(&self.target).clone()
     }
 
+    /// The channel, if the target is one. Never clones a callback: a clone held outside a
+    /// callback could outlive the teardown and drop the handler after `destroy` returned.
+    fn channel(&self) -> Option<Arc<ChannelCore<E>>> {
+        match sync::lock(&self.target).as_ref() {
+            Some(Target::Channel(ch)) => Some(ch.clone()),
+            _ => None,
+        }
+    }
+
     /// Queues an event. Discarded (and handed to `discard`) once the slot is not live.
     pub(crate) fn push(self: &Arc<Self>, ev: E) {
         self.push_inner(ev, false);
@@ -188,10 +197,16 @@ impl<E: Send + 'static> Slot<E> {
     }
 
     fn push_inner(self: &Arc<Self>, ev: E, removal: bool) -> bool {
-        let target = self.target();
+        // The target stays locked, not cloned, while the event is queued: a clone of the
+        // callback held here could outlive a concurrent teardown and drop the handler (and
+        // what it captured) on this thread after `destroy` returned `Done`; and a channel push
+        // must not land on the channel a concurrent `migrate` has just left. Lock order:
+        // target, inner, channel queue.
+        let target = sync::lock(&self.target);
         let mut g = sync::lock(&self.inner);
         if g.phase != Phase::Live || (removal && g.removal_queued) || target.is_none() {
             drop(g);
+            drop(target);
             (self.discard)(ev);
             return false;
         }
@@ -200,15 +215,17 @@ impl<E: Send + 'static> Slot<E> {
             g.removal_queued = true;
             dropped.extend(g.queue.drain(..));
         }
-        match target {
+        match target.as_ref() {
             Some(Target::Channel(ch)) => {
                 drop(g);
                 if removal {
                     dropped.extend(ch.purge(self));
                 }
                 ch.push(self.clone(), ev);
+                drop(target);
             }
             Some(Target::Callback(_)) => {
+                drop(target);
                 g.queue.push_back(ev);
                 let schedule = !g.scheduled && g.running.is_none();
                 if schedule {
@@ -219,7 +236,7 @@ impl<E: Send + 'static> Slot<E> {
                     self.sched.schedule(self.clone());
                 }
             }
-            None => {}
+            None => drop(target),
         }
         for d in dropped {
             (self.discard)(d);
@@ -306,6 +323,10 @@ impl<E: Send + 'static> Slot<E> {
                 if !block || in_callback() {
                     return Ok(DestroyOutcome::Deferred);
                 }
+                // Waiting for held events the caller may hold itself would hang (as in `Live`).
+                if g.held > 0 {
+                    return Err(g.held);
+                }
                 while g.phase != Phase::Destroyed {
                     g = sync::wait(&self.cond, g);
                 }
@@ -328,7 +349,7 @@ impl<E: Send + 'static> Slot<E> {
             g.teardown_started = true;
         }
         drop(g);
-        if let Some(Target::Channel(ch)) = self.target() {
+        if let Some(ch) = self.channel() {
             for d in ch.purge(self) {
                 (self.discard)(d);
             }
@@ -443,10 +464,11 @@ impl<E: Send + 'static> Slot<E> {
         }
         let moved = from.purge(self);
         *t = Some(Target::Channel(to.clone()));
-        drop(t);
+        // Moved while the target is still locked, so a concurrent push queues behind them.
         for ev in moved {
             to.push(self.clone(), ev);
         }
+        drop(t);
         true
     }
 }

@@ -21,7 +21,7 @@ pub(crate) use std::thread;
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     #[cfg(loom)]
     {
-        m.lock().unwrap_or_else(|e| e.into_inner())
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
     #[cfg(not(loom))]
     {
@@ -33,7 +33,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) fn wait<'a, T>(c: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
     #[cfg(loom)]
     {
-        c.wait(g).unwrap_or_else(|e| e.into_inner())
+        c.wait(g).unwrap_or_else(std::sync::PoisonError::into_inner)
     }
     #[cfg(not(loom))]
     {
