@@ -215,6 +215,10 @@ pub(crate) struct IdInner {
     pub fabric: Arc<FabricInner>,
     pub slot: Arc<Slot<Event>>,
     pub st: Mutex<IdState>,
+    /// Serialises API calls on this id (Linux bug class 2: concurrent calls on one id). It
+    /// is held across engine calls; the state lock never is, because routing an engine event
+    /// takes the state lock of the id it names.
+    op: Mutex<()>,
 }
 
 /// An rdma_cm communication identifier. Cloning gives another handle to the same id; the id
@@ -256,19 +260,34 @@ impl EventChannel {
     /// is acked when dropped; while any event of an id is held, a blocking `destroy` of that
     /// id fails with [`Error::EventsOutstanding`] rather than hanging.
     pub fn get_event(&self, timeout: Option<std::time::Duration>) -> Option<ChannelEvent> {
-        let (slot, event) = self.0.take(timeout)?;
-        let Some(id) = owner_of(&slot) else {
-            slot.ack();
-            return None;
-        };
-        if matches!(event, Event::ConnectRequest { .. }) {
-            sync::lock(&id.0.st).request_unseen = false;
+        let end = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
+            let (slot, event) = self.0.take(left)?;
+            let Some(id) = owner_of(&slot) else {
+                slot.ack();
+                continue;
+            };
+            let mut also = None;
+            if let Event::ConnectRequest { listener, .. } = &event {
+                // The request holds its listener too: the listener's blocking destroy is
+                // refused while it is held; a request whose listener is being destroyed
+                // dies unseen (rejected).
+                if !listener.0.slot.hold_for_other() {
+                    slot.ack();
+                    drop(id.begin_destroy());
+                    continue;
+                }
+                also = Some(listener.0.slot.clone());
+                sync::lock(&id.0.st).request_unseen = false;
+            }
+            return Some(ChannelEvent {
+                id,
+                event: Some(event),
+                slot,
+                also,
+            });
         }
-        Some(ChannelEvent {
-            id,
-            event: Some(event),
-            slot,
-        })
     }
 
     /// Events waiting (including ones of ids destroyed since, which are skipped).
@@ -288,6 +307,8 @@ pub struct ChannelEvent {
     id: CmId,
     event: Option<Event>,
     slot: Arc<Slot<Event>>,
+    /// A connect request's listener, held too.
+    also: Option<Arc<Slot<Event>>>,
 }
 
 impl ChannelEvent {
@@ -310,6 +331,9 @@ impl ChannelEvent {
 impl Drop for ChannelEvent {
     fn drop(&mut self) {
         self.slot.ack();
+        if let Some(l) = &self.also {
+            l.ack();
+        }
     }
 }
 
@@ -353,8 +377,15 @@ fn callback(h: Handler) -> Target<Event> {
             let Some(inner) = owner.and_then(|o| o.downcast::<IdInner>().ok()) else {
                 return Flow::Continue;
             };
-            if matches!(ev, Event::ConnectRequest { .. }) {
+            if let Event::ConnectRequest { listener, .. } = &ev {
+                // The request is delivered serialised with its listener's callbacks: the
+                // listener's blocking destroy waits for it, and a request whose listener is
+                // being destroyed dies with it, unseen (rejected).
+                let Some(_listening) = listener.0.slot.enter() else {
+                    return Flow::Destroy;
+                };
                 sync::lock(&inner.st).request_unseen = false;
+                return h(&CmId(inner), ev);
             }
             h(&CmId(inner), ev)
         },
@@ -369,6 +400,7 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         fabric: fabric.clone(),
         slot: Slot::new(target, fabric.scheduler(), discard),
         st: Mutex::new(new_state()),
+        op: Mutex::new(()),
     });
     let td = inner.clone();
     inner.slot.set_teardown(Box::new(move || teardown(&td)));
@@ -483,6 +515,7 @@ impl CmId {
     /// Binds to a local address (`rdma_bind_addr`). Port 0 picks an ephemeral port; an
     /// unspecified IP binds every device. Idle → AddrBound.
     pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.state != State::Idle {
             return Err(Error::InvalidState(g.state));
@@ -510,6 +543,7 @@ impl CmId {
     /// ephemeral port if unbound. Reports `AddrResolved` or `AddrError`; a failure changes
     /// nothing.
     pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
+        let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if !matches!(g.state, State::Idle | State::AddrBound) {
             return Err(Error::InvalidState(g.state));
@@ -569,6 +603,7 @@ impl CmId {
     /// Builds the RoCE path locally as rdma_cm does (`rdma_resolve_route`): no SA; flow label
     /// from the ports, hop limit 64, packet lifetime 18. AddrResolved → RouteResolved.
     pub fn resolve_route(&self) -> Result<()> {
+        let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.state != State::AddrResolved {
             return Err(Error::InvalidState(g.state));
@@ -593,47 +628,62 @@ impl CmId {
     /// for a wildcard address. AddrBound (or Idle, binding the wildcard) → Listen. `backlog`
     /// bounds connect requests not yet answered (0: the default, 256).
     pub fn listen(&self, backlog: usize) -> Result<()> {
-        let mut g = self.usable()?;
-        match g.state {
-            State::AddrBound => {}
-            State::Idle => {
-                let b = sync::lock(&self.0.fabric.ports).bind(
-                    self.0.ps,
-                    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
-                    self.0.key,
-                )?;
-                g.src = Some(b);
-                g.bound = true;
-            }
-            s => return Err(Error::InvalidState(s)),
-        }
-        let Some(src) = g.src else {
-            return Err(Error::InvalidState(g.state));
+        let _op = sync::lock(&self.0.op);
+        let (src, devices, implicit) = {
+            let g = self.usable()?;
+            let (src, implicit) = match g.state {
+                State::AddrBound => (g.src.ok_or(Error::InvalidState(g.state))?, false),
+                State::Idle => (SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0), true),
+                s => return Err(Error::InvalidState(s)),
+            };
+            let devices = if src.ip().is_unspecified() {
+                self.0
+                    .fabric
+                    .devices()
+                    .into_iter()
+                    .filter(|d| d.ip.is_ipv4() == src.is_ipv4() || src.is_ipv6())
+                    .collect()
+            } else {
+                g.device.clone().into_iter().collect::<Vec<_>>()
+            };
+            (src, devices, implicit)
+        };
+        // rdma_listen on an unbound id binds the wildcard first.
+        let src = if implicit {
+            sync::lock(&self.0.fabric.ports).bind(self.0.ps, src, self.0.key)?
+        } else {
+            src
         };
         let wildcard = src.ip().is_unspecified();
-        let devices = if wildcard {
-            self.0
-                .fabric
-                .devices()
-                .into_iter()
-                .filter(|d| d.ip.is_ipv4() == src.is_ipv4() || src.is_ipv6())
-                .collect()
-        } else {
-            g.device.clone().into_iter().collect::<Vec<_>>()
-        };
         let sid = cma::service_id(self.0.ps, src.port());
         let mut done = Vec::new();
+        let unwind = |done: Vec<(Arc<DeviceInner>, u64)>| {
+            for (d, sid) in done {
+                unregister_listen(&d, sid, &self.0);
+            }
+            if implicit {
+                sync::lock(&self.0.fabric.ports).release(self.0.ps, src, self.0.key);
+            }
+        };
         for d in devices {
             match register_listen(&d, sid, backlog, Arc::downgrade(&self.0)) {
                 Ok(()) => done.push((d, sid)),
                 Err(e) => {
-                    // Unwind what this call registered: a failure changes nothing.
-                    for (d, sid) in done {
-                        unregister_listen(&d, sid, &self.0);
-                    }
+                    // Unwind what this call did: a failure changes nothing.
+                    unwind(done);
                     return Err(e);
                 }
             }
+        }
+        let mut g = sync::lock(&self.0.st);
+        if g.state == State::Destroying || g.removed {
+            drop(g);
+            unwind(done);
+            return Err(Error::Destroyed);
+        }
+        if implicit {
+            g.src = Some(src);
+            g.bound = true;
         }
         g.listen = done;
         g.wildcard = wildcard;
@@ -648,6 +698,7 @@ impl CmId {
 
     /// Attaches a soft QP; returns its number.
     pub fn create_qp(&self) -> Result<u32> {
+        let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.qp.is_some() {
             return Err(Error::QpBusy("the id already has a QP"));
@@ -696,30 +747,43 @@ impl CmId {
     /// Connects (`rdma_connect`): a REQ (RC) or SIDR_REQ (UD) with rdma_cm's header.
     /// RouteResolved → Connect.
     pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
-        let mut g = self.usable()?;
-        if g.state != State::RouteResolved {
-            return Err(Error::InvalidState(g.state));
-        }
-        check_pd(self.0.ps, "connect", &opts.private_data)?;
-        let (Some(src), Some(dst), Some(dev)) = (g.src, g.dst, g.device.clone()) else {
-            return Err(Error::InvalidState(g.state));
-        };
-        let hdr = CmaHdr {
-            src_port: src.port(),
-            src: src.ip(),
-            dst: dst.ip(),
-        };
-        let pd = hdr
-            .with_user_data(&opts.private_data, pd_limit(self.0.ps, "connect"))
-            .map_err(|_| Error::PrivateDataTooLong {
-                len: opts.private_data.len(),
-                max: pd_limit(self.0.ps, "connect"),
+        let _op = sync::lock(&self.0.op);
+        let (dst, dev, qpn, path, pd) = {
+            let g = self.usable()?;
+            if g.state != State::RouteResolved {
+                return Err(Error::InvalidState(g.state));
+            }
+            check_pd(self.0.ps, "connect", &opts.private_data)?;
+            let (Some(src), Some(dst), Some(dev)) = (g.src, g.dst, g.device.clone()) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            let hdr = CmaHdr {
+                src_port: src.port(),
+                src: src.ip(),
+                dst: dst.ip(),
+            };
+            let max = pd_limit(self.0.ps, "connect");
+            let pd = hdr.with_user_data(&opts.private_data, max).map_err(|_| {
+                Error::PrivateDataTooLong {
+                    len: opts.private_data.len(),
+                    max,
+                }
             })?;
-        let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            (dst, dev, qpn, g.path, pd)
+        };
         let sid = cma::service_id(self.0.ps, dst.port());
         let weak = Arc::downgrade(&self.0);
+        let psn = rand::random::<u32>() & 0xFF_FFFF;
+        let mut p = ConnectParams::new(dst.ip(), sid, qpn);
+        p.responder_resources = opts.responder_resources;
+        p.initiator_depth = opts.initiator_depth;
+        p.retry_count = opts.retry_count.min(7);
+        p.rnr_retry_count = opts.rnr_retry_count.min(7);
+        p.path = path;
+        p.starting_psn = Some(psn);
         let r = if is_ud(self.0.ps) {
-            let p = SidrParams {
+            let sp = SidrParams {
                 dst: dst.ip(),
                 service_id: sid,
                 private_data: pd,
@@ -727,34 +791,36 @@ impl CmId {
                 max_retries: 15,
             };
             dev.with_engine(|ep, now| {
-                let h = ep.sidr_request(now, &p)?;
+                let h = ep.sidr_request(now, &sp)?;
                 sync::lock(&dev.ceps).insert(h, weak);
                 Ok::<_, ib::CmError>(h)
             })
         } else {
-            let mut p = ConnectParams::new(dst.ip(), sid, qpn);
-            p.responder_resources = opts.responder_resources;
-            p.initiator_depth = opts.initiator_depth;
-            p.retry_count = opts.retry_count.min(7);
-            p.rnr_retry_count = opts.rnr_retry_count.min(7);
-            p.path = g.path;
             p.private_data = pd;
-            let psn = rand::random::<u32>() & 0xFF_FFFF;
-            p.starting_psn = Some(psn);
-            g.conn.local_psn = psn;
-            g.conn.retry_count = p.retry_count;
-            g.conn.rnr_retry_count = p.rnr_retry_count;
-            g.conn.ack_timeout = ib::cm_ack_timeout(15, p.path.packet_life_time);
             dev.with_engine(|ep, now| {
                 let h = ep.connect(now, &p)?;
                 sync::lock(&dev.ceps).insert(h, weak);
                 Ok::<_, ib::CmError>(h)
             })
         };
+        let mut g = sync::lock(&self.0.st);
         match r {
+            Ok(h) if g.state == State::Destroying => {
+                // Destroyed meanwhile: the teardown did not see this endpoint; end it here.
+                drop(g);
+                sync::lock(&dev.ceps).remove(&h);
+                dev.with_engine(|ep, now| {
+                    let _ = ep.destroy(now, h);
+                });
+                Err(Error::Destroyed)
+            }
             Ok(h) => {
                 g.cep = Some(h);
                 g.conn.local_qpn = qpn;
+                g.conn.local_psn = psn;
+                g.conn.retry_count = p.retry_count;
+                g.conn.rnr_retry_count = p.rnr_retry_count;
+                g.conn.ack_timeout = ib::cm_ack_timeout(15, p.path.packet_life_time);
                 g.state = State::Connect;
                 Ok(())
             }
@@ -767,15 +833,20 @@ impl CmId {
 
     /// Accepts a connect request (`rdma_accept`) on the child id: REP (RC) or SIDR_REP (UD).
     pub fn accept(&self, opts: &AcceptOptions) -> Result<()> {
-        let mut g = self.usable()?;
-        if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
-            return Err(Error::InvalidState(g.state));
-        }
-        check_pd(self.0.ps, "accept", &opts.private_data)?;
-        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
-            return Err(Error::InvalidState(g.state));
+        let _op = sync::lock(&self.0.op);
+        let (dev, cep, qpn) = {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+                return Err(Error::InvalidState(g.state));
+            }
+            check_pd(self.0.ps, "accept", &opts.private_data)?;
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            (dev, cep, qpn)
         };
-        let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+        let psn = rand::random::<u32>() & 0xFF_FFFF;
         let r = if is_ud(self.0.ps) {
             let p = SidrReplyParams {
                 status: SidrStatus::Success,
@@ -785,7 +856,6 @@ impl CmId {
             };
             dev.with_engine(|ep, _| ep.sidr_reply(cep, &p))
         } else {
-            let psn = rand::random::<u32>() & 0xFF_FFFF;
             let p = AcceptParams {
                 qpn,
                 starting_psn: Some(psn),
@@ -795,14 +865,15 @@ impl CmId {
                 srq: false,
                 private_data: opts.private_data.clone(),
             };
-            g.conn.local_psn = psn;
             dev.with_engine(|ep, now| ep.accept(now, cep, &p))
         };
+        let mut g = sync::lock(&self.0.st);
         match r {
             Ok(()) => {
                 g.conn.local_qpn = qpn;
+                g.conn.local_psn = psn;
                 g.conn.accepted = true;
-                if is_ud(self.0.ps) {
+                if is_ud(self.0.ps) && g.state == State::Connect {
                     g.state = State::Established;
                 }
                 Ok(())
@@ -817,41 +888,50 @@ impl CmId {
     /// Rejects a connect request (`rdma_reject`) with private data: REJ reason 28, or
     /// SIDR_REP status "rejected". Connect → Disconnect.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
-        let mut g = self.usable()?;
-        if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
-            return Err(Error::InvalidState(g.state));
-        }
-        check_pd(self.0.ps, "reject", private_data)?;
-        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
-            return Err(Error::InvalidState(g.state));
+        let _op = sync::lock(&self.0.op);
+        let (dev, cep) = {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+                return Err(Error::InvalidState(g.state));
+            }
+            check_pd(self.0.ps, "reject", private_data)?;
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            (dev, cep)
         };
-        let r = if is_ud(self.0.ps) {
+        if is_ud(self.0.ps) {
             let p = SidrReplyParams {
                 status: SidrStatus::Rejected,
                 private_data: private_data.to_vec(),
                 ..Default::default()
             };
-            dev.with_engine(|ep, _| ep.sidr_reply(cep, &p))
+            dev.with_engine(|ep, _| ep.sidr_reply(cep, &p))?;
         } else {
             dev.with_engine(|ep, now| {
                 ep.reject(now, cep, RejReason::ConsumerDefined, &[], private_data)
-            })
-        };
-        r?;
-        g.state = State::Disconnect;
+            })?;
+        }
+        let mut g = sync::lock(&self.0.st);
+        if g.state == State::Connect {
+            g.state = State::Disconnect;
+        }
         Ok(())
     }
 
     /// Sends the RTU after a `ConnectResponse` (`rdma_establish`, active side without a QP).
     pub fn establish(&self) -> Result<()> {
-        let g = self.usable()?;
-        if g.state != State::Connect || g.listener.is_some() {
-            return Err(Error::InvalidState(g.state));
-        }
-        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
-            return Err(Error::InvalidState(g.state));
+        let _op = sync::lock(&self.0.op);
+        let (dev, cep) = {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_some() {
+                return Err(Error::InvalidState(g.state));
+            }
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            (dev, cep)
         };
-        drop(g);
         dev.with_engine(|ep, _| ep.establish(cep))?;
         Ok(())
     }
@@ -859,15 +939,22 @@ impl CmId {
     /// Disconnects (`rdma_disconnect`): DREQ, or the DREP when the peer disconnected first.
     /// Established → Disconnect; `Disconnected` follows.
     pub fn disconnect(&self) -> Result<()> {
-        let mut g = self.usable()?;
-        if g.state != State::Established || is_ud(self.0.ps) {
-            return Err(Error::InvalidState(g.state));
-        }
-        let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
-            return Err(Error::InvalidState(g.state));
+        let _op = sync::lock(&self.0.op);
+        let (dev, cep) = {
+            let g = self.usable()?;
+            if g.state != State::Established || is_ud(self.0.ps) {
+                return Err(Error::InvalidState(g.state));
+            }
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            (dev, cep)
         };
         dev.with_engine(|ep, now| ep.disconnect(now, cep, &[]))?;
-        g.state = State::Disconnect;
+        let mut g = sync::lock(&self.0.st);
+        if g.state == State::Established {
+            g.state = State::Disconnect;
+        }
         Ok(())
     }
 
@@ -1182,12 +1269,20 @@ pub(crate) fn on_connect_request(
             };
         }
     }
-    // Publish, fully built, then tell the user.
-    sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
+    // Join the listener while it still listens (its teardown takes the children under the
+    // same lock, so a request either is seen by that teardown or refused here), then publish
+    // the fully built child and tell the user.
     {
         let mut g = sync::lock(&lst.st);
+        if g.state != State::Listen || !lst.slot.is_live() {
+            drop(g);
+            sync::lock(&child.0.st).request_unseen = false;
+            drop(child.begin_destroy());
+            return;
+        }
         g.children.insert(child.0.key, Arc::downgrade(&child.0));
     }
+    sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
     let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
@@ -1360,18 +1455,29 @@ pub(crate) fn on_device_added(fabric: &Arc<FabricInner>, dev: &Arc<DeviceInner>)
         .filter_map(Weak::upgrade)
         .collect();
     for l in ls {
+        let _op = sync::lock(&l.op);
+        // Read under the state lock, register without it (registering routes events, which
+        // takes other ids' state locks), then record under it again.
+        let (sid, backlog) = {
+            let g = sync::lock(&l.st);
+            let Some(src) = g.src else { continue };
+            if g.state != State::Listen
+                || !l.slot.is_live()
+                || (src.is_ipv4() != dev.ip.is_ipv4() && !src.is_ipv6())
+            {
+                continue;
+            }
+            (cma::service_id(l.ps, src.port()), g.backlog)
+        };
+        if register_listen(dev, sid, backlog, Arc::downgrade(&l)).is_err() {
+            continue;
+        }
         let mut g = sync::lock(&l.st);
-        if g.state != State::Listen || !l.slot.is_live() {
-            continue;
-        }
-        let Some(src) = g.src else { continue };
-        if src.is_ipv4() != dev.ip.is_ipv4() && !src.is_ipv6() {
-            continue;
-        }
-        let sid = cma::service_id(l.ps, src.port());
-        let backlog = g.backlog;
-        if register_listen(dev, sid, backlog, Arc::downgrade(&l)).is_ok() {
+        if g.state == State::Listen {
             g.listen.push((dev.clone(), sid));
+        } else {
+            drop(g);
+            unregister_listen(dev, sid, &l);
         }
     }
 }

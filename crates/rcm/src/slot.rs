@@ -425,6 +425,34 @@ impl<E: Send + 'static> Slot<E> {
         false
     }
 
+    /// Runs code of another slot's event as if it were a callback of this slot: waits for
+    /// this slot's callback in flight, then marks it running until the guard drops, so this
+    /// slot's blocking destroy waits for it (a connect request is serialised with its
+    /// listener, as Linux delivers it under the listener's handler mutex). `None` once the
+    /// slot is not live.
+    pub(crate) fn enter(self: &Arc<Self>) -> Option<EnterGuard<E>> {
+        let me = sync::thread::current().id();
+        let mut g = sync::lock(&self.inner);
+        loop {
+            if g.phase != Phase::Live {
+                return None;
+            }
+            match g.running {
+                None => break,
+                Some(t) if t == me => return None,
+                Some(_) => g = sync::wait(&self.cond, g),
+            }
+        }
+        g.running = Some(me);
+        Some(EnterGuard(self.clone()))
+    }
+
+    /// Takes a channel hold on this slot (a held event of another slot that also belongs to
+    /// this one, such as a connect request on its listener). False once not live.
+    pub(crate) fn hold_for_other(&self) -> bool {
+        self.hold()
+    }
+
     /// A channel event was handed out.
     fn hold(&self) -> bool {
         let mut g = sync::lock(&self.inner);
@@ -470,6 +498,34 @@ impl<E: Send + 'static> Slot<E> {
         }
         drop(t);
         true
+    }
+}
+
+/// See [`Slot::enter`].
+pub(crate) struct EnterGuard<E: Send + 'static>(Arc<Slot<E>>);
+
+impl<E: Send + 'static> Drop for EnterGuard<E> {
+    fn drop(&mut self) {
+        let s = &self.0;
+        let mut g = sync::lock(&s.inner);
+        g.running = None;
+        let finish = g.phase == Phase::Destroying && g.held == 0 && !g.teardown_started;
+        if finish {
+            g.teardown_started = true;
+        }
+        // Events pushed meanwhile were left for the running "callback": schedule them.
+        let schedule = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
+        if schedule {
+            g.scheduled = true;
+        }
+        drop(g);
+        s.cond.notify_all();
+        if finish {
+            s.run_teardown();
+        }
+        if schedule {
+            s.sched.schedule(s.clone());
+        }
     }
 }
 

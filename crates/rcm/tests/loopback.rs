@@ -109,6 +109,22 @@ fn client(f: &Fabric, dst: SocketAddr, tx: mpsc::Sender<String>) -> CmId {
     id
 }
 
+/// Waits until every message in `want` was seen, in any order (the two sides' events are
+/// not ordered with respect to each other).
+fn expect_all(rx: &mpsc::Receiver<String>, want: &[&str]) {
+    let mut missing: Vec<&str> = want.to_vec();
+    let mut seen = Vec::new();
+    while !missing.is_empty() {
+        match rx.recv_timeout(T) {
+            Ok(m) => {
+                missing.retain(|w| *w != m);
+                seen.push(m);
+            }
+            Err(e) => panic!("waited for {missing:?} ({e}); saw {seen:?}"),
+        }
+    }
+}
+
 fn expect(rx: &mpsc::Receiver<String>, want: &str) {
     let mut seen = Vec::new();
     loop {
@@ -128,14 +144,12 @@ fn connect_accept_disconnect_with_callbacks() {
     let cli = client(&f, addr(1, 7471), tx);
     expect(&rx, "request hello");
     expect(&rx, "response welcome");
-    expect(&rx, "client established");
-    expect(&rx, "server established");
+    expect_all(&rx, &["client established", "server established"]);
     assert_eq!(cli.state(), State::Established);
     assert_eq!(cli.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 2]));
     assert_eq!(cli.peer_addr(), Some(addr(1, 7471)));
     cli.disconnect().unwrap();
-    expect(&rx, "server disconnected");
-    expect(&rx, "client disconnected");
+    expect_all(&rx, &["server disconnected", "client disconnected"]);
     assert_eq!(cli.destroy(), Ok(DestroyOutcome::Done));
     assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
     // The child id (accepted connection) is still alive until destroyed; shutdown cleans up.
