@@ -42,7 +42,8 @@ pub struct DeviceStats {
 pub(crate) struct DeviceInner {
     pub ip: IpAddr,
     pub port: u16,
-    sock: Arc<UdpSocket>,
+    /// The socket, taken (closed) at shutdown so the address can be bound again.
+    sock: Mutex<Option<Arc<UdpSocket>>>,
     engine: Mutex<Endpoint>,
     /// Engine handles of published ids (reserve → publish → unpublish discipline: an id is
     /// inserted only once fully built, removed before its teardown).
@@ -71,7 +72,7 @@ impl DeviceInner {
         let dev = Arc::new(DeviceInner {
             ip,
             port,
-            sock,
+            sock: Mutex::new(Some(sock)),
             engine: Mutex::new(engine),
             ceps: Mutex::new(HashMap::new()),
             listens: Mutex::new(HashMap::new()),
@@ -136,7 +137,15 @@ impl DeviceInner {
         }
     }
 
+    fn socket(&self) -> Option<Arc<UdpSocket>> {
+        sync::lock(&self.sock).clone()
+    }
+
     fn send_all(&self, tx: &[Transmit]) {
+        if tx.is_empty() {
+            return;
+        }
+        let Some(sock) = self.socket() else { return };
         for t in tx {
             let ip = match (self.ip, t.dst) {
                 (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
@@ -145,10 +154,7 @@ impl DeviceInner {
             };
             let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
             let payload = roce::emit_gsi(&ip, self.port, psn, &t.mad);
-            match self
-                .sock
-                .send_to(&payload, SocketAddr::new(t.dst, self.port))
-            {
+            match sock.send_to(&payload, SocketAddr::new(t.dst, self.port)) {
                 Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
                 Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
             };
@@ -160,7 +166,9 @@ impl DeviceInner {
         let Some(next) = next else { return };
         let sleeping_until = *sync::lock(&self.wake_at);
         if sleeping_until.is_none_or(|w| next < w) {
-            let _ = self.sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+            if let Some(sock) = self.socket() {
+                let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+            }
         }
     }
 
@@ -199,7 +207,7 @@ impl DeviceInner {
                 ev => {
                     let id = sync::lock(&self.ceps).get(&h).and_then(Weak::upgrade);
                     if let Some(id) = id {
-                        crate::id::on_engine_event(&id, self, ev);
+                        crate::id::on_engine_event(&id, self, h, ev);
                     }
                 }
             }
@@ -230,13 +238,17 @@ impl DeviceInner {
     /// Stops the I/O thread (after removal completed, or at fabric shutdown).
     pub(crate) fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        let _ = self.sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        if let Some(sock) = self.socket() {
+            let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        }
         let h = sync::lock(&self.thread).take();
         if let Some(h) = h {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
         }
+        // The I/O thread held the other reference: the socket closes here.
+        sync::lock(&self.sock).take();
     }
 
     /// The engine's counters and table sizes (for tests).

@@ -118,6 +118,9 @@ pub(crate) struct FabricInner {
     pub dispatcher: Arc<Dispatcher>,
     pub ids: Mutex<HashMap<u64, Weak<IdInner>>>,
     pub wildcard_listeners: Mutex<Vec<Weak<IdInner>>>,
+    /// Serialises wildcard listens with device additions (Linux `cma_listen_on_all` vs
+    /// `cma_add_one` under one lock).
+    pub listen_lock: Mutex<()>,
     next_key: AtomicU64,
     next_qpn: AtomicU32,
     seed: u64,
@@ -170,6 +173,7 @@ impl Fabric {
             dispatcher,
             ids: Mutex::new(HashMap::new()),
             wildcard_listeners: Mutex::new(Vec::new()),
+            listen_lock: Mutex::new(()),
             next_key: AtomicU64::new(1),
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
             seed,
@@ -205,6 +209,7 @@ impl Fabric {
         );
         cfg.retry = self.0.cfg.retry;
         cfg.min_timewait = self.0.cfg.min_timewait;
+        let _listens = sync::lock(&self.0.listen_lock);
         let dev = DeviceInner::open(ip, self.0.cfg.udp_port, Endpoint::new(cfg))?;
         sync::lock(&self.0.devices).push(dev.clone());
         crate::id::on_device_added(&self.0, &dev);
@@ -221,7 +226,11 @@ impl Fabric {
             .ok_or(crate::Error::AddrNotAvailable(ip))?;
         dev.removed.store(true, Ordering::SeqCst);
         let holders = crate::id::on_device_removed(&self.0, &dev);
-        Ok(Removal { dev, holders })
+        Ok(Removal {
+            fabric: Arc::downgrade(&self.0),
+            dev,
+            holders,
+        })
     }
 
     /// The devices' addresses.
@@ -290,6 +299,7 @@ impl Device {
 
 /// A device removal in progress.
 pub struct Removal {
+    fabric: Weak<FabricInner>,
     dev: Arc<DeviceInner>,
     holders: Vec<(u64, Arc<Slot<Event>>)>,
 }
@@ -316,6 +326,9 @@ impl Removal {
             }
         }
         self.dev.shutdown();
+        if let Some(f) = self.fabric.upgrade() {
+            sync::lock(&f.devices).retain(|d| !Arc::ptr_eq(d, &self.dev));
+        }
         Ok(())
     }
 

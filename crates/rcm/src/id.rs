@@ -406,8 +406,12 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
     inner.slot.set_teardown(Box::new(move || teardown(&td)));
     let owner: Arc<dyn Any + Send + Sync> = inner.clone();
     inner.slot.set_owner(Arc::downgrade(&owner));
-    sync::lock(&fabric.ids).insert(key, Arc::downgrade(&inner));
     CmId(inner)
+}
+
+/// Makes a fully built id visible to fabric-wide walks (device removal, shutdown).
+fn publish(id: &CmId) {
+    sync::lock(&id.0.fabric.ids).insert(id.0.key, Arc::downgrade(&id.0));
 }
 
 impl Fabric {
@@ -418,13 +422,17 @@ impl Fabric {
         handler: impl Fn(&CmId, Event) -> Flow + Send + Sync + 'static,
     ) -> CmId {
         let h: Handler = Arc::new(handler);
-        build(&self.0, ps, callback(h))
+        let id = build(&self.0, ps, callback(h));
+        publish(&id);
+        id
     }
 
     /// Creates an id whose events go to `channel`.
     pub fn create_id_on(&self, ps: PortSpace, channel: &EventChannel) -> CmId {
         let ch = channel.0.clone();
-        build(&self.0, ps, Target::Channel(ch))
+        let id = build(&self.0, ps, Target::Channel(ch));
+        publish(&id);
+        id
     }
 }
 
@@ -629,6 +637,8 @@ impl CmId {
     /// bounds connect requests not yet answered (0: the default, 256).
     pub fn listen(&self, backlog: usize) -> Result<()> {
         let _op = sync::lock(&self.0.op);
+        // A wildcard listen and a device being added must not miss each other.
+        let _devices = sync::lock(&self.0.fabric.listen_lock);
         let (src, devices, implicit) = {
             let g = self.usable()?;
             let (src, implicit) = match g.state {
@@ -772,6 +782,12 @@ impl CmId {
             let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
             (dst, dev, qpn, g.path, pd)
         };
+        // Connect before the REQ can leave: a reply routed during the engine call must find
+        // the id connecting. A failure below puts the state back.
+        {
+            let mut g = sync::lock(&self.0.st);
+            g.state = State::Connect;
+        }
         let sid = cma::service_id(self.0.ps, dst.port());
         let weak = Arc::downgrade(&self.0);
         let psn = rand::random::<u32>() & 0xFF_FFFF;
@@ -805,7 +821,7 @@ impl CmId {
         };
         let mut g = sync::lock(&self.0.st);
         match r {
-            Ok(h) if g.state == State::Destroying => {
+            Ok(h) if g.state == State::Destroying || g.removed => {
                 // Destroyed meanwhile: the teardown did not see this endpoint; end it here.
                 drop(g);
                 sync::lock(&dev.ceps).remove(&h);
@@ -821,10 +837,12 @@ impl CmId {
                 g.conn.retry_count = p.retry_count;
                 g.conn.rnr_retry_count = p.rnr_retry_count;
                 g.conn.ack_timeout = ib::cm_ack_timeout(15, p.path.packet_life_time);
-                g.state = State::Connect;
                 Ok(())
             }
             Err(e) => {
+                if g.state == State::Connect {
+                    g.state = State::RouteResolved;
+                }
                 Self::unclaim_qp(&g);
                 Err(e.into())
             }
@@ -1274,7 +1292,10 @@ pub(crate) fn on_connect_request(
     // the fully built child and tell the user.
     {
         let mut g = sync::lock(&lst.st);
-        if g.state != State::Listen || !lst.slot.is_live() {
+        if g.state != State::Listen
+            || !lst.slot.is_live()
+            || dev.removed.load(std::sync::atomic::Ordering::SeqCst)
+        {
             drop(g);
             sync::lock(&child.0.st).request_unseen = false;
             drop(child.begin_destroy());
@@ -1282,6 +1303,8 @@ pub(crate) fn on_connect_request(
         }
         g.children.insert(child.0.key, Arc::downgrade(&child.0));
     }
+    // Fully built (device set): visible to device removal from here on.
+    publish(&child);
     sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
     let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
     child.0.slot.push(Event::ConnectRequest {
@@ -1299,7 +1322,12 @@ impl IdInner {
 }
 
 /// What an engine event does to the id it names.
-pub(crate) fn on_engine_event(id: &Arc<IdInner>, dev: &Arc<DeviceInner>, ev: CmEvent) {
+pub(crate) fn on_engine_event(
+    id: &Arc<IdInner>,
+    dev: &Arc<DeviceInner>,
+    h: CepHandle,
+    ev: CmEvent,
+) {
     enum After {
         None,
         Establish(CepHandle),
@@ -1309,7 +1337,20 @@ pub(crate) fn on_engine_event(id: &Arc<IdInner>, dev: &Arc<DeviceInner>, ev: CmE
     let mut out: Option<Event> = None;
     {
         let mut g = sync::lock(&id.st);
-        let cep = g.cep;
+        // The engine handle comes with the event: `connect` records it only after the REQ
+        // is out, and a fast reply may be routed before that.
+        let cep = Some(h);
+        if g.removed {
+            // After DeviceRemoval only destroy is valid: no event, no state change. The
+            // protocol still answers a DREQ.
+            if matches!(ev, CmEvent::DreqReceived { .. }) {
+                drop(g);
+                dev.with_engine(|ep, now| {
+                    let _ = ep.disconnect(now, h, &[]);
+                });
+            }
+            return;
+        }
         match ev {
             CmEvent::RepReceived(info) => {
                 if g.state == State::Connect {

@@ -1,6 +1,7 @@
 //! Two devices on loopback in one process: connect, accept, reject with private data,
 //! disconnect, time out against a silent peer, device removal mid-connection, in callback
 //! and channel mode.
+#![cfg(not(loom))]
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,

@@ -1,0 +1,1374 @@
+//! The lifecycle guarantees of `rcm` (the numbered list in `lib.rs` and the issue's points
+//! 1–11), one or more tests each: serial, ordered callbacks; blocking, deferred and
+//! non-blocking destroy; `Flow::Destroy`; device removal; channel events that hold their id;
+//! migration; exactly-once context drop; cancellation of resolution events; shutdown.
+//!
+//! Every test runs its own fabric on a UDP port of its own (25000–25199) because tests run in
+//! parallel and devices bind 127.0.0.x:port.
+#![cfg(not(loom))]
+
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
+    FabricConfig, Flow, PortSpace, State,
+};
+use rcm_proto::ib::RetryPolicy;
+use std::future::Future;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Barrier, Condvar, Mutex};
+use std::task::{Context, Poll, Wake};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+fn config(port: u16) -> FabricConfig {
+    FabricConfig {
+        udp_port: port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        min_timewait: Duration::ZERO,
+        dispatcher_threads: 4,
+        ..FabricConfig::default()
+    }
+}
+
+/// Two loopback devices, 127.0.0.1 and 127.0.0.2, on UDP port `port`.
+fn fabric(port: u16) -> Fabric {
+    Fabric::loopback_with(2, config(port)).expect("loopback devices")
+}
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, last])
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(last), port)
+}
+
+/// An IPv6 destination no device of a loopback fabric can reach: `resolve_addr` to it
+/// succeeds as a call and queues `AddrError(AddrNotAvailable(dst))`, changing nothing else.
+/// It makes an event on demand, carrying `seq`, for any idle or bound id.
+fn unreachable_dst(seq: u32) -> SocketAddr {
+    let ip = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (seq >> 16) as u16, seq as u16);
+    SocketAddr::new(IpAddr::V6(ip), 1)
+}
+
+/// The `seq` of an event made by [`unreachable_dst`].
+fn seq_of(ev: &Event) -> Option<u32> {
+    match ev {
+        Event::AddrError(Error::AddrNotAvailable(IpAddr::V6(a))) => {
+            let s = a.segments();
+            Some((u32::from(s[6]) << 16) | u32::from(s[7]))
+        }
+        _ => None,
+    }
+}
+
+/// Queues one `AddrError` event carrying `seq` on `id`.
+fn poke(id: &CmId, seq: u32) {
+    id.resolve_addr(None, unreachable_dst(seq))
+        .expect("resolve_addr to an unreachable address is accepted (the error is an event)");
+}
+
+/// A latch a callback can block on.
+struct Gate {
+    open: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::new(Gate {
+            open: Mutex::new(false),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn wait(&self) {
+        let mut g = self.open.lock().unwrap();
+        let end = Instant::now() + T;
+        while !*g {
+            assert!(Instant::now() < end, "gate never opened");
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(50))
+                .unwrap()
+                .0;
+        }
+    }
+
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Counts its drops (a user context).
+struct Tracked(Arc<AtomicUsize>);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Polls `cond` until it holds or `d` passes.
+fn eventually(d: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + d;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The next event of a channel (the event is acked when this returns).
+fn next(ch: &EventChannel) -> (CmId, Event) {
+    let mut e = ch.get_event(Some(T)).expect("an event within the timeout");
+    let id = e.id().clone();
+    let ev = e.take().expect("the event's payload");
+    (id, ev)
+}
+
+/// The next event of `ch`, which must be `name` for `id`.
+fn expect_ev(ch: &EventChannel, id: &CmId, name: &str) -> Event {
+    let (who, ev) = next(ch);
+    assert_eq!(
+        (who.key(), ev.name()),
+        (id.key(), name),
+        "unexpected event {ev:?}"
+    );
+    ev
+}
+
+/// A channel-mode connection: listener on 127.0.0.1:`port`, client on 127.0.0.2.
+struct Pair {
+    srv: EventChannel,
+    cli: EventChannel,
+    listener: CmId,
+    client: CmId,
+    child: CmId,
+}
+
+fn channel_pair(f: &Fabric, port: u16) -> Pair {
+    let srv = EventChannel::new();
+    let cli = EventChannel::new();
+    let listener = f.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, port)).unwrap();
+    listener.listen(0).unwrap();
+    let client = f.create_id_on(PortSpace::Tcp, &cli);
+    client.resolve_addr(None, addr(1, port)).unwrap();
+    expect_ev(&cli, &client, "ADDR_RESOLVED");
+    client.resolve_route().unwrap();
+    expect_ev(&cli, &client, "ROUTE_RESOLVED");
+    client.connect(&ConnectOptions::default()).unwrap();
+    let (child, ev) = next(&srv);
+    assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
+    child.accept(&AcceptOptions::default()).unwrap();
+    expect_ev(&cli, &client, "CONNECT_RESPONSE");
+    client.establish().unwrap();
+    expect_ev(&cli, &client, "ESTABLISHED");
+    expect_ev(&srv, &child, "ESTABLISHED");
+    Pair {
+        srv,
+        cli,
+        listener,
+        client,
+        child,
+    }
+}
+
+/// Runs `f` on a thread and gives up after `d` (the thread is left behind if it hangs).
+fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(d).ok()
+}
+
+// ----- 1. Serial, ordered callbacks; independent ids ----------------------------------------
+
+/// Point 1: four threads push events at one id at once; the callbacks never overlap and each
+/// thread's events arrive in the order it pushed them.
+#[test]
+fn callbacks_of_one_id_never_overlap_and_keep_order() {
+    const PER: u32 = 400;
+    const THREADS: u32 = 4;
+    let f = fabric(25001);
+    let busy = Arc::new(AtomicBool::new(false));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (b, o, s) = (busy.clone(), overlaps.clone(), seen.clone());
+    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if b.swap(true, Ordering::SeqCst) {
+            o.fetch_add(1, Ordering::SeqCst);
+        }
+        // Widen the window a concurrent callback would fall into.
+        let spin = Instant::now();
+        while spin.elapsed() < Duration::from_micros(20) {
+            std::hint::spin_loop();
+        }
+        s.lock()
+            .unwrap()
+            .push(seq_of(&ev).expect("only AddrError events"));
+        b.store(false, Ordering::SeqCst);
+        Flow::Continue
+    });
+    let start = Arc::new(Barrier::new(THREADS as usize));
+    let hs: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (id, start) = (id.clone(), start.clone());
+            thread::spawn(move || {
+                start.wait();
+                for n in 0..PER {
+                    poke(&id, (t << 16) | n);
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    assert!(
+        eventually(T, || seen.lock().unwrap().len() == (PER * THREADS) as usize),
+        "only {} of {} callbacks ran",
+        seen.lock().unwrap().len(),
+        PER * THREADS
+    );
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "callbacks overlapped");
+    let seen = seen.lock().unwrap().clone();
+    for t in 0..THREADS {
+        let mine: Vec<u32> = seen
+            .iter()
+            .filter(|s| *s >> 16 == t)
+            .map(|s| s & 0xFFFF)
+            .collect();
+        assert_eq!(mine, (0..PER).collect::<Vec<_>>(), "thread {t}'s events");
+    }
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
+}
+
+/// Point 1: ids are independent: while one id's callback is blocked, another id's events are
+/// still delivered.
+#[test]
+fn a_blocked_callback_does_not_hold_up_other_ids() {
+    let f = fabric(25002);
+    let gate = Gate::new();
+    let (tx, rx) = mpsc::channel::<&'static str>();
+    let (g, txa) = (gate.clone(), Mutex::new(tx.clone()));
+    let a = f.create_id(PortSpace::Tcp, move |_, _| {
+        txa.lock().unwrap().send("a").unwrap();
+        g.wait();
+        Flow::Continue
+    });
+    let txb = Mutex::new(tx);
+    let b = f.create_id(PortSpace::Tcp, move |_, _| {
+        txb.lock().unwrap().send("b").unwrap();
+        Flow::Continue
+    });
+    poke(&a, 0);
+    assert_eq!(rx.recv_timeout(T), Ok("a"));
+    poke(&a, 1);
+    for n in 0..3 {
+        poke(&b, n);
+        assert_eq!(
+            rx.recv_timeout(T),
+            Ok("b"),
+            "b's event {n} while a is blocked"
+        );
+    }
+    gate.open();
+    assert_eq!(rx.recv_timeout(T), Ok("a"));
+    assert_eq!(a.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(b.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
+}
+
+// ----- 2. Blocking destroy -----------------------------------------------------------------
+
+/// Point 2: a blocking destroy from another thread returns only after the running callback
+/// returned; queued events are discarded; the handler's captures and the attached context
+/// are each dropped exactly once, by the time destroy returns.
+#[test]
+fn blocking_destroy_waits_for_the_running_callback_then_drops_context_once() {
+    let f = fabric(25003);
+    let handler_drops = Arc::new(AtomicUsize::new(0));
+    let ctx_drops = Arc::new(AtomicUsize::new(0));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicBool::new(false));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let captured = Tracked(handler_drops.clone());
+    let (c, fin, etx) = (calls.clone(), finished.clone(), Mutex::new(entered_tx));
+    let id = f.create_id(PortSpace::Tcp, move |_, _| {
+        let _keep = &captured;
+        c.fetch_add(1, Ordering::SeqCst);
+        etx.lock().unwrap().send(()).unwrap();
+        thread::sleep(Duration::from_millis(300));
+        fin.store(true, Ordering::SeqCst);
+        Flow::Continue
+    });
+    id.set_context(Tracked(ctx_drops.clone()));
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    for n in 1..5 {
+        poke(&id, n);
+    }
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    assert!(
+        finished.load(Ordering::SeqCst),
+        "destroy returned while the callback was still running"
+    );
+    assert_eq!(handler_drops.load(Ordering::SeqCst), 1, "handler captures");
+    assert_eq!(ctx_drops.load(Ordering::SeqCst), 1, "context");
+    assert_eq!(id.state(), State::Destroying);
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "queued events were delivered"
+    );
+    // Destroying again is harmless and drops nothing twice.
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(ctx_drops.load(Ordering::SeqCst), 1);
+    assert_eq!(handler_drops.load(Ordering::SeqCst), 1);
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+// ----- 3. Flow::Destroy --------------------------------------------------------------------
+
+/// Points 3 and 6: a callback returns `Flow::Destroy` while more events are queued and its
+/// device is being removed: no further callback is made, device removal included, and the
+/// removal completes.
+#[test]
+fn flow_destroy_stops_every_further_callback_including_device_removal() {
+    let f = fabric(25004);
+    let gate = Gate::new();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let ctx = Arc::new(AtomicUsize::new(0));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, c, etx) = (gate.clone(), calls.clone(), Mutex::new(entered_tx));
+    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
+        c.lock().unwrap().push(ev.name());
+        etx.lock().unwrap().send(()).unwrap();
+        g.wait();
+        Flow::Destroy
+    });
+    id.set_context(Tracked(ctx.clone()));
+    id.bind(addr(1, 0)).unwrap();
+    // Bound to 127.0.0.1: resolving an IPv6 destination is an AddrError event.
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    poke(&id, 1);
+    poke(&id, 2);
+    let removal = f.remove_device(ip(1)).unwrap();
+    assert_eq!(
+        ctx.load(Ordering::SeqCst),
+        0,
+        "context dropped during the callback"
+    );
+    gate.open();
+    removal
+        .wait(T)
+        .expect("removal completes: the id destroyed itself");
+    assert_eq!(ctx.load(Ordering::SeqCst), 1);
+    thread::sleep(Duration::from_millis(150));
+    assert_eq!(*calls.lock().unwrap(), vec!["ADDR_ERROR"]);
+    assert_eq!(id.state(), State::Destroying);
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+// ----- 4. Destroy from inside callbacks ----------------------------------------------------
+
+/// Point 4: destroy from the id's own callback returns `Deferred` at once; no later event is
+/// delivered; the context is dropped after the callback returns, exactly once.
+#[test]
+fn destroy_from_its_own_callback_is_deferred_until_it_returns() {
+    let f = fabric(25007);
+    let ctx = Arc::new(AtomicUsize::new(0));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (out_tx, out_rx) = mpsc::channel();
+    let (cx, c, otx) = (ctx.clone(), calls.clone(), Mutex::new(out_tx));
+    let id = f.create_id(PortSpace::Tcp, move |id, _| {
+        c.fetch_add(1, Ordering::SeqCst);
+        // Events queued behind this one must never be delivered.
+        poke(id, 100);
+        let r = id.destroy();
+        let state = id.state();
+        let ctx_now = cx.load(Ordering::SeqCst);
+        // A bounded wait from inside the callback returns false rather than deadlocking.
+        let h = id.begin_destroy();
+        let waited = h.wait_for(Duration::from_millis(20));
+        let done = h.is_done();
+        otx.lock()
+            .unwrap()
+            .send((r, state, ctx_now, waited, done))
+            .unwrap();
+        thread::sleep(Duration::from_millis(50));
+        Flow::Continue
+    });
+    id.set_context(Tracked(ctx.clone()));
+    poke(&id, 0);
+    let (r, state, ctx_now, waited, done) = out_rx.recv_timeout(T).unwrap();
+    assert_eq!(r, Ok(DestroyOutcome::Deferred));
+    assert_eq!(state, State::Destroying);
+    assert_eq!(ctx_now, 0, "context dropped while its callback ran");
+    assert!(!waited && !done, "teardown completed inside the callback");
+    let h = id.begin_destroy();
+    assert!(h.wait_for(T), "deferred teardown never completed");
+    assert_eq!(ctx.load(Ordering::SeqCst), 1);
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+/// Point 4: destroy of id A from inside id B's callback, while A's callback is in flight on
+/// another dispatcher thread, returns `Deferred` without waiting for it; no new callback of A
+/// starts; A's teardown completes when its callback returns. Destroying an idle id from
+/// inside another id's callback completes at once.
+#[test]
+fn destroy_from_another_ids_callback_does_not_wait_for_it() {
+    let f = fabric(25008);
+    let gate = Gate::new();
+    let a_calls = Arc::new(AtomicUsize::new(0));
+    let a_ctx = Arc::new(AtomicUsize::new(0));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, c, etx) = (gate.clone(), a_calls.clone(), Mutex::new(entered_tx));
+    let a = f.create_id(PortSpace::Tcp, move |_, _| {
+        c.fetch_add(1, Ordering::SeqCst);
+        etx.lock().unwrap().send(()).unwrap();
+        g.wait();
+        Flow::Continue
+    });
+    a.set_context(Tracked(a_ctx.clone()));
+    let idle_ctx = Arc::new(AtomicUsize::new(0));
+    let idle = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    idle.set_context(Tracked(idle_ctx.clone()));
+    let (res_tx, res_rx) = mpsc::channel();
+    let (target, idle2, rtx) = (a.clone(), idle.clone(), Mutex::new(res_tx));
+    let b = f.create_id(PortSpace::Tcp, move |_, _| {
+        let t0 = Instant::now();
+        let r = target.destroy();
+        let took = t0.elapsed();
+        // More events for A after the destroy call: never delivered.
+        let _ = target.resolve_addr(None, unreachable_dst(7));
+        let r_idle = idle2.destroy();
+        rtx.lock().unwrap().send((r, took, r_idle)).unwrap();
+        Flow::Continue
+    });
+    poke(&a, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    poke(&a, 1);
+    poke(&b, 0);
+    let (r, took, r_idle) = res_rx
+        .recv_timeout(Duration::from_secs(3))
+        .expect("destroy from another id's callback blocked on the target's callback");
+    assert_eq!(r, Ok(DestroyOutcome::Deferred));
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    assert_eq!(
+        r_idle,
+        Ok(DestroyOutcome::Done),
+        "an idle target goes at once"
+    );
+    assert_eq!(idle_ctx.load(Ordering::SeqCst), 1);
+    assert_eq!(a.state(), State::Destroying);
+    assert_eq!(
+        a_ctx.load(Ordering::SeqCst),
+        0,
+        "A's context went while A ran"
+    );
+    gate.open();
+    assert!(eventually(T, || a_ctx.load(Ordering::SeqCst) == 1));
+    assert_eq!(a.destroy(), Ok(DestroyOutcome::Done));
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        a_calls.load(Ordering::SeqCst),
+        1,
+        "A got a callback after destroy"
+    );
+    b.destroy().unwrap();
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+// ----- 5. Non-blocking destroy -------------------------------------------------------------
+
+fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unpark(thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Arc::new(Unpark(thread::current())).into();
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    let end = Instant::now() + T;
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        assert!(Instant::now() < end, "future never completed");
+        thread::park_timeout(T);
+    }
+}
+
+/// Point 5: `begin_destroy` returns at once while the callback is in flight; the handle's
+/// `is_done`, `wait_for`, `wait` and `.await` all agree and complete when the callback
+/// returns (the future is woken, not polled by timeout).
+#[test]
+fn begin_destroy_handle_wait_wait_for_is_done_and_future() {
+    let f = fabric(25009);
+    let gate = Gate::new();
+    let ctx = Arc::new(AtomicUsize::new(0));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
+    let id = f.create_id(PortSpace::Tcp, move |_, _| {
+        etx.lock().unwrap().send(()).unwrap();
+        g.wait();
+        Flow::Continue
+    });
+    id.set_context(Tracked(ctx.clone()));
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    let t0 = Instant::now();
+    let h = id.begin_destroy();
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "begin_destroy blocked"
+    );
+    assert!(!h.is_done());
+    assert!(!h.wait_for(Duration::from_millis(100)));
+    assert_eq!(id.state(), State::Destroying);
+    let (done_tx, done_rx) = mpsc::channel();
+    let awaiting = thread::spawn(move || {
+        block_on(h);
+        done_tx.send(Instant::now()).unwrap();
+    });
+    thread::sleep(Duration::from_millis(100));
+    assert!(done_rx.try_recv().is_err(), "future completed early");
+    let opened = Instant::now();
+    gate.open();
+    let woke = done_rx.recv_timeout(T).expect("future completes");
+    assert!(
+        woke.duration_since(opened) < Duration::from_secs(3),
+        "the future was not woken"
+    );
+    awaiting.join().unwrap();
+    assert_eq!(ctx.load(Ordering::SeqCst), 1);
+    let again = id.begin_destroy();
+    assert!(again.is_done());
+    assert!(again.wait_for(Duration::ZERO));
+    again.wait();
+    block_on(again);
+    assert_eq!(ctx.load(Ordering::SeqCst), 1);
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+// ----- 6. Device removal -------------------------------------------------------------------
+
+/// Point 6: the `DeviceRemoval` event comes after the callback in flight (never during it),
+/// exactly once, and after it every operation but destroy fails with `DeviceRemoved`.
+#[test]
+fn device_removal_comes_after_the_callback_in_flight_once_then_only_destroy() {
+    let f = fabric(25005);
+    let gate = Gate::new();
+    let busy = Arc::new(AtomicBool::new(false));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let after = Arc::new(Mutex::new(Vec::new()));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, b, l, a, etx) = (
+        gate.clone(),
+        busy.clone(),
+        log.clone(),
+        after.clone(),
+        Mutex::new(entered_tx),
+    );
+    let other = EventChannel::new();
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        assert!(!b.swap(true, Ordering::SeqCst), "overlapping callbacks");
+        l.lock().unwrap().push(ev.name());
+        match ev {
+            Event::AddrError(_) => {
+                etx.lock().unwrap().send(()).unwrap();
+                g.wait();
+            }
+            Event::DeviceRemoval => {
+                let mut v = a.lock().unwrap();
+                v.push(("bind", id.bind(addr(2, 0))));
+                v.push(("resolve_addr", id.resolve_addr(None, addr(2, 1))));
+                v.push(("resolve_route", id.resolve_route()));
+                v.push(("listen", id.listen(0)));
+                v.push(("connect", id.connect(&ConnectOptions::default())));
+                v.push(("accept", id.accept(&AcceptOptions::default())));
+                v.push(("reject", id.reject(&[])));
+                v.push(("establish", id.establish()));
+                v.push(("disconnect", id.disconnect()));
+                v.push(("create_qp", id.create_qp().map(|_| ())));
+                v.push((
+                    "init_qp_attr",
+                    id.init_qp_attr(rcm::QpState::Init).map(|_| ()),
+                ));
+                v.push(("migrate", id.migrate(&other)));
+            }
+            _ => {}
+        }
+        b.store(false, Ordering::SeqCst);
+        Flow::Continue
+    });
+    id.bind(addr(1, 0)).unwrap();
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    let removal = f.remove_device(ip(1)).unwrap();
+    assert_eq!(id.state(), State::DeviceRemoval);
+    assert_eq!(removal.holding(), vec![id.key()]);
+    gate.open();
+    assert!(eventually(T, || log.lock().unwrap().len() == 2));
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(*log.lock().unwrap(), vec!["ADDR_ERROR", "DEVICE_REMOVAL"]);
+    for (op, r) in after.lock().unwrap().iter() {
+        assert_eq!(*r, Err(Error::DeviceRemoved), "{op} after DeviceRemoval");
+    }
+    assert_eq!(id.state(), State::DeviceRemoval);
+    assert_eq!(
+        removal.wait(Duration::from_millis(100)),
+        Err(vec![id.key()])
+    );
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    removal.wait(T).unwrap();
+    assert!(removal.holding().is_empty());
+    // The device is gone for good: nothing binds to it any more.
+    let late = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    assert_eq!(late.bind(addr(1, 0)), Err(Error::AddrNotAvailable(ip(1))));
+    late.destroy().unwrap();
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+/// Point 6: the removal reports exactly the ids holding the device until each is destroyed;
+/// ids on other devices are untouched.
+#[test]
+fn removal_completes_only_when_every_id_on_the_device_is_destroyed() {
+    let f = fabric(25006);
+    let ch = EventChannel::new();
+    let removals = Arc::new(AtomicUsize::new(0));
+    let r = removals.clone();
+    let counting = move |_: &CmId, ev: Event| {
+        if matches!(ev, Event::DeviceRemoval) {
+            r.fetch_add(1, Ordering::SeqCst);
+        }
+        Flow::Continue
+    };
+    let listener = f.create_id(PortSpace::Tcp, counting.clone());
+    listener.bind(addr(1, 25106)).unwrap();
+    listener.listen(0).unwrap();
+    let bound = f.create_id(PortSpace::Udp, counting.clone());
+    bound.bind(addr(1, 0)).unwrap();
+    let chan = f.create_id_on(PortSpace::Tcp, &ch);
+    chan.bind(addr(1, 0)).unwrap();
+    let elsewhere = f.create_id(PortSpace::Tcp, counting.clone());
+    elsewhere.bind(addr(2, 0)).unwrap();
+    let unbound = f.create_id(PortSpace::Tcp, counting);
+    let removal = f.remove_device(ip(1)).unwrap();
+    assert_eq!(
+        f.remove_device(ip(1)).err(),
+        Some(Error::AddrNotAvailable(ip(1))),
+        "a second removal of the same device"
+    );
+    let mut want = vec![listener.key(), bound.key(), chan.key()];
+    want.sort_unstable();
+    let sorted = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(sorted(removal.holding()), want);
+    assert_eq!(
+        removal.wait(Duration::from_millis(100)).map_err(sorted),
+        Err(want.clone())
+    );
+    assert!(eventually(T, || removals.load(Ordering::SeqCst) == 2));
+    let e = ch.get_event(Some(T)).unwrap();
+    assert!(matches!(e.event(), Event::DeviceRemoval));
+    drop(e);
+    for id in [&listener, &bound, &chan] {
+        assert_eq!(id.state(), State::DeviceRemoval);
+        id.destroy().unwrap();
+        want.retain(|k| *k != id.key());
+        assert_eq!(sorted(removal.holding()), want);
+    }
+    removal.wait(T).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(removals.load(Ordering::SeqCst), 2, "one DeviceRemoval each");
+    assert_eq!(elsewhere.state(), State::AddrBound);
+    assert_eq!(unbound.state(), State::Idle);
+    elsewhere.destroy().unwrap();
+    unbound.destroy().unwrap();
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+/// Point 6 ("listeners on it stop"): once a device is removed, its listener accepts no new
+/// connect request, even before the listener itself is destroyed. A request reaching the
+/// removed device's address is refused or goes unanswered; no new id appears on the device
+/// (it would hold a device whose removal already completed, and never get a
+/// `DeviceRemoval`).
+#[test]
+fn removed_devices_listener_takes_no_new_connect_requests() {
+    let f = fabric(25014);
+    let srv = EventChannel::new();
+    let listener = f.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, 7000)).unwrap();
+    listener.listen(0).unwrap();
+    let removal = f.remove_device(ip(1)).unwrap();
+    // The listener has not consumed its DeviceRemoval yet (so it is not destroyed).
+    let cli = EventChannel::new();
+    let client = f.create_id_on(PortSpace::Tcp, &cli);
+    client.resolve_addr(None, addr(1, 7000)).unwrap();
+    expect_ev(&cli, &client, "ADDR_RESOLVED");
+    client.resolve_route().unwrap();
+    expect_ev(&cli, &client, "ROUTE_RESOLVED");
+    client.connect(&ConnectOptions::default()).unwrap();
+    let (who, outcome) = next(&cli);
+    assert_eq!(who, client);
+    assert!(
+        matches!(outcome, Event::Rejected { .. } | Event::Unreachable(_)),
+        "the client got {outcome:?} from a removed device's listener"
+    );
+    let mut on_srv = Vec::new();
+    while let Some(mut e) = srv.get_event(Some(Duration::from_millis(200))) {
+        on_srv.push((e.id().key(), e.take().map(|ev| ev.name())));
+    }
+    assert_eq!(
+        on_srv,
+        vec![(listener.key(), Some("DEVICE_REMOVAL"))],
+        "events on the removed device's listener channel"
+    );
+    assert_eq!(f.live_ids(), 2, "only the listener and the client exist");
+    listener.destroy().unwrap();
+    removal.wait(T).unwrap();
+    client.destroy().unwrap();
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+/// Point 6 ("after it, the only valid operation on the id is destroy"): once an id got its
+/// `DeviceRemoval`, protocol traffic still arriving for it (here the peer's DREQ, which the
+/// removed device still receives until the removal completes) neither changes its state
+/// nor delivers any further event.
+#[test]
+fn no_event_and_no_state_change_after_device_removal() {
+    let f = fabric(25015);
+    let p = channel_pair(&f, 7000);
+    let removal = f.remove_device(ip(1)).unwrap();
+    let mut removed = Vec::new();
+    for _ in 0..2 {
+        let (id, ev) = next(&p.srv);
+        assert!(matches!(ev, Event::DeviceRemoval), "{ev:?}");
+        removed.push(id.key());
+    }
+    removed.sort_unstable();
+    let mut want = vec![p.listener.key(), p.child.key()];
+    want.sort_unstable();
+    assert_eq!(removed, want);
+    assert_eq!(p.child.state(), State::DeviceRemoval);
+    // The peer (on the surviving device) disconnects; its DREQ reaches the removed device.
+    p.client.disconnect().unwrap();
+    expect_ev(&p.cli, &p.client, "DISCONNECTED");
+    let late: Vec<_> = std::iter::from_fn(|| {
+        p.srv
+            .get_event(Some(Duration::from_millis(300)))
+            .map(|mut e| (e.id().key(), e.take().map(|ev| ev.name())))
+    })
+    .collect();
+    assert_eq!(late, vec![], "events after DeviceRemoval");
+    assert_eq!(
+        p.child.state(),
+        State::DeviceRemoval,
+        "the state changed after DeviceRemoval"
+    );
+    assert_eq!(p.child.disconnect(), Err(Error::DeviceRemoved));
+    p.child.destroy().unwrap();
+    p.listener.destroy().unwrap();
+    removal.wait(T).unwrap();
+    p.client.destroy().unwrap();
+    f.shutdown();
+}
+
+/// Point 6: a device whose removal completed can be added again at the same address (a
+/// hot-unplugged port that comes back), and it works.
+#[test]
+fn device_can_be_added_again_after_its_removal() {
+    let f = fabric(25016);
+    f.remove_device(ip(2)).unwrap().wait(T).unwrap();
+    assert_eq!(f.device_addrs(), vec![ip(1)]);
+    f.add_device(ip(2))
+        .expect("re-adding a removed device's address");
+    let p = channel_pair(&f, 7000);
+    assert_eq!(p.client.device_addr(), Some(ip(2)));
+    for id in [p.client, p.child, p.listener] {
+        id.destroy().unwrap();
+    }
+    f.shutdown();
+}
+
+// ----- 7. Channel mode ---------------------------------------------------------------------
+
+/// Point 7: a held channel event keeps its id; a blocking destroy then fails with
+/// `EventsOutstanding(n)` and changes nothing (state, queued events, context); once the
+/// events are acked it succeeds. A non-blocking destroy completes when the last is acked.
+#[test]
+fn held_channel_events_refuse_a_blocking_destroy_and_change_nothing() {
+    let f = fabric(25010);
+    let ch = EventChannel::new();
+    let ctx = Arc::new(AtomicUsize::new(0));
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    id.set_context(Tracked(ctx.clone()));
+    for n in 0..3 {
+        poke(&id, n);
+    }
+    let e0 = ch.get_event(Some(T)).unwrap();
+    assert_eq!(e0.id(), &id);
+    assert_eq!(id.destroy(), Err(Error::EventsOutstanding(1)));
+    assert_eq!(id.state(), State::Idle);
+    assert_eq!(ch.pending(), 2, "the refused destroy purged queued events");
+    assert_eq!(ctx.load(Ordering::SeqCst), 0);
+    let e1 = ch.get_event(Some(T)).unwrap();
+    assert_eq!(seq_of(e1.event()), Some(1), "order kept");
+    assert_eq!(id.destroy(), Err(Error::EventsOutstanding(2)));
+    assert_eq!(id.with_context(|_: &Tracked| ()), Some(()));
+    drop(e0);
+    drop(e1);
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(ctx.load(Ordering::SeqCst), 1);
+    assert!(
+        ch.get_event(Some(Duration::from_millis(100))).is_none(),
+        "a destroyed id's queued event was delivered"
+    );
+
+    // Non-blocking: completes when the held event is acked.
+    let ctx2 = Arc::new(AtomicUsize::new(0));
+    let id2 = f.create_id_on(PortSpace::Tcp, &ch);
+    id2.set_context(Tracked(ctx2.clone()));
+    poke(&id2, 0);
+    let held = ch.get_event(Some(T)).unwrap();
+    let h = id2.begin_destroy();
+    assert!(!h.wait_for(Duration::from_millis(100)));
+    assert_eq!(f.live_ids(), 1, "the held event keeps the id");
+    assert_eq!(held.id(), &id2);
+    assert_eq!(ctx2.load(Ordering::SeqCst), 0);
+    drop(held);
+    assert!(h.is_done());
+    assert_eq!(ctx2.load(Ordering::SeqCst), 1);
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+/// Point 7/2: destroying a channel-mode id discards its queued events while other ids on the
+/// same channel keep theirs, in order.
+#[test]
+fn destroy_discards_only_that_ids_queued_channel_events() {
+    let f = fabric(25011);
+    let ch = EventChannel::new();
+    let a = f.create_id_on(PortSpace::Tcp, &ch);
+    let b = f.create_id_on(PortSpace::Tcp, &ch);
+    for n in 0..4 {
+        poke(&a, n);
+        poke(&b, 10 + n);
+    }
+    assert_eq!(a.destroy(), Ok(DestroyOutcome::Done));
+    let mut got = Vec::new();
+    while let Some(e) = ch.get_event(Some(Duration::from_millis(100))) {
+        assert_eq!(e.id(), &b);
+        got.push(seq_of(e.event()).unwrap());
+    }
+    assert_eq!(got, vec![10, 11, 12, 13]);
+    b.destroy().unwrap();
+    f.shutdown();
+}
+
+// ----- 11. Migration -----------------------------------------------------------------------
+
+/// Point 11: migrating moves queued events to the new channel in order; an event held from
+/// the old channel stays valid and acks to the id; new events go to the new channel.
+#[test]
+fn migrate_moves_queued_events_in_order_and_held_events_stay_valid() {
+    let f = fabric(25012);
+    let (a, b) = (EventChannel::new(), EventChannel::new());
+    let id = f.create_id_on(PortSpace::Tcp, &a);
+    for n in 0..3 {
+        poke(&id, n);
+    }
+    let held = a.get_event(Some(T)).unwrap();
+    id.migrate(&b).unwrap();
+    assert_eq!(id.destroy(), Err(Error::EventsOutstanding(1)));
+    poke(&id, 3);
+    assert_eq!(a.pending(), 0);
+    let got: Vec<u32> = (0..3)
+        .map(|_| seq_of(b.get_event(Some(T)).unwrap().event()).unwrap())
+        .collect();
+    assert_eq!(got, vec![1, 2, 3]);
+    assert_eq!(seq_of(held.event()), Some(0));
+    drop(held);
+    // Migrating to the channel it is on is a no-op; a callback-mode id cannot migrate.
+    id.migrate(&b).unwrap();
+    let cb = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    assert!(matches!(cb.migrate(&b), Err(Error::InvalidArgument(_))));
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    cb.destroy().unwrap();
+    f.shutdown();
+}
+
+fn spin(units: u32) {
+    for _ in 0..units {
+        std::hint::spin_loop();
+    }
+}
+
+/// Point 11: an event produced while the id migrates lands on the channel the id ends up on
+/// — never stranded on the old one after `migrate` returned (where a reader of the new
+/// channel would never see it, and the id's order would be broken). The two sides start
+/// each round together (spinning, not parking) and their relative timing sweeps a few
+/// microseconds across rounds.
+#[test]
+fn migrate_racing_event_delivery_never_strands_an_event() {
+    const ROUNDS: u32 = 20000;
+    const MARK: u32 = 0x8000;
+    let f = fabric(25013);
+    let chans = [EventChannel::new(), EventChannel::new()];
+    let id = f.create_id_on(PortSpace::Tcp, &chans[0]);
+    let started = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let pushed = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (pid, st, pu) = (id.clone(), started.clone(), pushed.clone());
+    let producer = thread::spawn(move || {
+        for n in 1..=ROUNDS {
+            let mut spins = 0u32;
+            loop {
+                match st.load(Ordering::SeqCst) {
+                    u32::MAX => return,
+                    s if s == n => break,
+                    _ => {}
+                }
+                spins += 1;
+                if spins % 4096 == 0 {
+                    thread::yield_now();
+                }
+                std::hint::spin_loop();
+            }
+            spin(n % 61);
+            poke(&pid, n);
+            pu.store(n, Ordering::SeqCst);
+        }
+    });
+    // A reader of the id's state takes the slot's lock over and over, which stretches the
+    // gap between a push choosing its channel and queueing on it.
+    let hammer_stop = Arc::new(AtomicBool::new(false));
+    let (hid, hs) = (id.clone(), hammer_stop.clone());
+    let hammer = thread::spawn(move || {
+        while !hs.load(Ordering::SeqCst) {
+            for _ in 0..64 {
+                let _ = hid.state();
+            }
+            thread::yield_now();
+        }
+    });
+    let mut cur = 0;
+    let mut stranded = Vec::new();
+    let budget = Instant::now() + Duration::from_secs(5);
+    let mut rounds = 0;
+    for n in 1..=ROUNDS {
+        if Instant::now() > budget || !stranded.is_empty() {
+            break;
+        }
+        rounds = n;
+        let to = 1 - cur;
+        started.store(n, Ordering::SeqCst);
+        spin((n / 61) % 67);
+        id.migrate(&chans[to]).unwrap();
+        let end = Instant::now() + T;
+        let mut spins = 0u32;
+        while pushed.load(Ordering::SeqCst) != n {
+            assert!(Instant::now() < end, "producer stuck");
+            spins += 1;
+            if spins % 4096 == 0 {
+                thread::yield_now();
+            }
+            std::hint::spin_loop();
+        }
+        poke(&id, MARK + n);
+        let first = seq_of(chans[to].get_event(Some(T)).unwrap().event()).unwrap();
+        if first == n {
+            let second = seq_of(chans[to].get_event(Some(T)).unwrap().event()).unwrap();
+            assert_eq!(second, MARK + n);
+        } else {
+            assert_eq!(first, MARK + n);
+            let old = chans[cur]
+                .get_event(Some(Duration::ZERO))
+                .and_then(|e| seq_of(e.event()));
+            stranded.push((n, old));
+        }
+        cur = to;
+    }
+    started.store(u32::MAX, Ordering::SeqCst);
+    hammer_stop.store(true, Ordering::SeqCst);
+    producer.join().unwrap();
+    hammer.join().unwrap();
+    assert!(
+        stranded.is_empty(),
+        "{} of {rounds} events pushed during a migrate stayed on the old channel after it \
+         returned (round, found on old channel): {:?}",
+        stranded.len(),
+        &stranded[..stranded.len().min(10)]
+    );
+    id.destroy().unwrap();
+    f.shutdown();
+}
+
+// ----- 2/3. Contexts -----------------------------------------------------------------------
+
+/// Point 2: each context value is dropped exactly once: a replaced context at once, the last
+/// one after the last callback (also when the id destroys itself with `Flow::Destroy`).
+#[test]
+fn context_is_dropped_exactly_once_after_the_last_callback() {
+    let f = fabric(25017);
+    let first = Arc::new(AtomicUsize::new(0));
+    let second = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel();
+    let (s, ttx) = (second.clone(), Mutex::new(tx));
+    let id = f.create_id(PortSpace::Tcp, move |id, _| {
+        let seen = id.with_context(|t: &Tracked| Arc::ptr_eq(&t.0, &s));
+        ttx.lock()
+            .unwrap()
+            .send((seen, s.load(Ordering::SeqCst)))
+            .unwrap();
+        thread::sleep(Duration::from_millis(50));
+        Flow::Destroy
+    });
+    id.set_context(Tracked(first.clone()));
+    id.set_context(Tracked(second.clone()));
+    assert_eq!(
+        first.load(Ordering::SeqCst),
+        1,
+        "a replaced context is dropped"
+    );
+    assert_eq!(id.with_context(|_: &u32| ()), None, "wrong type");
+    poke(&id, 0);
+    poke(&id, 1);
+    assert_eq!(rx.recv_timeout(T), Ok((Some(true), 0)));
+    assert!(eventually(T, || second.load(Ordering::SeqCst) == 1));
+    thread::sleep(Duration::from_millis(100));
+    assert!(rx.try_recv().is_err(), "a callback after Flow::Destroy");
+    assert_eq!(first.load(Ordering::SeqCst), 1);
+    assert_eq!(second.load(Ordering::SeqCst), 1);
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
+}
+
+// ----- 9. Resolution events vs destroy -----------------------------------------------------
+
+/// Point 9: resolution work queued for an id never reaches it once it is destroyed, whether
+/// the destroy comes right after the call or while the dispatcher is busy with other ids.
+#[test]
+fn resolution_results_are_cancelled_by_destroy() {
+    let mut cfg = config(25018);
+    cfg.dispatcher_threads = 1;
+    let f = Fabric::loopback_with(2, cfg).unwrap();
+    // Occupy the only dispatcher thread so the resolution events stay queued.
+    let gate = Gate::new();
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
+    let blocker = f.create_id(PortSpace::Tcp, move |_, _| {
+        etx.lock().unwrap().send(()).unwrap();
+        g.wait();
+        Flow::Continue
+    });
+    poke(&blocker, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        let c = calls.clone();
+        let id = f.create_id(PortSpace::Tcp, move |_, _| {
+            c.fetch_add(1, Ordering::SeqCst);
+            Flow::Continue
+        });
+        id.resolve_addr(None, addr(1, 7000)).unwrap();
+        id.resolve_route().unwrap();
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+        ids.push(id);
+    }
+    gate.open();
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    blocker.destroy().unwrap();
+
+    // Without the blocker: destroy at arbitrary points of a resolve chain driven by the
+    // callbacks; nothing runs after destroy returned.
+    for n in 0..100u32 {
+        let destroyed = Arc::new(AtomicBool::new(false));
+        let late = Arc::new(AtomicUsize::new(0));
+        let (d, l) = (destroyed.clone(), late.clone());
+        let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+            if d.load(Ordering::SeqCst) {
+                l.fetch_add(1, Ordering::SeqCst);
+            }
+            if matches!(ev, Event::AddrResolved) {
+                let _ = id.resolve_route();
+            }
+            Flow::Continue
+        });
+        id.resolve_addr(None, addr(1, 7000)).unwrap();
+        if n % 2 == 0 {
+            thread::yield_now();
+        }
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+        destroyed.store(true, Ordering::SeqCst);
+        thread::sleep(Duration::from_millis(2));
+        assert_eq!(late.load(Ordering::SeqCst), 0, "round {n}");
+    }
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+// ----- Shutdown ----------------------------------------------------------------------------
+
+/// `Fabric::shutdown` destroys ids in every state (listening, connected, resolving, bound,
+/// idle, channel-mode with queued events) and leaves no id, port or context behind.
+#[test]
+fn shutdown_destroys_every_id_and_drops_every_context_once() {
+    let f = fabric(25019);
+    let p = channel_pair(&f, 7000);
+    let drops = Arc::new(AtomicUsize::new(0));
+    for id in [&p.listener, &p.client, &p.child] {
+        id.set_context(Tracked(drops.clone()));
+    }
+    let bound = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    bound.bind(addr(2, 0)).unwrap();
+    bound.set_context(Tracked(drops.clone()));
+    let resolved = f.create_id_on(PortSpace::Tcp, &p.cli);
+    resolved.resolve_addr(None, addr(1, 7000)).unwrap();
+    resolved.set_context(Tracked(drops.clone()));
+    let idle = f.create_id(PortSpace::Udp, |_, _| Flow::Continue);
+    idle.set_context(Tracked(drops.clone()));
+    assert_eq!(f.live_ids(), 6);
+    f.shutdown();
+    assert_eq!(f.live_ids(), 0);
+    assert_eq!(f.bound_ports(), 0);
+    assert_eq!(drops.load(Ordering::SeqCst), 6);
+    for id in [&p.listener, &p.client, &p.child, &bound, &resolved, &idle] {
+        assert_eq!(id.state(), State::Destroying);
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    assert!(p.srv.get_event(Some(Duration::from_millis(50))).is_none());
+    assert_eq!(drops.load(Ordering::SeqCst), 6);
+    // Ids made after shutdown still behave (typed errors, no panic, destroy works).
+    let after = within(T, {
+        let f = f.clone();
+        move || {
+            let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+            let r = id.bind(addr(1, 0));
+            (r, id.destroy())
+        }
+    })
+    .expect("an id made after shutdown hung");
+    assert_eq!(after.1, Ok(DestroyOutcome::Done));
+}
+
+// ----- No deadlock under concurrent protocol traffic ---------------------------------------
+
+/// Sets its flag when dropped (stops helper threads even when an assertion fails).
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Point 4's "never deadlocks" for plain API calls, and point 1's "arrive" (no event lost):
+/// eight threads each run connection cycles (resolve, route, connect, establish, disconnect,
+/// destroy — and connects to a port nobody listens on, whose REJ comes straight back)
+/// against a listener that accepts in its callback. Every call that sends a message
+/// (`connect`, `accept`, `disconnect`) races the peer's immediate answer on loopback. No
+/// thread may stop making progress, every call's outcome event must arrive, and the state
+/// after it must be the outcome's (a REJECTED id is in `Disconnect`).
+#[test]
+fn concurrent_connection_cycles_never_deadlock_nor_lose_events() {
+    const THREADS: usize = 8;
+    let f = fabric(25020);
+    // When the server's callback started its current call (0: idle), in ms since `t0`.
+    let t0 = Instant::now();
+    let server_busy = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let busy = server_busy.clone();
+    let server = f.create_id(PortSpace::Tcp, move |id, ev| {
+        busy.store(t0.elapsed().as_millis() as u64 + 1, Ordering::SeqCst);
+        let flow = match ev {
+            Event::ConnectRequest { .. } => {
+                let _ = id.accept(&AcceptOptions::default());
+                Flow::Continue
+            }
+            Event::Disconnected | Event::Rejected { .. } | Event::Unreachable(_) => Flow::Destroy,
+            _ => Flow::Continue,
+        };
+        busy.store(0, Ordering::SeqCst);
+        flow
+    });
+    server.bind(addr(1, 7000)).unwrap();
+    server.listen(0).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..THREADS).map(|_| AtomicUsize::new(0)).collect());
+    let doing: Arc<Vec<Mutex<&'static str>>> =
+        Arc::new((0..THREADS).map(|_| Mutex::new("start")).collect());
+    let lost = Arc::new(Mutex::new(Vec::<String>::new()));
+    for t in 0..THREADS {
+        let (f, stop, progress, doing) = (f.clone(), stop.clone(), progress.clone(), doing.clone());
+        let lost = lost.clone();
+        thread::spawn(move || {
+            let ch = EventChannel::new();
+            let step = |what: &'static str| {
+                *doing[t].lock().unwrap() = what;
+                progress[t].fetch_add(1, Ordering::SeqCst);
+            };
+            let wait_for = |id: &CmId, name: &str| -> bool {
+                let end = Instant::now() + Duration::from_secs(2);
+                while Instant::now() < end {
+                    if let Some(e) = ch.get_event(Some(Duration::from_millis(50))) {
+                        if e.id() == id && e.event().name() == name {
+                            return true;
+                        }
+                    }
+                }
+                false
+            };
+            let mut n = 0u32;
+            // Each call's outcome must arrive: a missing one is a lost event.
+            let expect = |id: &CmId, name: &'static str| -> bool {
+                if wait_for(id, name) {
+                    true
+                } else {
+                    lost.lock().unwrap().push(format!(
+                        "{name} for id {} (state {:?})",
+                        id.key(),
+                        id.state()
+                    ));
+                    false
+                }
+            };
+            while !stop.load(Ordering::SeqCst) {
+                n += 1;
+                let port = if n % 3 == 0 { 9 } else { 7000 };
+                let id = f.create_id_on(PortSpace::Tcp, &ch);
+                step("resolve_addr");
+                id.resolve_addr(None, addr(1, port)).unwrap();
+                if expect(&id, "ADDR_RESOLVED") {
+                    step("resolve_route");
+                    id.resolve_route().unwrap();
+                    if expect(&id, "ROUTE_RESOLVED") {
+                        step("connect");
+                        id.connect(&ConnectOptions::default()).unwrap();
+                        if port == 9 {
+                            if expect(&id, "REJECTED") && id.state() != State::Disconnect {
+                                lost.lock().unwrap().push(format!(
+                                    "id {} is {:?} after its REJECTED",
+                                    id.key(),
+                                    id.state()
+                                ));
+                            }
+                        } else if expect(&id, "CONNECT_RESPONSE") {
+                            step("establish");
+                            id.establish().unwrap();
+                            if expect(&id, "ESTABLISHED") {
+                                step("disconnect");
+                                id.disconnect().unwrap();
+                                expect(&id, "DISCONNECTED");
+                            }
+                        }
+                    }
+                }
+                step("destroy");
+                let _ = id.destroy();
+                step("cycle done");
+            }
+        });
+    }
+    // CPU hogs: threads get preempted at arbitrary points (e.g. between sending a request
+    // and recording that they did), as on a loaded machine.
+    let hogs: Vec<_> = (0..3)
+        .map(|_| {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    // Whatever happens below (a failed assertion included), the threads stop.
+    let _stop_guard = StopOnDrop(stop.clone());
+    let started = Instant::now();
+    let mut last = [0usize; THREADS];
+    let mut since = [Instant::now(); THREADS];
+    while started.elapsed() < Duration::from_secs(4) {
+        thread::sleep(Duration::from_millis(100));
+        for t in 0..THREADS {
+            let p = progress[t].load(Ordering::SeqCst);
+            if p != last[t] {
+                last[t] = p;
+                since[t] = Instant::now();
+            }
+            assert!(
+                since[t].elapsed() < Duration::from_secs(4),
+                "thread {t} stuck in {} for {:?} (deadlock); progress {last:?}",
+                doing[t].lock().unwrap(),
+                since[t].elapsed()
+            );
+        }
+        let b = server_busy.load(Ordering::SeqCst);
+        assert!(
+            b == 0 || t0.elapsed().as_millis() as u64 + 1 - b < 3000,
+            "the server's callback (accept) has been stuck for {} ms (deadlock)",
+            t0.elapsed().as_millis() as u64 + 1 - b
+        );
+    }
+    stop.store(true, Ordering::SeqCst);
+    for h in hogs {
+        h.join().unwrap();
+    }
+    let lost = lost.lock().unwrap().clone();
+    assert!(
+        lost.is_empty(),
+        "{} events lost (not there within 2 s) or states not matching the event \
+         (first 10): {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    assert!(
+        last.iter().all(|p| *p > 10),
+        "too little progress: {last:?}"
+    );
+    let done = within(Duration::from_secs(5), move || f.shutdown());
+    assert!(
+        done.is_some(),
+        "Fabric::shutdown hung (a callback thread is stuck)"
+    );
+}
