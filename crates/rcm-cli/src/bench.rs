@@ -90,6 +90,9 @@ pub struct Report {
     pub baseline_conn_per_s: Option<f64>,
     /// What went wrong, if anything.
     pub failures: Vec<String>,
+    /// Resident memory added per established connection (both ends, in this process), bytes;
+    /// measured with every connection established at once.
+    pub rss_per_conn_bytes: f64,
     /// Connect latencies (for plots), microseconds.
     #[serde(skip)]
     pub latencies_us: Vec<f64>,
@@ -198,8 +201,10 @@ pub fn serve(
 
 /// Runs the client side against `dst` on `fabric`, all connections in flight at once (or one
 /// at a time with `serial`).
-pub fn run_client(fabric: &Fabric, src: IpAddr, dst: SocketAddr, o: &BenchOpts) -> Report {
+pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOpts) -> Report {
     let n = o.connections;
+    let rss_before = rss_bytes();
+    let mut rss_established = 0u64;
     let mut failures = Vec::new();
     let mut steps = Vec::new();
     let pb = progress(o, n);
@@ -397,6 +402,9 @@ pub fn run_client(fabric: &Fabric, src: IpAddr, dst: SocketAddr, o: &BenchOpts) 
             },
         );
         t_est += est_start.elapsed();
+        if range.end == n {
+            rss_established = rss_bytes();
+        }
         for i in range.clone() {
             if skip[i] && !early[i] {
                 failed[i] = true;
@@ -494,6 +502,11 @@ pub fn run_client(fabric: &Fabric, src: IpAddr, dst: SocketAddr, o: &BenchOpts) 
         connect_p50_us: pct(0.5),
         connect_p99_us: pct(0.99),
         udp_rtt_p50_us: 0.0,
+        rss_per_conn_bytes: if o.serial || established == 0 {
+            0.0
+        } else {
+            rss_established.saturating_sub(rss_before) as f64 / established as f64
+        },
         steps,
         baseline_conn_per_s: None,
         failures,
@@ -570,6 +583,18 @@ fn progress(o: &BenchOpts, n: usize) -> Option<indicatif::ProgressBar> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     Some(pb)
+}
+
+/// Resident set size of this process, from /proc/self/statm (0 where unavailable).
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse::<u64>().ok())
+        })
+        .map_or(0, |pages| pages * 4096)
 }
 
 /// Median loopback UDP round trip between two sockets, in microseconds.
@@ -691,7 +716,7 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
         }
     }
     let server = o.server.ok_or("--server is required")?;
-    let r = run_client(&fabric, bind, SocketAddr::new(server, o.port), o);
+    let r = run_client(&fabric, &[bind], SocketAddr::new(server, o.port), o);
     fabric.shutdown();
     Ok(Some(r))
 }
@@ -703,7 +728,9 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         dispatcher_threads: o.threads,
         ..FabricConfig::default()
     };
-    let fabric = Fabric::loopback_with(2, cfg).map_err(|e| {
+    // One client device per 25,000 connections (an address has ~28k ephemeral ports).
+    let client_devices = o.connections.div_ceil(25_000).clamp(1, 200) as u8;
+    let fabric = Fabric::loopback_with(1 + client_devices, cfg).map_err(|e| {
         format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
     })?;
     let served = Arc::new(AtomicUsize::new(0));
@@ -761,6 +788,12 @@ pub fn print_table(r: &Report) {
         "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
         r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
     );
+    if r.rss_per_conn_bytes > 0.0 {
+        println!(
+            "memory: {:.0} bytes of RSS per established connection (both ends, all {} up at once)",
+            r.rss_per_conn_bytes, r.connections
+        );
+    }
     if let Some(b) = r.baseline_conn_per_s {
         println!(
             "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x",
