@@ -224,10 +224,18 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         .enumerate()
         .map(|(i, id)| (id.key(), i))
         .collect();
+    // Ids bind round-robin over the client devices: one address has ~28k ephemeral ports.
+    let next = AtomicUsize::new(0);
     steps.push(sync_step(
         "bind addr",
         &ids,
-        |id| id.bind(SocketAddr::new(src, 0)),
+        |id| {
+            let k = next.fetch_add(1, Ordering::Relaxed) % srcs.len().max(1);
+            id.bind(SocketAddr::new(
+                srcs.get(k).copied().unwrap_or(IpAddr::from([127, 0, 0, 2])),
+                0,
+            ))
+        },
         &mut failures,
     ));
 
@@ -744,9 +752,12 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         served,
     )
     .map_err(|e| format!("listen: {e}"))?;
+    let srcs: Vec<IpAddr> = (0..client_devices)
+        .map(|k| IpAddr::from([127, 0, 0, 2 + k]))
+        .collect();
     let mut r = run_client(
         &fabric,
-        IpAddr::from([127, 0, 0, 2]),
+        &srcs,
         SocketAddr::new(IpAddr::from([127, 0, 0, 1]), o.port),
         o,
     );
