@@ -202,6 +202,7 @@ pub(crate) struct IdState {
     conn: Conn,
     context: Option<Box<dyn Any + Send + Sync>>,
     removed: bool,
+    reuse: bool,
     disconnected_reported: bool,
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
@@ -363,6 +364,7 @@ fn new_state() -> IdState {
         conn: Conn::default(),
         context: None,
         removed: false,
+        reuse: false,
         disconnected_reported: false,
         listener: None,
         request_unseen: false,
@@ -499,6 +501,18 @@ impl CmId {
         sync::lock(&self.0.st).context = Some(Box::new(ctx));
     }
 
+    /// `rdma_set_reuseaddr`: lets this id bind a port other reusing ids hold, as long as none
+    /// of them listens (listening clears it). Only before the id is bound.
+    pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
+        let _op = sync::lock(&self.0.op);
+        let mut g = self.usable()?;
+        if g.state != State::Idle {
+            return Err(Error::InvalidState(g.state));
+        }
+        g.reuse = reuse;
+        Ok(())
+    }
+
     /// Runs `f` on the context, if it is a `T`.
     pub fn with_context<T: 'static, R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
         let g = sync::lock(&self.0.st);
@@ -538,7 +552,8 @@ impl CmId {
                     .ok_or(Error::AddrNotAvailable(addr.ip()))?,
             )
         };
-        let bound = sync::lock(&self.0.fabric.ports).bind(self.0.ps, addr, self.0.key)?;
+        let bound =
+            sync::lock(&self.0.fabric.ports).bind_with(self.0.ps, addr, self.0.key, g.reuse)?;
         g.src = Some(bound);
         g.bound = true;
         g.device = device;
@@ -690,6 +705,12 @@ impl CmId {
             drop(g);
             unwind(done);
             return Err(Error::Destroyed);
+        }
+        // A listener shares its port with nobody (reuse ends here, as in Linux).
+        if let Err(e) = sync::lock(&self.0.fabric.ports).listen(self.0.ps, src, self.0.key) {
+            drop(g);
+            unwind(done);
+            return Err(e);
         }
         if implicit {
             g.src = Some(src);

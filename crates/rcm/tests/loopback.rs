@@ -314,3 +314,33 @@ fn removal_reports_who_holds_the_device() {
     removal.wait(T).unwrap();
     f.shutdown();
 }
+
+#[test]
+fn reuseaddr_shares_a_port_until_someone_listens() {
+    let f = fabric(24798);
+    let mk = || f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let (a, b, c) = (mk(), mk(), mk());
+    a.bind(addr(2, 5000)).unwrap();
+    assert_eq!(
+        b.bind(addr(2, 5000)),
+        Err(Error::AddrInUse(addr(2, 5000))),
+        "no reuse: refused"
+    );
+    assert_eq!(b.state(), State::Idle, "a failed bind changes nothing");
+    let (d, e) = (mk(), mk());
+    d.set_reuseaddr(true).unwrap();
+    e.set_reuseaddr(true).unwrap();
+    d.bind(addr(2, 6000)).unwrap();
+    e.bind(addr(2, 6000)).unwrap();
+    // Two ids share the port: neither may listen on it.
+    assert_eq!(e.listen(0), Err(Error::AddrInUse(addr(2, 6000))));
+    assert_eq!(e.state(), State::AddrBound);
+    e.destroy().unwrap();
+    d.listen(0).unwrap();
+    // A listener shares with nobody, reuse or not.
+    c.set_reuseaddr(true).unwrap();
+    assert_eq!(c.bind(addr(2, 6000)), Err(Error::AddrInUse(addr(2, 6000))));
+    assert!(a.set_reuseaddr(true).is_err(), "only before binding");
+    f.shutdown();
+    assert_eq!(f.bound_ports(), 0);
+}
