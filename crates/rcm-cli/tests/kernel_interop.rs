@@ -19,12 +19,14 @@ fn skip_or_fail(why: &str) {
     eprintln!("==============================================================\n");
 }
 
-#[test]
-fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
+/// The checkout's top directory when the harness can run here; otherwise skips (or fails,
+/// under RCM_REQUIRE_INTEROP=1) and returns `None`.
+fn preflight() -> Option<PathBuf> {
     let top = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let harness = top.join("../shared/interop/run-vm.sh");
     if !harness.exists() {
-        return skip_or_fail(&format!("{} not found", harness.display()));
+        skip_or_fail(&format!("{} not found", harness.display()));
+        return None;
     }
     let uid = Command::new("id")
         .arg("-u")
@@ -32,8 +34,15 @@ fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
     if uid.as_deref() != Some("0") {
-        return skip_or_fail("not root (QEMU and apt need it)");
+        skip_or_fail("not root (QEMU and apt need it)");
+        return None;
     }
+    Some(top)
+}
+
+#[test]
+fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
+    let Some(top) = preflight() else { return };
     let build = Command::new(env!("CARGO"))
         .current_dir(&top)
         .args([
@@ -74,19 +83,7 @@ fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
 /// `rcm bench --listen` (tests/interop/rcm-roce.sh).
 #[test]
 fn rcm_tools_interoperate_with_the_linux_kernel() {
-    let top = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let harness = top.join("../shared/interop/run-vm.sh");
-    if !harness.exists() {
-        return skip_or_fail(&format!("{} not found", harness.display()));
-    }
-    let uid = Command::new("id")
-        .arg("-u")
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
-    if uid.as_deref() != Some("0") {
-        return skip_or_fail("not root (QEMU and apt need it)");
-    }
+    let Some(top) = preflight() else { return };
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
     let out = target.join("interop/rcm");
