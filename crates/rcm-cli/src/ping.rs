@@ -90,7 +90,6 @@ fn server_loop(
     log: bool,
 ) {
     let mut finished = 0usize;
-    let mut children: Vec<CmId> = Vec::new();
     while o.count == 0 || finished < o.count {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() && o.count != 0 {
@@ -108,6 +107,8 @@ fn server_loop(
             continue;
         };
         let id = e.id().clone();
+        // A served connection that is over is released at once (a -c 0 server runs forever).
+        let mut release = false;
         match e.event() {
             Event::ConnectRequest { private_data, .. } => {
                 if pd_matches(private_data, &o.private_data) {
@@ -124,18 +125,20 @@ fn server_loop(
                     }
                     r.rejected += 1;
                     finished += 1;
+                    release = true;
                 } else if let Err(err) = id.accept(&AcceptOptions {
                     private_data: o.private_data.clone(),
                     ..AcceptOptions::default()
                 }) {
                     r.errors.push(format!("server: accept: {err}"));
                     finished += 1;
+                    release = true;
                 } else if ud(o.ps) {
                     r.established += 1;
                     r.disconnected += 1;
                     finished += 1;
+                    release = true;
                 }
-                children.push(id);
             }
             Event::Established { .. } => {
                 r.established += 1;
@@ -150,6 +153,7 @@ fn server_loop(
             Event::Disconnected => {
                 r.disconnected += 1;
                 finished += 1;
+                release = true;
             }
             Event::TimewaitExit => {}
             other => {
@@ -157,11 +161,15 @@ fn server_loop(
                     r.errors
                         .push(format!("server: event {}: {other:?}", other.name()));
                     finished += 1;
+                    release = true;
                 }
             }
         }
+        drop(e);
+        if release {
+            drop(id.begin_destroy());
+        }
     }
-    drop(children);
 }
 
 /// Runs the client side.
@@ -252,6 +260,7 @@ fn client_loop(
                 r.disconnected += 1;
                 finished += 1;
             }
+            Event::TimewaitExit => {}
             Event::Rejected {
                 reason,
                 private_data,
