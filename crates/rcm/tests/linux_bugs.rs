@@ -8,121 +8,18 @@
 
 use rcm::{
     any_addr, AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel,
-    Fabric, FabricConfig, Flow, PortSpace, QpState, Removal, State, Unreachable,
+    Fabric, Flow, PortSpace, QpState, Removal, State, Unreachable,
 };
-use rcm_proto::ib::RetryPolicy;
 use rcm_wire::cm::RejReason;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Barrier, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const T: Duration = Duration::from_secs(10);
-
-fn config(port: u16) -> FabricConfig {
-    FabricConfig {
-        udp_port: port,
-        retry: RetryPolicy::Backoff {
-            initial: Duration::from_millis(50),
-            max_wait: Duration::from_millis(200),
-            deadline: Duration::from_secs(1),
-        },
-        min_timewait: Duration::ZERO,
-        dispatcher_threads: 4,
-        ..FabricConfig::default()
-    }
-}
-
-fn fabric(port: u16) -> Fabric {
-    Fabric::loopback_with(2, config(port)).expect("loopback devices")
-}
-
-fn ip(last: u8) -> IpAddr {
-    IpAddr::from([127, 0, 0, last])
-}
-
-fn addr(last: u8, port: u16) -> SocketAddr {
-    SocketAddr::new(ip(last), port)
-}
-
-/// An IPv6 destination no loopback device reaches: `resolve_addr` to it is accepted and
-/// queues `AddrError(AddrNotAvailable(dst))` carrying `seq`, changing nothing else.
-fn unreachable_dst(seq: u32) -> SocketAddr {
-    let ip = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (seq >> 16) as u16, seq as u16);
-    SocketAddr::new(IpAddr::V6(ip), 1)
-}
-
-fn seq_of(ev: &Event) -> Option<u32> {
-    match ev {
-        Event::AddrError(Error::AddrNotAvailable(IpAddr::V6(a))) => {
-            let s = a.segments();
-            Some((u32::from(s[6]) << 16) | u32::from(s[7]))
-        }
-        _ => None,
-    }
-}
-
-/// Queues one `AddrError` carrying `seq` on an idle or bound id.
-fn poke(id: &CmId, seq: u32) {
-    id.resolve_addr(None, unreachable_dst(seq))
-        .expect("resolve_addr to an unreachable address is accepted");
-}
-
-struct Gate {
-    open: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Gate {
-    fn new() -> Arc<Self> {
-        Arc::new(Gate {
-            open: Mutex::new(false),
-            cv: Condvar::new(),
-        })
-    }
-
-    fn wait(&self) {
-        let mut g = self.open.lock().unwrap();
-        let end = Instant::now() + T;
-        while !*g {
-            assert!(Instant::now() < end, "gate never opened");
-            g = self
-                .cv
-                .wait_timeout(g, Duration::from_millis(50))
-                .unwrap()
-                .0;
-        }
-    }
-
-    fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.cv.notify_all();
-    }
-}
-
-/// A user context that counts its drops.
-struct Tracked(Arc<AtomicUsize>);
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-fn eventually(d: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + d;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
-}
+mod common;
+use common::*;
 
 /// Runs `f` on a thread and gives up after `d` (a hung thread is left behind).
 fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {

@@ -1,0 +1,120 @@
+//! Helpers shared by the lifecycle and Linux-bug tests.
+#![allow(dead_code)] // each test file uses its own subset
+
+use rcm::{CmId, Error, Event, Fabric, FabricConfig};
+use rcm_proto::ib::RetryPolicy;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub const T: Duration = Duration::from_secs(10);
+
+pub fn config(port: u16) -> FabricConfig {
+    FabricConfig {
+        udp_port: port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        min_timewait: Duration::ZERO,
+        dispatcher_threads: 4,
+        ..FabricConfig::default()
+    }
+}
+
+/// Two loopback devices, 127.0.0.1 and 127.0.0.2, on UDP port `port`.
+pub fn fabric(port: u16) -> Fabric {
+    Fabric::loopback_with(2, config(port)).expect("loopback devices")
+}
+
+pub fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, last])
+}
+
+pub fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(last), port)
+}
+
+/// An IPv6 destination no device of a loopback fabric can reach: `resolve_addr` to it
+/// succeeds as a call and queues `AddrError(AddrNotAvailable(dst))`, changing nothing else.
+/// It makes an event on demand, carrying `seq`, for any idle or bound id.
+pub fn unreachable_dst(seq: u32) -> SocketAddr {
+    let ip = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (seq >> 16) as u16, seq as u16);
+    SocketAddr::new(IpAddr::V6(ip), 1)
+}
+
+/// The `seq` of an event made by [`unreachable_dst`].
+pub fn seq_of(ev: &Event) -> Option<u32> {
+    match ev {
+        Event::AddrError(Error::AddrNotAvailable(IpAddr::V6(a))) => {
+            let s = a.segments();
+            Some((u32::from(s[6]) << 16) | u32::from(s[7]))
+        }
+        _ => None,
+    }
+}
+
+/// Queues one `AddrError` event carrying `seq` on `id`.
+pub fn poke(id: &CmId, seq: u32) {
+    id.resolve_addr(None, unreachable_dst(seq))
+        .expect("resolve_addr to an unreachable address is accepted (the error is an event)");
+}
+
+/// A latch a callback can block on.
+pub struct Gate {
+    open: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Gate {
+            open: Mutex::new(false),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub fn wait(&self) {
+        let mut g = self.open.lock().unwrap();
+        let end = Instant::now() + T;
+        while !*g {
+            assert!(Instant::now() < end, "gate never opened");
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(50))
+                .unwrap()
+                .0;
+        }
+    }
+
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Counts its drops (a user context).
+pub struct Tracked(pub Arc<AtomicUsize>);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Polls `cond` until it holds or `d` passes.
+pub fn eventually(d: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + d;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
