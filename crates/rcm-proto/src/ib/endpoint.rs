@@ -394,14 +394,7 @@ impl Endpoint {
 
     /// Sends a REQ (active side). The new endpoint is in ReqSent.
     pub fn connect(&mut self, now: Instant, p: &ConnectParams) -> Result<CepHandle, CmError> {
-        if p.private_data.len() > cm::pd_size::REQ {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "REQ",
-                len: p.private_data.len(),
-                max: cm::pd_size::REQ,
-            }
-            .into());
-        }
+        check_pd("REQ", &p.private_data, cm::pd_size::REQ)?;
         if self.conn_ceps >= self.cfg.max_ceps {
             return Err(CmError::NoResources);
         }
@@ -466,14 +459,7 @@ impl Endpoint {
 
     /// Answers a received REQ with a REP (passive side): ReqRcvd/MraReqSent → RepSent.
     pub fn accept(&mut self, now: Instant, h: CepHandle, p: &AcceptParams) -> Result<(), CmError> {
-        if p.private_data.len() > cm::pd_size::REP {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "REP",
-                len: p.private_data.len(),
-                max: cm::pd_size::REP,
-            }
-            .into());
-        }
+        check_pd("REP", &p.private_data, cm::pd_size::REP)?;
         let state = self.cep_mut(h)?.state;
         if !matches!(state, State::ReqRcvd | State::MraReqSent) {
             return Err(CmError::InvalidState(state));
@@ -547,14 +533,8 @@ impl Endpoint {
         ari: &[u8],
         private_data: &[u8],
     ) -> Result<(), CmError> {
-        if private_data.len() > cm::pd_size::REJ || ari.len() > cm::pd_size::REJ_ARI {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "REJ",
-                len: private_data.len().max(ari.len()),
-                max: cm::pd_size::REJ,
-            }
-            .into());
-        }
+        check_pd("REJ", private_data, cm::pd_size::REJ)?;
+        check_pd("REJ ARI", ari, cm::pd_size::REJ_ARI)?;
         let state = self.cep_mut(h)?.state;
         let msg = match state {
             State::ReqRcvd | State::MraReqSent => MsgCode::Req,
@@ -597,14 +577,7 @@ impl Endpoint {
         h: CepHandle,
         private_data: &[u8],
     ) -> Result<(), CmError> {
-        if private_data.len() > cm::pd_size::DREQ {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "DREQ",
-                len: private_data.len(),
-                max: cm::pd_size::DREQ,
-            }
-            .into());
-        }
+        check_pd("DREQ", private_data, cm::pd_size::DREQ)?;
         let agent = self.cfg.agent_id;
         let c = self.cep_mut(h)?;
         match c.state {
@@ -639,14 +612,7 @@ impl Endpoint {
 
     /// Sends a SIDR_REQ (UD service resolution). The endpoint ends Idle when answered.
     pub fn sidr_request(&mut self, now: Instant, p: &SidrParams) -> Result<CepHandle, CmError> {
-        if p.private_data.len() > cm::pd_size::SIDR_REQ {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "SIDR_REQ",
-                len: p.private_data.len(),
-                max: cm::pd_size::SIDR_REQ,
-            }
-            .into());
-        }
+        check_pd("SIDR_REQ", &p.private_data, cm::pd_size::SIDR_REQ)?;
         if self.conn_ceps >= self.cfg.max_ceps {
             return Err(CmError::NoResources);
         }
@@ -671,14 +637,7 @@ impl Endpoint {
 
     /// Answers a SIDR_REQ; the endpoint is done (Idle) afterwards.
     pub fn sidr_reply(&mut self, h: CepHandle, p: &SidrReplyParams) -> Result<(), CmError> {
-        if p.private_data.len() > cm::pd_size::SIDR_REP {
-            return Err(rcm_wire::WireError::PrivateDataTooLong {
-                what: "SIDR_REP",
-                len: p.private_data.len(),
-                max: cm::pd_size::SIDR_REP,
-            }
-            .into());
-        }
+        check_pd("SIDR_REP", &p.private_data, cm::pd_size::SIDR_REP)?;
         let c = self.cep_mut(h)?;
         if c.state != State::SidrReqRcvd {
             return Err(CmError::InvalidState(c.state));
@@ -1416,6 +1375,19 @@ impl Endpoint {
             },
         );
     }
+}
+
+/// Refuses private data longer than the message's area, before anything changes.
+fn check_pd(what: &'static str, pd: &[u8], max: usize) -> Result<(), CmError> {
+    if pd.len() > max {
+        return Err(rcm_wire::WireError::PrivateDataTooLong {
+            what,
+            len: pd.len(),
+            max,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 fn rtu_of(c: &Cep) -> Rtu {
