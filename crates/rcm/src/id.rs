@@ -989,7 +989,15 @@ impl CmId {
             };
             (dev, cep)
         };
-        dev.with_engine(|ep, now| ep.disconnect(now, cep, &[]))?;
+        match dev.with_engine(|ep, now| ep.disconnect(now, cep, &[])) {
+            Ok(()) => {}
+            // The peer's DREQ won the race: the connection is already going down (the
+            // Disconnected event is on its way), exactly as if we had looked a moment later.
+            Err(ib::CmError::InvalidState(_)) => {
+                return Err(Error::InvalidState(State::Disconnect))
+            }
+            Err(e) => return Err(e.into()),
+        }
         let mut g = sync::lock(&self.0.st);
         if g.state == State::Established {
             g.state = State::Disconnect;
