@@ -172,6 +172,9 @@ fn server_loop(
     }
 }
 
+/// How long the client waits for the server to disconnect an established connection.
+const SERVER_GRACE: Duration = Duration::from_secs(10);
+
 /// Runs the client side.
 fn client_loop(
     fabric: &Fabric,
@@ -193,16 +196,37 @@ fn client_loop(
         ids.insert(id.key(), (i, id));
     }
     let mut finished = 0usize;
+    // Established connections the server has not disconnected yet. The server normally ends
+    // each one; if its REP retries all died (a half-open connection IBTA allows under loss),
+    // nobody would, so after a grace period the client disconnects itself.
+    let mut open: HashMap<u64, (Instant, CmId)> = HashMap::new();
     while finished < ids.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let Some(e) = ch.get_event(Some(left)) else {
+        let now = Instant::now();
+        let left = deadline.saturating_duration_since(now);
+        if left.is_zero() {
             r.errors.push(format!(
                 "client: timed out with {} connection(s) unfinished",
                 ids.len() - finished
             ));
             break;
+        }
+        open.retain(|_, (since, id)| {
+            if now.duration_since(*since) > SERVER_GRACE {
+                let _ = id.disconnect();
+                false
+            } else {
+                true
+            }
+        });
+        let Some(e) = ch.get_event(Some(left.min(Duration::from_secs(1)))) else {
+            continue;
         };
         let id = e.id().clone();
+        if matches!(e.event(), Event::Established { ud: None, .. }) {
+            open.insert(id.key(), (Instant::now(), id.clone()));
+        } else if matches!(e.event(), Event::Disconnected) {
+            open.remove(&id.key());
+        }
         let i = ids.get(&id.key()).map_or(usize::MAX, |(i, _)| *i);
         match e.event() {
             Event::AddrResolved => {
