@@ -1,5 +1,30 @@
 //! rcm-ucm: user-space access to a host's CM ports.
 //!
-//! This crate will hold the `rcm daemon` server that owns the devices of a host address and
-//! serves many processes over a Unix socket with a small versioned binary protocol modelled on
-//! the kernel's ucma, and the client library that implements the `rcm` API over that socket.
+//! Only one process can own UDP port 4791 on an address, as only the kernel owns QP1. The
+//! [`daemon`] owns the devices of a host's addresses and serves many processes over a Unix
+//! socket with a small versioned binary protocol ([`proto`], documented in
+//! `docs/ucm-protocol.md`) modelled on the kernel's ucma commands. The [`client`] library
+//! gives those processes the ordinary [`rcm`] API over that socket: [`fabric`] returns an
+//! [`rcm::Fabric`] whose ids live in the daemon, so switching between in-process devices and
+//! the daemon is configuration, not code.
+//!
+//! What the daemon guarantees each client (session):
+//! - it sees only its own ids: a handle of another session is the same error as one that
+//!   never existed;
+//! - when it closes its socket or dies, every id it held is destroyed (peers see a REJ or a
+//!   DREQ), its listeners stop, nothing leaks;
+//! - an event it cannot take (queue full, client gone) is dropped and counted, never turned
+//!   into a second destroy; a connect request it cannot take is rejected on the wire;
+//! - a connect request's child id is fully built and owned by the listener's session before
+//!   the event is visible;
+//! - limits (ids, queued events, unread requests, message size) are typed errors, and one
+//!   client hitting them does not slow the others.
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod daemon;
+pub mod proto;
+pub mod raw;
+
+pub use client::{daemon_from_env, fabric, fabric_with, Client};
+pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport};

@@ -39,7 +39,7 @@ pub enum Error {
     EventsOutstanding(usize),
     /// The QP is already connected or is being destroyed.
     #[error("the QP is in use: {0}")]
-    QpBusy(&'static str),
+    QpBusy(std::borrow::Cow<'static, str>),
     /// A device with this address already exists.
     #[error("a device already serves {0}")]
     DeviceExists(std::net::IpAddr),
@@ -51,7 +51,13 @@ pub enum Error {
     Protocol(#[from] CmError),
     /// An argument is invalid.
     #[error("invalid argument: {0}")]
-    InvalidArgument(&'static str),
+    InvalidArgument(std::borrow::Cow<'static, str>),
+    /// A per-client limit of the provider (the `rcm daemon`) was hit; nothing changed.
+    #[error("limit reached: {0}")]
+    LimitExceeded(crate::remote::Limit),
+    /// The provider reported an error that has no closer meaning here.
+    #[error("provider: {0}")]
+    Remote(String),
 }
 
 impl From<std::io::Error> for Error {

@@ -124,6 +124,8 @@ pub(crate) struct FabricInner {
     next_key: AtomicU64,
     next_qpn: AtomicU32,
     seed: u64,
+    /// Who owns the devices when they are in another process.
+    pub provider: Option<Arc<dyn crate::remote::Provider>>,
 }
 
 impl FabricInner {
@@ -164,6 +166,22 @@ pub struct Fabric(pub(crate) Arc<FabricInner>);
 impl Fabric {
     /// An empty fabric.
     pub fn new(cfg: FabricConfig) -> Self {
+        Self::build(cfg, None)
+    }
+
+    /// A fabric whose devices belong to a provider in another process (the `rcm daemon`
+    /// through `rcm-ucm`): the same API, every operation carried out there. It has no local
+    /// devices; `cfg` matters only for `dispatcher_threads`. See [`crate::remote`].
+    pub fn with_provider(provider: Arc<dyn crate::remote::Provider>, cfg: FabricConfig) -> Self {
+        Self::build(cfg, Some(provider))
+    }
+
+    /// Whether the devices are a provider's (see [`Fabric::with_provider`]).
+    pub fn is_remote(&self) -> bool {
+        self.0.provider.is_some()
+    }
+
+    fn build(cfg: FabricConfig, provider: Option<Arc<dyn crate::remote::Provider>>) -> Self {
         let seed = cfg.seed.unwrap_or_else(rand::random);
         let dispatcher = Dispatcher::start(cfg.dispatcher_threads);
         Fabric(Arc::new(FabricInner {
@@ -177,6 +195,7 @@ impl Fabric {
             next_key: AtomicU64::new(1),
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
             seed,
+            provider,
         }))
     }
 
@@ -198,6 +217,11 @@ impl Fabric {
     /// Adds a RoCEv2 device on a local address (it binds UDP `udp_port` there). Wildcard
     /// listeners start listening on it at once.
     pub fn add_device(&self, ip: IpAddr) -> crate::Result<Device> {
+        if self.0.provider.is_some() {
+            return Err(crate::Error::InvalidArgument(
+                "the devices of a provider-backed fabric are the provider's".into(),
+            ));
+        }
         if self.0.device(ip).is_some() {
             return Err(crate::Error::DeviceExists(ip));
         }
@@ -235,6 +259,9 @@ impl Fabric {
 
     /// The devices' addresses.
     pub fn device_addrs(&self) -> Vec<IpAddr> {
+        if let Some(p) = &self.0.provider {
+            return p.device_addrs();
+        }
         self.0.devices().iter().map(|d| d.ip).collect()
     }
 
@@ -268,6 +295,9 @@ impl Fabric {
         }
         for d in sync::lock(&self.0.devices).drain(..) {
             d.shutdown();
+        }
+        if let Some(p) = &self.0.provider {
+            p.shutdown();
         }
         self.0.dispatcher.stop();
     }

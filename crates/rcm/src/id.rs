@@ -7,6 +7,7 @@
 use crate::device::{DeviceInner, ServiceListen};
 use crate::event::{ConnParam, Event, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
+use crate::remote::{IdInfo, Op, RemoteId, Reply, Sink};
 use crate::slot::{ChannelCore, DestroyOutcome, Flow, Slot, Target};
 use crate::sync;
 use crate::{Error, Result};
@@ -53,7 +54,7 @@ pub enum State {
 pub type Handler = Arc<dyn Fn(&CmId, Event) -> Flow + Send + Sync>;
 
 /// What `connect` asks for.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectOptions {
     /// User private data: at most 56 bytes (RC) or 180 (UD), after rdma_cm's 36-byte header.
     pub private_data: Vec<u8>,
@@ -83,7 +84,7 @@ impl Default for ConnectOptions {
 }
 
 /// What `accept` answers with.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcceptOptions {
     /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP).
     pub private_data: Vec<u8>,
@@ -220,6 +221,8 @@ pub(crate) struct IdInner {
     /// is held across engine calls; the state lock never is, because routing an engine event
     /// takes the state lock of the id it names.
     op: Mutex<()>,
+    /// Set when a provider (another process) owns this id; every operation goes there.
+    pub remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
 }
 
 /// An rdma_cm communication identifier. Cloning gives another handle to the same id; the id
@@ -403,6 +406,7 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         slot: Slot::new(target, fabric.scheduler(), discard),
         st: Mutex::new(new_state()),
         op: Mutex::new(()),
+        remote: std::sync::OnceLock::new(),
     });
     let td = inner.clone();
     inner.slot.set_teardown(Box::new(move || teardown(&td)));
@@ -418,23 +422,61 @@ fn publish(id: &CmId) {
 
 impl Fabric {
     /// Creates an id whose events go to `handler` (one call at a time per id, in order).
+    ///
+    /// On a provider-backed fabric ([`Fabric::with_provider`]) a creation the provider
+    /// refuses gives an id that is already destroyed; [`Fabric::try_create_id`] says why.
     pub fn create_id(
         &self,
         ps: PortSpace,
         handler: impl Fn(&CmId, Event) -> Flow + Send + Sync + 'static,
     ) -> CmId {
         let h: Handler = Arc::new(handler);
-        let id = build(&self.0, ps, callback(h));
-        publish(&id);
-        id
+        self.finish_create(ps, callback(h)).unwrap_or_else(|(id, _)| id)
     }
 
     /// Creates an id whose events go to `channel`.
     pub fn create_id_on(&self, ps: PortSpace, channel: &EventChannel) -> CmId {
         let ch = channel.0.clone();
-        let id = build(&self.0, ps, Target::Channel(ch));
+        self.finish_create(ps, Target::Channel(ch))
+            .unwrap_or_else(|(id, _)| id)
+    }
+
+    /// Like [`Fabric::create_id`], reporting a provider's refusal (a limit, a lost daemon).
+    pub fn try_create_id(
+        &self,
+        ps: PortSpace,
+        handler: impl Fn(&CmId, Event) -> Flow + Send + Sync + 'static,
+    ) -> Result<CmId> {
+        let h: Handler = Arc::new(handler);
+        self.finish_create(ps, callback(h)).map_err(|(_, e)| e)
+    }
+
+    /// Like [`Fabric::create_id_on`], reporting a provider's refusal.
+    pub fn try_create_id_on(&self, ps: PortSpace, channel: &EventChannel) -> Result<CmId> {
+        self.finish_create(ps, Target::Channel(channel.0.clone()))
+            .map_err(|(_, e)| e)
+    }
+
+    fn finish_create(
+        &self,
+        ps: PortSpace,
+        target: Target<Event>,
+    ) -> std::result::Result<CmId, (CmId, Error)> {
+        let id = build(&self.0, ps, target);
+        if let Some(p) = &self.0.provider {
+            match p.create_id(ps, Sink(Arc::downgrade(&id.0))) {
+                Ok(r) => {
+                    let _ = id.0.remote.set(r);
+                }
+                Err(e) => {
+                    // Never published, no callback can have run: this destroy is immediate.
+                    let _ = id.0.slot.destroy(true);
+                    return Err((id, e));
+                }
+            }
+        }
         publish(&id);
-        id
+        Ok(id)
     }
 }
 
@@ -478,22 +520,98 @@ impl CmId {
         if !self.0.slot.is_live() {
             return State::Destroying;
         }
+        if self.0.remote.get().is_some() {
+            return match self.remote_info() {
+                Ok(i) => i.state,
+                Err(_) => State::DeviceRemoval,
+            };
+        }
         sync::lock(&self.0.st).state
     }
 
     /// The local address and port, once bound.
     pub fn local_addr(&self) -> Option<SocketAddr> {
+        if self.0.remote.get().is_some() {
+            return self.remote_info().ok().and_then(|i| i.local);
+        }
         sync::lock(&self.0.st).src
     }
 
     /// The peer's address and port, once known.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
+        if self.0.remote.get().is_some() {
+            return self.remote_info().ok().and_then(|i| i.peer);
+        }
         sync::lock(&self.0.st).dst
     }
 
     /// The address of the device the id is bound to.
     pub fn device_addr(&self) -> Option<IpAddr> {
+        if self.0.remote.get().is_some() {
+            return self.remote_info().ok().and_then(|i| i.device);
+        }
         sync::lock(&self.0.st).device.as_ref().map(|d| d.ip)
+    }
+
+    /// Whether a provider in another process owns this id (see [`crate::remote`]).
+    pub fn is_remote(&self) -> bool {
+        self.0.remote.get().is_some()
+    }
+
+    fn remote_info(&self) -> Result<IdInfo> {
+        match self.forward(|| Op::Query) {
+            Some(Ok(Reply::Info(i))) => Ok(i),
+            Some(Err(e)) => Err(e),
+            _ => Err(Error::Remote("unexpected reply to a query".into())),
+        }
+    }
+
+    /// For an id a provider owns: checks it is usable here, then carries `op` out there.
+    fn forward(&self, op: impl FnOnce() -> Op) -> Option<Result<Reply>> {
+        let r = self.0.remote.get()?;
+        if !self.0.slot.is_live() {
+            return Some(Err(Error::Destroyed));
+        }
+        if sync::lock(&self.0.st).removed {
+            return Some(Err(Error::DeviceRemoved));
+        }
+        Some(r.call(op()))
+    }
+
+    /// Carries out one operation ([`Op`]): the same as calling the method it names. This is
+    /// how a provider (the `rcm daemon`) serves its clients.
+    pub fn call(&self, op: Op) -> Result<Reply> {
+        let done = |r: Result<()>| r.map(|()| Reply::Done);
+        match op {
+            Op::SetReuseaddr(b) => done(self.set_reuseaddr(b)),
+            Op::Bind(a) => done(self.bind(a)),
+            Op::ResolveAddr { src, dst } => done(self.resolve_addr(src, dst)),
+            Op::ResolveRoute => done(self.resolve_route()),
+            Op::Listen(b) => done(self.listen(b)),
+            Op::CreateQp => self.create_qp().map(Reply::Qpn),
+            Op::DestroyQp => done(self.destroy_qp()),
+            Op::Connect(o) => done(self.connect(&o)),
+            Op::Accept(o) => done(self.accept(&o)),
+            Op::Reject(pd) => done(self.reject(&pd)),
+            Op::Establish => done(self.establish()),
+            Op::Disconnect => done(self.disconnect()),
+            Op::InitQpAttr(s) => self.init_qp_attr(s).map(Reply::QpAttr),
+            Op::Query => {
+                if self.0.remote.get().is_some() {
+                    return self.remote_info().map(Reply::Info);
+                }
+                if !self.0.slot.is_live() {
+                    return Err(Error::Destroyed);
+                }
+                let g = sync::lock(&self.0.st);
+                Ok(Reply::Info(IdInfo {
+                    state: g.state,
+                    local: g.src,
+                    peer: g.dst,
+                    device: g.device.as_ref().map(|d| d.ip),
+                }))
+            }
+        }
     }
 
     /// Attaches a context value; it is dropped exactly once, after the id's last callback.
@@ -504,6 +622,9 @@ impl CmId {
     /// `rdma_set_reuseaddr`: lets this id bind a port other reusing ids hold, as long as none
     /// of them listens (listening clears it). Only before the id is bound.
     pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::SetReuseaddr(reuse)) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.state != State::Idle {
@@ -537,6 +658,9 @@ impl CmId {
     /// Binds to a local address (`rdma_bind_addr`). Port 0 picks an ephemeral port; an
     /// unspecified IP binds every device. Idle → AddrBound.
     pub fn bind(&self, addr: SocketAddr) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Bind(addr)) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.state != State::Idle {
@@ -566,6 +690,9 @@ impl CmId {
     /// ephemeral port if unbound. Reports `AddrResolved` or `AddrError`; a failure changes
     /// nothing.
     pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::ResolveAddr { src, dst }) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if !matches!(g.state, State::Idle | State::AddrBound) {
@@ -626,6 +753,9 @@ impl CmId {
     /// Builds the RoCE path locally as rdma_cm does (`rdma_resolve_route`): no SA; flow label
     /// from the ports, hop limit 64, packet lifetime 18. AddrResolved → RouteResolved.
     pub fn resolve_route(&self) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::ResolveRoute) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.state != State::AddrResolved {
@@ -651,6 +781,9 @@ impl CmId {
     /// for a wildcard address. AddrBound (or Idle, binding the wildcard) → Listen. `backlog`
     /// bounds connect requests not yet answered (0: the default, 256).
     pub fn listen(&self, backlog: usize) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Listen(backlog)) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         // A wildcard listen and a device being added must not miss each other.
         let _devices = sync::lock(&self.0.fabric.listen_lock);
@@ -729,10 +862,16 @@ impl CmId {
 
     /// Attaches a soft QP; returns its number.
     pub fn create_qp(&self) -> Result<u32> {
+        if let Some(r) = self.forward(|| Op::CreateQp) {
+            return match r? {
+                Reply::Qpn(n) => Ok(n),
+                _ => Err(Error::Remote("unexpected reply to create_qp".into())),
+            };
+        }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
         if g.qp.is_some() {
-            return Err(Error::QpBusy("the id already has a QP"));
+            return Err(Error::QpBusy("the id already has a QP".into()));
         }
         let qpn = self.0.fabric.new_qpn();
         g.qp = Some(Arc::new(Mutex::new(SoftQp {
@@ -745,8 +884,11 @@ impl CmId {
 
     /// Destroys the attached QP (`rdma_destroy_qp`). A connect or accept after this fails.
     pub fn destroy_qp(&self) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::DestroyQp) {
+            return r.map(drop);
+        }
         let g = sync::lock(&self.0.st);
-        let qp = g.qp.clone().ok_or(Error::QpBusy("no QP attached"))?;
+        let qp = g.qp.clone().ok_or(Error::QpBusy("no QP attached".into()))?;
         sync::lock(&qp).destroyed = true;
         Ok(())
     }
@@ -757,10 +899,10 @@ impl CmId {
             Some(qp) => {
                 let mut q = sync::lock(qp);
                 if q.destroyed {
-                    return Err(Error::QpBusy("the QP is being destroyed"));
+                    return Err(Error::QpBusy("the QP is being destroyed".into()));
                 }
                 if q.in_use {
-                    return Err(Error::QpBusy("the QP is already connected"));
+                    return Err(Error::QpBusy("the QP is already connected".into()));
                 }
                 q.in_use = true;
                 Ok(q.qpn)
@@ -778,6 +920,9 @@ impl CmId {
     /// Connects (`rdma_connect`): a REQ (RC) or SIDR_REQ (UD) with rdma_cm's header.
     /// RouteResolved → Connect.
     pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Connect(opts.clone())) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let (dst, dev, qpn, path, pd) = {
             let g = self.usable()?;
@@ -872,6 +1017,9 @@ impl CmId {
 
     /// Accepts a connect request (`rdma_accept`) on the child id: REP (RC) or SIDR_REP (UD).
     pub fn accept(&self, opts: &AcceptOptions) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Accept(opts.clone())) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let (dev, cep, qpn) = {
             let g = self.usable()?;
@@ -927,6 +1075,9 @@ impl CmId {
     /// Rejects a connect request (`rdma_reject`) with private data: REJ reason 28, or
     /// SIDR_REP status "rejected". Connect → Disconnect.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Reject(private_data.to_vec())) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let (dev, cep) = {
             let g = self.usable()?;
@@ -960,6 +1111,9 @@ impl CmId {
 
     /// Sends the RTU after a `ConnectResponse` (`rdma_establish`, active side without a QP).
     pub fn establish(&self) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Establish) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let (dev, cep) = {
             let g = self.usable()?;
@@ -978,6 +1132,9 @@ impl CmId {
     /// Disconnects (`rdma_disconnect`): DREQ, or the DREP when the peer disconnected first.
     /// Established → Disconnect; `Disconnected` follows.
     pub fn disconnect(&self) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::Disconnect) {
+            return r.map(drop);
+        }
         let _op = sync::lock(&self.0.op);
         let (dev, cep) = {
             let g = self.usable()?;
@@ -1008,6 +1165,12 @@ impl CmId {
     /// The attributes to move the QP to `state` with (`rdma_init_qp_attr`), from what the
     /// two sides negotiated.
     pub fn init_qp_attr(&self, state: QpState) -> Result<QpAttr> {
+        if let Some(r) = self.forward(|| Op::InitQpAttr(state)) {
+            return match r? {
+                Reply::QpAttr(a) => Ok(a),
+                _ => Err(Error::Remote("unexpected reply to init_qp_attr".into())),
+            };
+        }
         let g = self.usable()?;
         let (Some(src), Some(dst)) = (g.src, g.dst) else {
             return Err(Error::InvalidState(g.state));
@@ -1054,7 +1217,7 @@ impl CmId {
         if self.0.slot.migrate(&to.0) {
             Ok(())
         } else {
-            Err(Error::InvalidArgument("only channel-mode ids can migrate"))
+            Err(Error::InvalidArgument("only channel-mode ids can migrate".into()))
         }
     }
 
@@ -1201,8 +1364,71 @@ fn teardown(inner: &Arc<IdInner>) {
     if let (true, Some(src)) = (bound, src) {
         sync::lock(&inner.fabric.ports).release(inner.ps, src, inner.key);
     }
+    if let Some(r) = inner.remote.get() {
+        r.release();
+    }
     sync::lock(&inner.fabric.ids).remove(&inner.key);
     drop(ctx);
+}
+
+/// An event a provider delivered for an id it owns.
+pub(crate) fn remote_event(inner: &Arc<IdInner>, ev: Event) {
+    if matches!(ev, Event::DeviceRemoval) {
+        {
+            let mut g = sync::lock(&inner.st);
+            if g.removed {
+                return;
+            }
+            g.removed = true;
+            g.state = State::DeviceRemoval;
+        }
+        inner.slot.push_removal(ev);
+        return;
+    }
+    inner.slot.push(ev);
+}
+
+/// A connect request a provider delivered on a listener it owns: the child is built,
+/// joined to the listener and published before the event is visible (Linux bug 3).
+pub(crate) fn remote_connect_request(
+    lst: &Arc<IdInner>,
+    remote: Arc<dyn RemoteId>,
+    private_data: Vec<u8>,
+    param: ConnParam,
+    ud: bool,
+) -> Option<Sink> {
+    let Some(target) = lst.slot_target() else {
+        remote.release();
+        return None;
+    };
+    let child = build(&lst.fabric, lst.ps, target);
+    let _ = child.0.remote.set(remote);
+    {
+        let mut g = sync::lock(&child.0.st);
+        g.state = State::Connect;
+        g.listener = Some(Arc::downgrade(lst));
+        g.request_unseen = true;
+    }
+    {
+        let mut g = sync::lock(&lst.st);
+        if !lst.slot.is_live() || g.removed {
+            drop(g);
+            sync::lock(&child.0.st).request_unseen = false;
+            // The teardown releases the provider's child: the request is rejected there.
+            drop(child.begin_destroy());
+            return None;
+        }
+        g.children.insert(child.0.key, Arc::downgrade(&child.0));
+    }
+    publish(&child);
+    let sink = Sink(Arc::downgrade(&child.0));
+    child.0.slot.push(Event::ConnectRequest {
+        listener: CmId(lst.clone()),
+        private_data,
+        param,
+        ud,
+    });
+    Some(sink)
 }
 
 /// What arrived for a listener.

@@ -36,6 +36,8 @@ mod fabric;
 mod id;
 #[cfg(not(loom))]
 mod ports;
+#[cfg(not(loom))]
+pub mod remote;
 // Under loom the core's users are not built, so some of its crate-private API is unused.
 #[cfg_attr(loom, allow(dead_code))]
 mod slot;

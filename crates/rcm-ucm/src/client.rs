@@ -1,0 +1,318 @@
+//! The client library: the `rcm` API over a daemon's socket. [`fabric`] gives an
+//! [`rcm::Fabric`] whose ids live in the daemon; the application code is the same as with
+//! in-process devices.
+//!
+//! One connection is one daemon session. A reader thread answers pending calls and feeds
+//! events to the ids' sinks; callbacks run on the fabric's own dispatcher threads, so they
+//! may make blocking calls. Losing the daemon is a device removal for every id.
+
+use crate::proto::{
+    self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
+    WireEvent,
+};
+use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
+use rcm::{Error, Event, Fabric, FabricConfig, PortSpace};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::IpAddr;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
+
+/// Event credit granted to the daemon at a time.
+const WINDOW: u32 = 4096;
+/// Largest frame accepted from the daemon.
+const MAX_FRAME: usize = 1 << 20;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+type Waiter = mpsc::SyncSender<Result<Answer, WireError>>;
+
+struct Inner {
+    writer: Mutex<UnixStream>,
+    pending: Mutex<HashMap<u32, Waiter>>,
+    seq: AtomicU32,
+    sinks: Mutex<HashMap<u32, Sink>>,
+    alive: AtomicBool,
+    token: u64,
+    limits: Limits,
+    stream: UnixStream,
+}
+
+/// A session with a daemon; a [`Provider`] for [`Fabric::with_provider`].
+#[derive(Clone)]
+pub struct Client(Arc<Inner>);
+
+/// An rcm fabric served by the daemon at `path`.
+pub fn fabric(path: impl AsRef<Path>) -> rcm::Result<Fabric> {
+    fabric_with(path, FabricConfig::default())
+}
+
+/// Like [`fabric`], with a configuration (only `dispatcher_threads` matters).
+pub fn fabric_with(path: impl AsRef<Path>, cfg: FabricConfig) -> rcm::Result<Fabric> {
+    let c = Client::connect(path)?;
+    Ok(Fabric::with_provider(Arc::new(c), cfg))
+}
+
+/// The daemon socket named by the `RCM_DAEMON` environment variable, if set: how an
+/// application picks the daemon over in-process devices by configuration alone.
+pub fn daemon_from_env() -> Option<std::path::PathBuf> {
+    std::env::var_os("RCM_DAEMON")
+        .filter(|v| !v.is_empty())
+        .map(Into::into)
+}
+
+fn read_frame(s: &mut UnixStream, body: &mut Vec<u8>) -> std::io::Result<Header> {
+    let mut hb = [0u8; 12];
+    s.read_exact(&mut hb)?;
+    let h = Header::parse(&hb)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    if h.len as usize + 4 > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "frame from the daemon is too long",
+        ));
+    }
+    body.resize(h.body_len(), 0);
+    s.read_exact(body)?;
+    Ok(h)
+}
+
+impl Client {
+    /// Opens a session with the daemon at `path`.
+    pub fn connect(path: impl AsRef<Path>) -> rcm::Result<Client> {
+        let path = path.as_ref();
+        let mut s = UnixStream::connect(path)
+            .map_err(|e| Error::Io(format!("daemon socket {}: {e}", path.display())))?;
+        s.write_all(
+            &Command::Hello {
+                min: proto::VERSION,
+                max: proto::VERSION,
+            }
+            .encode(1),
+        )?;
+        let mut body = Vec::new();
+        let h = read_frame(&mut s, &mut body)?;
+        let (token, limits) = match decode_message(h.kind, &body) {
+            Ok(Message::HelloOk { token, limits, .. }) => (token, limits),
+            Ok(Message::Err(e)) => return Err(e.into_cm()),
+            Ok(_) => return Err(Error::Remote("unexpected answer to Hello".into())),
+            Err(e) => return Err(Error::Remote(format!("bad answer to Hello: {e}"))),
+        };
+        s.write_all(&Command::GetEvent(WINDOW).encode(0))?;
+        let inner = Arc::new(Inner {
+            writer: Mutex::new(s.try_clone()?),
+            pending: Mutex::new(HashMap::new()),
+            seq: AtomicU32::new(2),
+            sinks: Mutex::new(HashMap::new()),
+            alive: AtomicBool::new(true),
+            token,
+            limits,
+            stream: s.try_clone()?,
+        });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("rcm-ucm-client".into())
+            .spawn(move || reader(&weak, s))?;
+        Ok(Client(inner))
+    }
+
+    /// This session's token: another session of the same client takes an id from this one
+    /// with `MigrateId` naming it.
+    pub fn token(&self) -> u64 {
+        self.0.token
+    }
+
+    /// The limits the daemon applies to this session.
+    pub fn limits(&self) -> Limits {
+        self.0.limits
+    }
+
+    /// This session's counters at the daemon.
+    pub fn stats(&self) -> rcm::Result<SessionStats> {
+        match self.0.request(&Command::Stats)? {
+            Answer::Stats(s) => Ok(s),
+            _ => Err(Error::Remote("unexpected answer to Stats".into())),
+        }
+    }
+
+    /// Whether the session is still up.
+    pub fn is_alive(&self) -> bool {
+        self.0.alive.load(Ordering::SeqCst)
+    }
+}
+
+impl Inner {
+    fn next_seq(&self) -> u32 {
+        loop {
+            let s = self.seq.fetch_add(1, Ordering::Relaxed);
+            if s != 0 {
+                return s;
+            }
+        }
+    }
+
+    fn send(&self, frame: &[u8]) -> rcm::Result<()> {
+        lock(&self.writer)
+            .write_all(frame)
+            .map_err(|_| Error::DeviceRemoved)
+    }
+
+    fn request(&self, cmd: &Command) -> rcm::Result<Answer> {
+        let seq = self.next_seq();
+        let (tx, rx) = mpsc::sync_channel(1);
+        {
+            let mut p = lock(&self.pending);
+            // Checked under the lock the reader drains with, so no waiter is left behind.
+            if !self.alive.load(Ordering::SeqCst) {
+                return Err(Error::DeviceRemoved);
+            }
+            p.insert(seq, tx);
+        }
+        if let Err(e) = self.send(&cmd.encode(seq)) {
+            lock(&self.pending).remove(&seq);
+            return Err(e);
+        }
+        match rx.recv() {
+            Ok(r) => r.map_err(WireError::into_cm),
+            Err(_) => Err(Error::DeviceRemoved),
+        }
+    }
+}
+
+impl Provider for Client {
+    fn create_id(&self, ps: PortSpace, sink: Sink) -> rcm::Result<Arc<dyn RemoteId>> {
+        let h = match self.0.request(&Command::CreateId(ps))? {
+            Answer::Handle(h) => h,
+            _ => return Err(Error::Remote("unexpected answer to CreateId".into())),
+        };
+        // No event can come for `h` before its first operation, which follows this.
+        lock(&self.0.sinks).insert(h, sink);
+        Ok(Arc::new(Handle {
+            client: Arc::downgrade(&self.0),
+            handle: h,
+        }))
+    }
+
+    fn device_addrs(&self) -> Vec<IpAddr> {
+        match self.0.request(&Command::Devices) {
+            Ok(Answer::Devices(d)) => d,
+            _ => Vec::new(),
+        }
+    }
+
+    fn shutdown(&self) {
+        let _ = self.0.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// An id held by the daemon.
+struct Handle {
+    client: Weak<Inner>,
+    handle: u32,
+}
+
+impl RemoteId for Handle {
+    fn call(&self, op: Op) -> rcm::Result<Reply> {
+        let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
+        match c.request(&Command::Call(self.handle, op))? {
+            Answer::Reply(r) => Ok(r),
+            _ => Err(Error::Remote("unexpected answer to a call".into())),
+        }
+    }
+
+    fn release(&self) {
+        let Some(c) = self.client.upgrade() else {
+            return;
+        };
+        lock(&c.sinks).remove(&self.handle);
+        // Fire and forget: the reply (seq 0 is never waited for) is ignored. The daemon
+        // finishes the destroy in order with this session's other commands.
+        let _ = c.send(&Command::DestroyId(self.handle).encode(0));
+    }
+}
+
+fn reader(weak: &Weak<Inner>, mut s: UnixStream) {
+    let mut body = Vec::new();
+    let mut used: u32 = 0;
+    loop {
+        let Ok(h) = read_frame(&mut s, &mut body) else {
+            break;
+        };
+        let Some(c) = weak.upgrade() else { return };
+        let msg = match decode_message(h.kind, &body) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, kind = h.kind, "undecodable frame from the daemon");
+                continue;
+            }
+        };
+        match msg {
+            Message::Ok(a) => {
+                if let Some(w) = lock(&c.pending).remove(&h.seq) {
+                    let _ = w.send(Ok(a));
+                }
+            }
+            Message::Err(e) => {
+                if let Some(w) = lock(&c.pending).remove(&h.seq) {
+                    let _ = w.send(Err(e));
+                }
+            }
+            Message::HelloOk { .. } => {}
+            Message::Event { handle, event } => {
+                deliver(&c, handle, event);
+                used += 1;
+                if used >= WINDOW / 4 {
+                    if c.send(&Command::GetEvent(used).encode(0)).is_err() {
+                        break;
+                    }
+                    used = 0;
+                }
+            }
+        }
+    }
+    // The daemon is gone: fail the waiting calls, and it is a device removal for every id.
+    let Some(c) = weak.upgrade() else { return };
+    {
+        let mut p = lock(&c.pending);
+        c.alive.store(false, Ordering::SeqCst);
+        p.clear();
+    }
+    let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, s)| s).collect();
+    for s in sinks {
+        s.event(Event::DeviceRemoval);
+    }
+}
+
+fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent) {
+    if let WireEvent::ConnectRequest {
+        listener,
+        private_data,
+        param,
+        ud,
+    } = event
+    {
+        let child: Arc<dyn RemoteId> = Arc::new(Handle {
+            client: Arc::downgrade(c),
+            handle,
+        });
+        let lsink = lock(&c.sinks).get(&listener).cloned();
+        match lsink {
+            Some(ls) => {
+                if let Some(cs) = ls.connect_request(child, private_data, param, ud) {
+                    lock(&c.sinks).insert(handle, cs);
+                }
+            }
+            // The listener was destroyed here already: the daemon rejects the request.
+            None => child.release(),
+        }
+        return;
+    }
+    let sink = lock(&c.sinks).get(&handle).cloned();
+    if let (Some(s), Some(ev)) = (sink, event.into_event()) {
+        s.event(ev);
+    }
+}

@@ -1,0 +1,875 @@
+//! `rcm daemon`: owns the devices of a host's addresses and serves client processes over a
+//! Unix socket, the way the kernel's ucma serves them through `/dev/infiniband/rdma_cm`.
+//!
+//! One client connection is one *session* (ucma's file). Each session has a table of the ids
+//! it holds, named by handles that mean nothing outside it, and one queue of events. The
+//! daemon's own rcm ids deliver events through a handler that finds the owning session
+//! through a per-id cell; that cell is what `migrate_id` switches, under the cell's lock,
+//! so an event is queued either entirely before or entirely after a migration.
+//!
+//! Lock order: an id's cell, then session tables (lower `order` first), then session output
+//! queues (same order). Nothing that can wait for a callback (destroy) runs under any of them.
+
+use crate::proto::{
+    self, decode_command, Answer, Command, Header, Limits, Message, SessionStats, WireError,
+    WireEvent,
+};
+use rcm::remote::{Limit, Reply};
+use rcm::{CmId, Event, Fabric, FabricConfig, Flow};
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::net::IpAddr;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+/// Which transport the daemon's devices speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// RoCEv2: IB CM MADs over UDP.
+    Roce,
+    /// iWARP: MPA over TCP.
+    Iwarp,
+}
+
+/// How a daemon is set up.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// The Unix socket path clients connect to.
+    pub socket: PathBuf,
+    /// The addresses whose devices the daemon owns.
+    pub binds: Vec<IpAddr>,
+    /// Their transport.
+    pub transport: Transport,
+    /// The fabric's configuration (UDP port, retries, dispatcher threads).
+    pub fabric: FabricConfig,
+    /// Per-session limits.
+    pub limits: Limits,
+    /// Permissions of the socket file (0o660 by default: owner and group).
+    pub mode: u32,
+}
+
+impl DaemonConfig {
+    /// A RoCEv2 daemon on `binds` at `socket`, with default limits.
+    pub fn new(socket: impl Into<PathBuf>, binds: Vec<IpAddr>) -> Self {
+        DaemonConfig {
+            socket: socket.into(),
+            binds,
+            transport: Transport::Roce,
+            fabric: FabricConfig {
+                dispatcher_threads: 4,
+                ..FabricConfig::default()
+            },
+            limits: Limits::default(),
+            mode: 0o660,
+        }
+    }
+}
+
+/// Why a daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Another daemon answers on this socket path.
+    #[error("a live daemon already serves {0}")]
+    AlreadyRunning(PathBuf),
+    /// Something that is not a socket is at the path; it is left alone.
+    #[error("{0} exists and is not a socket; not touching it")]
+    NotASocket(PathBuf),
+    /// No address to serve.
+    #[error("no --bind address given")]
+    NoBinds,
+    /// The transport is not available.
+    #[error("{0}")]
+    Unsupported(&'static str),
+    /// A device could not be opened.
+    #[error("device {0}: {1}")]
+    Device(IpAddr, rcm::Error),
+    /// The socket could not be set up.
+    #[error("socket {0}: {1}")]
+    Io(PathBuf, std::io::Error),
+}
+
+/// A running daemon. Dropping it shuts it down (as [`Daemon::shutdown`]).
+pub struct Daemon {
+    shared: Arc<Shared>,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+struct Shared {
+    fabric: Fabric,
+    limits: Limits,
+    socket: PathBuf,
+    stopping: AtomicBool,
+    next_order: AtomicU64,
+    /// Every session, by its order number.
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    /// Sessions that said hello, by token (for `migrate_id`).
+    tokens: Mutex<HashMap<u64, Weak<Session>>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Events that found no session to go to (its client gone).
+    orphan_events: AtomicU64,
+}
+
+/// Which session holds an id, under which handle. `None` once destroyed.
+struct IdCell {
+    owner: Mutex<Option<(Weak<Session>, u32)>>,
+}
+
+struct Table {
+    ids: HashMap<u32, (CmId, Arc<IdCell>)>,
+    next: u32,
+    closed: bool,
+}
+
+impl Table {
+    /// A handle not in use. Handles grow and are not reused until they wrap, so an event
+    /// queued for a destroyed id cannot be taken for a newer one.
+    fn alloc(&mut self) -> u32 {
+        loop {
+            self.next = self.next.wrapping_add(1);
+            if self.next != 0 && !self.ids.contains_key(&self.next) {
+                return self.next;
+            }
+        }
+    }
+}
+
+struct Queued {
+    handle: u32,
+    /// For a connect request: the listener's handle.
+    listener: Option<u32>,
+    frame: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Out {
+    replies: VecDeque<Vec<u8>>,
+    events: VecDeque<Queued>,
+    credit: u64,
+    unread_requests: u32,
+    closed: bool,
+}
+
+struct Session {
+    order: u64,
+    token: AtomicU64,
+    table: Mutex<Table>,
+    out: Mutex<Out>,
+    out_cond: Condvar,
+    stream: UnixStream,
+    dropped_events: AtomicU64,
+    refused_requests: AtomicU64,
+    commands: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Locks the same mutex of two distinct sessions in `order` order; returns (a's, b's).
+fn lock_two<'a, T>(
+    a: &'a Session,
+    b: &'a Session,
+    f: impl Fn(&'a Session) -> &'a Mutex<T>,
+) -> (MutexGuard<'a, T>, MutexGuard<'a, T>) {
+    if a.order < b.order {
+        let ga = lock(f(a));
+        (ga, lock(f(b)))
+    } else {
+        let gb = lock(f(b));
+        (lock(f(a)), gb)
+    }
+}
+
+/// Replies waiting to be written before the session stops reading commands.
+const MAX_PENDING_REPLIES: usize = 1024;
+/// Events written per batch.
+const EVENT_BATCH: usize = 256;
+
+impl Daemon {
+    /// Opens the devices and the socket and starts serving.
+    pub fn start(cfg: DaemonConfig) -> Result<Daemon, DaemonError> {
+        if cfg.binds.is_empty() {
+            return Err(DaemonError::NoBinds);
+        }
+        if cfg.transport == Transport::Iwarp {
+            return Err(DaemonError::Unsupported(
+                "iWARP devices are not available yet: rcm has no TCP device driver (issue #5)",
+            ));
+        }
+        claim_socket_path(&cfg.socket)?;
+        let fabric = Fabric::new(cfg.fabric.clone());
+        for ip in &cfg.binds {
+            if let Err(e) = fabric.add_device(*ip) {
+                fabric.shutdown();
+                return Err(DaemonError::Device(*ip, e));
+            }
+        }
+        let listener = match UnixListener::bind(&cfg.socket) {
+            Ok(l) => l,
+            Err(e) => {
+                fabric.shutdown();
+                return Err(DaemonError::Io(cfg.socket.clone(), e));
+            }
+        };
+        if let Err(e) =
+            std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(cfg.mode))
+        {
+            fabric.shutdown();
+            let _ = std::fs::remove_file(&cfg.socket);
+            return Err(DaemonError::Io(cfg.socket.clone(), e));
+        }
+        let shared = Arc::new(Shared {
+            fabric,
+            limits: cfg.limits,
+            socket: cfg.socket.clone(),
+            stopping: AtomicBool::new(false),
+            next_order: AtomicU64::new(1),
+            sessions: Mutex::new(HashMap::new()),
+            tokens: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+            orphan_events: AtomicU64::new(0),
+        });
+        tracing::info!(socket = %cfg.socket.display(), binds = ?cfg.binds, "rcm daemon serving");
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("rcm-ucm-accept".into())
+            .spawn(move || accept_loop(&sh, &listener))
+            .map_err(|e| DaemonError::Io(cfg.socket.clone(), e))?;
+        Ok(Daemon {
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.shared.socket
+    }
+
+    /// The daemon's fabric (for leak checks: `live_ids`, `engine_ceps`, `bound_ports`).
+    pub fn fabric(&self) -> &Fabric {
+        &self.shared.fabric
+    }
+
+    /// Open sessions.
+    pub fn sessions(&self) -> usize {
+        lock(&self.shared.sessions).len()
+    }
+
+    /// Ids held by all sessions.
+    pub fn held_ids(&self) -> usize {
+        lock(&self.shared.sessions)
+            .values()
+            .map(|s| lock(&s.table).ids.len())
+            .sum()
+    }
+
+    /// Events dropped for full queues, over all sessions ever, plus those whose session was
+    /// gone.
+    pub fn dropped_events(&self) -> u64 {
+        self.shared.orphan_events.load(Ordering::Relaxed)
+            + lock(&self.shared.sessions)
+                .values()
+                .map(|s| s.dropped_events.load(Ordering::Relaxed))
+                .sum::<u64>()
+    }
+
+    /// Stops accepting, ends every session (destroying its ids: peers see a REJ or DREQ),
+    /// shuts the devices down and removes the socket file.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        let sh = &self.shared;
+        sh.stopping.store(true, Ordering::SeqCst);
+        // Wake the accept loop.
+        let _ = UnixStream::connect(&sh.socket);
+        let _ = accept.join();
+        let sessions: Vec<Arc<Session>> = lock(&sh.sessions).values().cloned().collect();
+        for s in &sessions {
+            let _ = s.stream.shutdown(std::net::Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *lock(&sh.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        sh.fabric.shutdown();
+        let _ = std::fs::remove_file(&sh.socket);
+        tracing::info!("rcm daemon stopped");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Refuses a path a live daemon answers on or that is not a socket; removes a stale socket.
+fn claim_socket_path(path: &Path) -> Result<(), DaemonError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        return Err(DaemonError::NotASocket(path.to_path_buf()));
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(DaemonError::AlreadyRunning(path.to_path_buf())),
+        Err(_) => {
+            tracing::info!(path = %path.display(), "removing a stale socket");
+            std::fs::remove_file(path).map_err(|e| DaemonError::Io(path.to_path_buf(), e))
+        }
+    }
+}
+
+fn accept_loop(sh: &Arc<Shared>, listener: &UnixListener) {
+    for conn in listener.incoming() {
+        if sh.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if let Err(e) = spawn_session(sh, stream) {
+            tracing::warn!(error = %e, "could not start a session");
+        }
+    }
+}
+
+fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
+    let order = sh.next_order.fetch_add(1, Ordering::Relaxed);
+    let reader = stream.try_clone()?;
+    let writer = stream.try_clone()?;
+    let s = Arc::new(Session {
+        order,
+        token: AtomicU64::new(0),
+        table: Mutex::new(Table {
+            ids: HashMap::new(),
+            next: 0,
+            closed: false,
+        }),
+        out: Mutex::new(Out::default()),
+        out_cond: Condvar::new(),
+        stream,
+        dropped_events: AtomicU64::new(0),
+        refused_requests: AtomicU64::new(0),
+        commands: AtomicU64::new(0),
+    });
+    lock(&sh.sessions).insert(order, s.clone());
+    let ws = s.clone();
+    let w = std::thread::Builder::new()
+        .name(format!("rcm-ucm-w{order}"))
+        .spawn(move || writer_loop(&ws, writer))?;
+    let sh2 = sh.clone();
+    let rs = s.clone();
+    let r = std::thread::Builder::new()
+        .name(format!("rcm-ucm-r{order}"))
+        .spawn(move || {
+            tracing::debug!(session = order, "session open");
+            reader_loop(&sh2, &rs, reader);
+            close_session(&sh2, &rs);
+            let _ = w.join();
+            tracing::debug!(session = order, "session closed");
+        })?;
+    lock(&sh.threads).push(r);
+    Ok(())
+}
+
+fn writer_loop(s: &Session, mut stream: UnixStream) {
+    let mut buf = Vec::with_capacity(64 * 1024);
+    loop {
+        {
+            let mut out = lock(&s.out);
+            loop {
+                if out.closed {
+                    return;
+                }
+                if !out.replies.is_empty() || (out.credit > 0 && !out.events.is_empty()) {
+                    break;
+                }
+                out = s
+                    .out_cond
+                    .wait(out)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            buf.clear();
+            while let Some(r) = out.replies.pop_front() {
+                buf.extend_from_slice(&r);
+            }
+            let mut n = 0;
+            while out.credit > 0 && n < EVENT_BATCH {
+                let Some(q) = out.events.pop_front() else {
+                    break;
+                };
+                if q.listener.is_some() {
+                    out.unread_requests = out.unread_requests.saturating_sub(1);
+                }
+                buf.extend_from_slice(&q.frame);
+                out.credit -= 1;
+                n += 1;
+            }
+        }
+        // The reader may be waiting for room in the reply queue.
+        s.out_cond.notify_all();
+        if stream.write_all(&buf).is_err() {
+            lock(&s.out).closed = true;
+            s.out_cond.notify_all();
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+    }
+}
+
+fn push_reply(s: &Session, frame: Vec<u8>) {
+    let mut out = lock(&s.out);
+    // Backpressure: a client that does not read its replies stalls only itself.
+    while out.replies.len() >= MAX_PENDING_REPLIES && !out.closed {
+        out = s
+            .out_cond
+            .wait(out)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    }
+    if out.closed {
+        return;
+    }
+    out.replies.push_back(frame);
+    drop(out);
+    s.out_cond.notify_all();
+}
+
+fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
+    let max = sh.limits.max_message as usize;
+    let mut body = Vec::new();
+    let mut hello = false;
+    loop {
+        let mut hb = [0u8; 12];
+        if stream.read_exact(&mut hb).is_err() {
+            return;
+        }
+        let h = match Header::parse(&hb) {
+            Ok(h) => h,
+            Err(e) => {
+                // The stream cannot be resynchronised: say why and end the session.
+                push_reply(s, Message::Err(WireError::BadMessage(e.to_string())).encode(0));
+                return;
+            }
+        };
+        let total = 4 + h.len as usize;
+        if total > max {
+            // Skip the body so the stream stays in step, and say which limit it hit.
+            let skipped = std::io::copy(
+                &mut (&mut stream).take(h.body_len() as u64),
+                &mut std::io::sink(),
+            );
+            if !matches!(skipped, Ok(n) if n == h.body_len() as u64) {
+                return;
+            }
+            let e = WireError::Cm(rcm::Error::LimitExceeded(Limit::MessageSize));
+            push_reply(s, Message::Err(e).encode(h.seq));
+            continue;
+        }
+        body.resize(h.body_len(), 0);
+        if stream.read_exact(&mut body).is_err() {
+            return;
+        }
+        s.commands.fetch_add(1, Ordering::Relaxed);
+        let cmd = match decode_command(h.kind, &body) {
+            Ok(c) => c,
+            Err(e) => {
+                push_reply(
+                    s,
+                    Message::Err(WireError::BadMessage(e.to_string())).encode(h.seq),
+                );
+                continue;
+            }
+        };
+        let reply = match (&cmd, hello) {
+            (Command::Hello { min, max }, false) => {
+                if *min <= proto::VERSION && proto::VERSION <= *max {
+                    hello = true;
+                    let token = loop {
+                        let t: u64 = rand::random();
+                        if t != 0 {
+                            break t;
+                        }
+                    };
+                    s.token.store(token, Ordering::SeqCst);
+                    lock(&sh.tokens).insert(token, Arc::downgrade(s));
+                    Some(Message::HelloOk {
+                        version: proto::VERSION,
+                        token,
+                        limits: sh.limits,
+                    })
+                } else {
+                    Some(Message::Err(WireError::Handshake(format!(
+                        "versions {min}..={max} requested; this daemon speaks {}",
+                        proto::VERSION
+                    ))))
+                }
+            }
+            (Command::Hello { .. }, true) => Some(Message::Err(WireError::Handshake(
+                "the session is already open".into(),
+            ))),
+            (_, false) => Some(Message::Err(WireError::Handshake(
+                "send Hello first".into(),
+            ))),
+            (_, true) => serve(sh, s, cmd),
+        };
+        if let Some(m) = reply {
+            push_reply(s, m.encode(h.seq));
+        }
+    }
+}
+
+/// Carries out one command of an open session. `None`: no reply (GetEvent).
+fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
+    let r: Result<Answer, WireError> = match cmd {
+        Command::Hello { .. } => Err(WireError::Handshake("unexpected Hello".into())),
+        Command::CreateId(ps) => create_id(sh, s, ps),
+        Command::DestroyId(h) => destroy_id(s, h).map(|()| Answer::Reply(Reply::Done)),
+        Command::GetEvent(n) => {
+            let mut out = lock(&s.out);
+            out.credit = out.credit.saturating_add(u64::from(n));
+            drop(out);
+            s.out_cond.notify_all();
+            return None;
+        }
+        Command::MigrateId { token, handle } => migrate_id(sh, s, token, handle),
+        Command::Devices => Ok(Answer::Devices(sh.fabric.device_addrs())),
+        Command::Stats => {
+            let ids = lock(&s.table).ids.len() as u64;
+            let out = lock(&s.out);
+            Ok(Answer::Stats(SessionStats {
+                ids,
+                queued_events: out.events.len() as u64,
+                dropped_events: s.dropped_events.load(Ordering::Relaxed),
+                refused_requests: s.refused_requests.load(Ordering::Relaxed),
+                credit: out.credit,
+                commands: s.commands.load(Ordering::Relaxed),
+            }))
+        }
+        Command::Call(h, op) => {
+            let id = lock(&s.table).ids.get(&h).map(|(id, _)| id.clone());
+            match id {
+                // Commands of one session run one at a time, in order, and rcm serialises
+                // calls on one id: the two halves of Linux bug 2's fix.
+                Some(id) => id.call(op).map(Answer::Reply).map_err(WireError::Cm),
+                None => Err(WireError::NoSuchId),
+            }
+        }
+    };
+    Some(match r {
+        Ok(a) => Message::Ok(a),
+        Err(e) => Message::Err(e),
+    })
+}
+
+fn create_id(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    ps: rcm::PortSpace,
+) -> Result<Answer, WireError> {
+    if lock(&s.table).ids.len() >= sh.limits.max_ids as usize {
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+    }
+    let limits = sh.limits;
+    let weak = Arc::downgrade(sh);
+    let id = sh
+        .fabric
+        .try_create_id(ps, move |id, ev| on_event(&weak, limits, id, ev))
+        .map_err(WireError::Cm)?;
+    let mut t = lock(&s.table);
+    if t.closed {
+        drop(t);
+        let _ = id.destroy();
+        return Err(WireError::NoSuchId);
+    }
+    let h = t.alloc();
+    let cell = Arc::new(IdCell {
+        owner: Mutex::new(Some((Arc::downgrade(s), h))),
+    });
+    // The id has no event before its first operation, so the context is in place in time.
+    id.set_context(cell.clone());
+    t.ids.insert(h, (id, cell));
+    Ok(Answer::Handle(h))
+}
+
+/// The rcm handler of every id the daemon holds: queue the event for the owning session.
+fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
+    let orphan = || {
+        if let Some(sh) = sh.upgrade() {
+            sh.orphan_events.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    if let Event::ConnectRequest { listener, .. } = &ev {
+        return on_connect_request(limits, &listener.clone(), id, ev, &orphan);
+    }
+    let Some(cell) = id.with_context(|c: &Arc<IdCell>| c.clone()) else {
+        orphan();
+        return Flow::Continue;
+    };
+    let own = lock(&cell.owner);
+    let Some((sess, h)) = own.as_ref().and_then(|(w, h)| w.upgrade().map(|s| (s, *h))) else {
+        orphan();
+        return Flow::Continue;
+    };
+    let mut out = lock(&sess.out);
+    if out.closed {
+        orphan();
+        return Flow::Continue;
+    }
+    if out.events.len() >= limits.max_queued_events as usize {
+        // Dropped and counted; the id is left alone (never a second destroy).
+        sess.dropped_events.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(session = sess.order, event = ev.name(), "event queue full: dropped");
+        return Flow::Continue;
+    }
+    let frame = Message::Event {
+        handle: h,
+        event: WireEvent::from_event(ev, 0),
+    }
+    .encode(0);
+    out.events.push_back(Queued {
+        handle: h,
+        listener: None,
+        frame,
+    });
+    drop(out);
+    sess.out_cond.notify_all();
+    Flow::Continue
+}
+
+/// A connect request on a listener some session holds: the child gets its handle in that
+/// session, fully, before the event is queued (Linux bug 3). Any limit hit refuses it, which
+/// rejects it on the wire.
+fn on_connect_request(
+    limits: Limits,
+    listener: &CmId,
+    child: &CmId,
+    ev: Event,
+    orphan: &dyn Fn(),
+) -> Flow {
+    let Some(lcell) = listener.with_context(|c: &Arc<IdCell>| c.clone()) else {
+        orphan();
+        return Flow::Destroy;
+    };
+    let own = lock(&lcell.owner);
+    let Some((sess, lh)) = own.as_ref().and_then(|(w, h)| w.upgrade().map(|s| (s, *h))) else {
+        orphan();
+        return Flow::Destroy;
+    };
+    let mut t = lock(&sess.table);
+    let mut out = lock(&sess.out);
+    if t.closed || out.closed {
+        return Flow::Destroy;
+    }
+    if t.ids.len() >= limits.max_ids as usize
+        || out.events.len() >= limits.max_queued_events as usize
+        || out.unread_requests >= limits.max_unread_requests
+    {
+        sess.refused_requests.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(session = sess.order, "connect request refused: session limit");
+        return Flow::Destroy;
+    }
+    let h = t.alloc();
+    let cell = Arc::new(IdCell {
+        owner: Mutex::new(Some((Arc::downgrade(&sess), h))),
+    });
+    child.set_context(cell.clone());
+    t.ids.insert(h, (child.clone(), cell));
+    let frame = Message::Event {
+        handle: h,
+        event: WireEvent::from_event(ev, lh),
+    }
+    .encode(0);
+    out.events.push_back(Queued {
+        handle: h,
+        listener: Some(lh),
+        frame,
+    });
+    out.unread_requests += 1;
+    drop(out);
+    drop(t);
+    sess.out_cond.notify_all();
+    Flow::Continue
+}
+
+/// Removes `h` from the session (with its queued events and the connect requests queued on
+/// it, whose children go too) under the id's cell lock, so no event of it is queued after;
+/// then destroys what was removed.
+fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
+    let Some(cell) = lock(&s.table).ids.get(&h).map(|(_, c)| c.clone()) else {
+        return Err(WireError::NoSuchId);
+    };
+    let mut victims = Vec::new();
+    {
+        let mut own = lock(&cell.owner);
+        let mut t = lock(&s.table);
+        // Re-check: a concurrent migrate or destroy may have won.
+        let Some((id, _)) = t
+            .ids
+            .get(&h)
+            .filter(|(_, c)| Arc::ptr_eq(c, &cell))
+            .cloned()
+        else {
+            return Err(WireError::NoSuchId);
+        };
+        t.ids.remove(&h);
+        victims.push(id);
+        let mut out = lock(&s.out);
+        let mut children = Vec::new();
+        let mut unread = out.unread_requests;
+        out.events.retain(|q| {
+            let gone = q.handle == h || q.listener == Some(h);
+            if gone && q.listener.is_some() {
+                unread = unread.saturating_sub(1);
+            }
+            if q.listener == Some(h) {
+                children.push(q.handle);
+            }
+            !gone
+        });
+        out.unread_requests = unread;
+        for c in children {
+            if let Some((cid, ccell)) = t.ids.remove(&c) {
+                *lock(&ccell.owner) = None;
+                victims.push(cid);
+            }
+        }
+        *own = None;
+    }
+    for id in victims {
+        let _ = id.destroy();
+    }
+    Ok(())
+}
+
+/// `migrate_id`: moves an id, and its queued events, from the session holding `token` to
+/// `s`. Done under the id's cell lock and both sessions' table and queue locks (in order),
+/// after re-checking that the id is still the source's: exactly one of a racing migrate,
+/// destroy or close wins (Linux bug 1).
+fn migrate_id(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    token: u64,
+    handle: u32,
+) -> Result<Answer, WireError> {
+    let src = lock(&sh.tokens)
+        .get(&token)
+        .and_then(Weak::upgrade)
+        .ok_or(WireError::NoSuchSession)?;
+    if Arc::ptr_eq(&src, s) {
+        return if lock(&s.table).ids.contains_key(&handle) {
+            Ok(Answer::Handle(handle))
+        } else {
+            Err(WireError::NoSuchId)
+        };
+    }
+    let Some(cell) = lock(&src.table).ids.get(&handle).map(|(_, c)| c.clone()) else {
+        return Err(WireError::NoSuchId);
+    };
+    let mut own = lock(&cell.owner);
+    let (mut ta, mut tb) = lock_two(&src, s, |x| &x.table);
+    let Some(entry) = ta
+        .ids
+        .get(&handle)
+        .filter(|(_, c)| Arc::ptr_eq(c, &cell))
+        .cloned()
+    else {
+        return Err(WireError::NoSuchId);
+    };
+    if ta.closed || tb.closed {
+        return Err(WireError::NoSuchId);
+    }
+    if tb.ids.len() >= sh.limits.max_ids as usize {
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+    }
+    ta.ids.remove(&handle);
+    let nh = tb.alloc();
+    tb.ids.insert(nh, entry);
+    {
+        let (mut oa, mut ob) = lock_two(&src, s, |x| &x.out);
+        let mut keep = VecDeque::with_capacity(oa.events.len());
+        for mut q in oa.events.drain(..) {
+            if q.handle == handle {
+                q.handle = nh;
+                // The handle sits right after the 12-byte header in an event frame.
+                if let Some(b) = q.frame.get_mut(12..16) {
+                    b.copy_from_slice(&nh.to_le_bytes());
+                }
+                if q.listener.is_some() {
+                    ob.unread_requests += 1;
+                }
+                ob.events.push_back(q);
+            } else {
+                keep.push_back(q);
+            }
+        }
+        oa.events = keep;
+        oa.unread_requests = oa
+            .events
+            .iter()
+            .filter(|q| q.listener.is_some())
+            .count() as u32;
+    }
+    *own = Some((Arc::downgrade(s), nh));
+    drop(ta);
+    drop(tb);
+    drop(own);
+    s.out_cond.notify_all();
+    Ok(Answer::Handle(nh))
+}
+
+/// The client is gone (or the daemon stops): every id it held is destroyed, its listeners
+/// stop, its peers see a REJ or a DREQ.
+fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
+    let ids: Vec<(CmId, Arc<IdCell>)> = {
+        let mut t = lock(&s.table);
+        t.closed = true;
+        t.ids.drain().map(|(_, v)| v).collect()
+    };
+    {
+        let mut out = lock(&s.out);
+        out.closed = true;
+        out.events.clear();
+        out.replies.clear();
+    }
+    s.out_cond.notify_all();
+    let _ = s.stream.shutdown(std::net::Shutdown::Both);
+    for (_, cell) in &ids {
+        *lock(&cell.owner) = None;
+    }
+    let handles: Vec<_> = ids.iter().map(|(id, _)| id.begin_destroy()).collect();
+    for (h, (id, _)) in handles.iter().zip(&ids) {
+        if !h.wait_for(Duration::from_secs(10)) {
+            tracing::warn!(id = id.key(), "destroy of a closed session's id is slow");
+            h.wait();
+        }
+    }
+    let token = s.token.load(Ordering::SeqCst);
+    if token != 0 {
+        lock(&sh.tokens).remove(&token);
+    }
+    let dropped = s.dropped_events.load(Ordering::Relaxed);
+    sh.orphan_events.fetch_add(dropped, Ordering::Relaxed);
+    lock(&sh.sessions).remove(&s.order);
+    tracing::info!(
+        session = s.order,
+        ids = ids.len(),
+        dropped_events = dropped,
+        "session ended; its ids are destroyed"
+    );
+}

@@ -1,0 +1,234 @@
+//! The rcm API through the daemon: the same calls and events as in-process, with the ids in
+//! the daemon.
+
+use rcm::{
+    AcceptOptions, ConnectOptions, DestroyOutcome, Event, EventChannel, Fabric, FabricConfig,
+    Flow, PortSpace, State,
+};
+use rcm_proto::ib::RetryPolicy;
+use rcm_ucm::{Daemon, DaemonConfig};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+fn sock(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("rcm-ucm-api-{}-{name}.sock", std::process::id()))
+}
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, last])
+}
+
+fn daemon(name: &str, port: u16, binds: &[u8]) -> Daemon {
+    let mut cfg = DaemonConfig::new(sock(name), binds.iter().map(|b| ip(*b)).collect());
+    cfg.fabric = FabricConfig {
+        udp_port: port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        dispatcher_threads: 4,
+        ..FabricConfig::default()
+    };
+    Daemon::start(cfg).expect("daemon starts")
+}
+
+fn next(ch: &EventChannel) -> rcm::ChannelEvent {
+    ch.get_event(Some(T)).expect("an event within 10 s")
+}
+
+/// Listener on `addr` in one session, returns (listener, channel).
+fn listen(f: &Fabric, addr: SocketAddr) -> (rcm::CmId, EventChannel) {
+    let ch = EventChannel::new();
+    let l = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    l.bind(addr).expect("bind");
+    l.listen(16).expect("listen");
+    (l, ch)
+}
+
+/// Active side up to a sent REQ.
+fn dial(f: &Fabric, ch: &EventChannel, dst: SocketAddr, pd: &[u8]) -> rcm::CmId {
+    let c = f.try_create_id_on(PortSpace::Tcp, ch).expect("create");
+    c.resolve_addr(None, dst).expect("resolve_addr");
+    assert!(matches!(next(ch).event(), Event::AddrResolved));
+    c.resolve_route().expect("resolve_route");
+    assert!(matches!(next(ch).event(), Event::RouteResolved));
+    c.connect(&ConnectOptions {
+        private_data: pd.to_vec(),
+        ..ConnectOptions::default()
+    })
+    .expect("connect");
+    c
+}
+
+#[test]
+fn connect_accept_disconnect_between_two_clients() {
+    let d = daemon("basic", 47101, &[1, 2]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server session");
+    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    assert!(server.is_remote());
+    let mut devs = client.device_addrs();
+    devs.sort();
+    assert_eq!(devs, vec![ip(1), ip(2)]);
+    assert!(client.add_device(ip(3)).is_err(), "a daemon fabric has no local devices");
+
+    let (l, sch) = listen(&server, SocketAddr::new(ip(1), 7000));
+    assert_eq!(l.state(), State::Listen);
+    assert_eq!(l.local_addr(), Some(SocketAddr::new(ip(1), 7000)));
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, SocketAddr::new(ip(1), 7000), b"hello");
+    assert_eq!(c.state(), State::Connect);
+
+    let mut req = next(&sch);
+    let child = req.id().clone();
+    let Some(Event::ConnectRequest {
+        listener,
+        private_data,
+        ..
+    }) = req.take()
+    else {
+        panic!("expected a connect request, got {req:?}")
+    };
+    drop(req);
+    assert_eq!(listener, l);
+    assert_eq!(&private_data[..5], b"hello");
+    assert_eq!(child.state(), State::Connect);
+    assert_eq!(child.peer_addr(), c.local_addr());
+    child
+        .accept(&AcceptOptions {
+            private_data: b"welcome".to_vec(),
+            ..AcceptOptions::default()
+        })
+        .expect("accept");
+
+    let mut rep = next(&cch);
+    match rep.take() {
+        Some(Event::ConnectResponse { private_data, .. }) => {
+            assert_eq!(&private_data[..7], b"welcome");
+            drop(rep);
+            c.establish().expect("establish");
+        }
+        other => panic!("expected ConnectResponse, got {other:?}"),
+    }
+    assert!(matches!(next(&sch).event(), Event::Established { .. }));
+    assert!(matches!(next(&cch).event(), Event::Established { .. }));
+    assert_eq!(c.state(), State::Established);
+    let attr = c.init_qp_attr(rcm::QpState::Rtr).expect("qp attr");
+    assert_eq!(attr.dgid, rcm_wire::Gid::from_ip(ip(1)));
+
+    c.disconnect().expect("disconnect");
+    assert!(matches!(next(&cch).event(), Event::Disconnected));
+    assert!(matches!(next(&sch).event(), Event::Disconnected));
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(child.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(c.state(), State::Destroying);
+    assert!(matches!(c.bind(SocketAddr::new(ip(1), 0)), Err(rcm::Error::Destroyed)));
+
+    let t0 = Instant::now();
+    while d.held_ids() != 0 || d.fabric().live_ids() != 0 {
+        assert!(t0.elapsed() < T, "daemon still holds {} ids", d.held_ids());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    server.shutdown();
+    client.shutdown();
+    d.shutdown();
+}
+
+#[test]
+fn handlers_flow_destroy_and_destroy_inside_callback() {
+    let d = daemon("handlers", 47102, &[1]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server");
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let (tx, rx) = mpsc::channel::<String>();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let ins = inside.clone();
+    // The server accepts every request from its handler; the child destroys itself from
+    // inside its own callback on Disconnected (Deferred), the listener is destroyed last.
+    let stx = tx.clone();
+    let l = server
+        .try_create_id(PortSpace::Tcp, move |id, ev| {
+            let _ = stx.send(format!("server {}", ev.name()));
+            match ev {
+                Event::ConnectRequest { .. } => {
+                    id.accept(&AcceptOptions::default()).expect("accept in callback");
+                    Flow::Continue
+                }
+                Event::Disconnected => {
+                    let r = id.destroy();
+                    if r == Ok(DestroyOutcome::Deferred) {
+                        ins.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Flow::Continue
+                }
+                _ => Flow::Continue,
+            }
+        })
+        .expect("create listener");
+    l.bind(SocketAddr::new(ip(1), 7001)).expect("bind");
+    l.listen(4).expect("listen");
+    let ctx = tx.clone();
+    let c = client
+        .try_create_id(PortSpace::Tcp, move |id, ev| {
+            let _ = ctx.send(format!("client {}", ev.name()));
+            match ev {
+                Event::AddrResolved => {
+                    id.resolve_route().expect("route");
+                    Flow::Continue
+                }
+                Event::RouteResolved => {
+                    id.connect(&ConnectOptions::default()).expect("connect");
+                    Flow::Continue
+                }
+                Event::ConnectResponse { .. } => {
+                    id.establish().expect("establish");
+                    Flow::Continue
+                }
+                Event::Established { .. } => {
+                    id.disconnect().expect("disconnect");
+                    Flow::Continue
+                }
+                // Returning Destroy ends the id with no further callback.
+                Event::Disconnected => Flow::Destroy,
+                _ => Flow::Continue,
+            }
+        })
+        .expect("create client");
+    c.resolve_addr(None, SocketAddr::new(ip(1), 7001))
+        .expect("resolve");
+    let mut seen = Vec::new();
+    let t0 = Instant::now();
+    while !(seen.contains(&"client DISCONNECTED".to_string())
+        && seen.contains(&"server DISCONNECTED".to_string()))
+    {
+        assert!(t0.elapsed() < T, "saw only {seen:?}");
+        if let Ok(s) = rx.recv_timeout(Duration::from_millis(100)) {
+            seen.push(s);
+        }
+    }
+    let t0 = Instant::now();
+    while c.state() != State::Destroying || inside.load(Ordering::SeqCst) != 1 {
+        assert!(t0.elapsed() < T);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
+    std::thread::sleep(Duration::from_millis(100));
+    // Nothing after Flow::Destroy or the deferred destroy.
+    let late: Vec<String> = rx.try_iter().collect();
+    assert!(
+        late.iter().all(|s| !s.ends_with("DISCONNECTED")),
+        "late callbacks: {late:?}"
+    );
+    let t0 = Instant::now();
+    while d.held_ids() != 0 {
+        assert!(t0.elapsed() < T, "daemon holds {} ids", d.held_ids());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(server);
+    drop(client);
+}

@@ -1,0 +1,180 @@
+//! Ids served by another process (the `rcm daemon`, through the `rcm-ucm` client library).
+//!
+//! A [`Fabric`](crate::Fabric) built with [`Fabric::with_provider`](crate::Fabric::with_provider)
+//! has no devices of its own: every operation on its ids is an [`Op`] that a [`Provider`]
+//! carries out elsewhere, and the provider feeds the events back through a [`Sink`]. Everything
+//! the caller can observe locally keeps the in-process guarantees, because it runs on the same
+//! per-id machinery: callbacks for one id are serialised, `destroy` returns only when no
+//! callback runs or ever will, `Flow::Destroy` and destroy-from-a-callback behave the same, and
+//! a held channel event keeps its id. Losing the provider is a device removal: every id gets
+//! one `DeviceRemoval`.
+
+use crate::event::{ConnParam, Event};
+use crate::id::{AcceptOptions, ConnectOptions, IdInner, QpAttr, QpState, State};
+use crate::Result;
+use rcm_wire::cma::PortSpace;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Weak};
+
+/// One operation on an id: the rdma_cm calls that can be carried out by whoever owns the
+/// device (see [`CmId::call`](crate::CmId::call)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// `set_reuseaddr`.
+    SetReuseaddr(bool),
+    /// `bind`.
+    Bind(SocketAddr),
+    /// `resolve_addr`.
+    ResolveAddr {
+        /// Source address, if any.
+        src: Option<IpAddr>,
+        /// Destination.
+        dst: SocketAddr,
+    },
+    /// `resolve_route`.
+    ResolveRoute,
+    /// `listen` with a backlog.
+    Listen(usize),
+    /// `create_qp`.
+    CreateQp,
+    /// `destroy_qp`.
+    DestroyQp,
+    /// `connect`.
+    Connect(ConnectOptions),
+    /// `accept`.
+    Accept(AcceptOptions),
+    /// `reject` with private data.
+    Reject(Vec<u8>),
+    /// `establish`.
+    Establish,
+    /// `disconnect`.
+    Disconnect,
+    /// `init_qp_attr`.
+    InitQpAttr(QpState),
+    /// State and addresses ([`IdInfo`]).
+    Query,
+}
+
+/// What an [`Op`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Done, nothing to return.
+    Done,
+    /// A QP number (`CreateQp`).
+    Qpn(u32),
+    /// QP attributes (`InitQpAttr`).
+    QpAttr(QpAttr),
+    /// The id's state and addresses (`Query`).
+    Info(IdInfo),
+}
+
+/// An id's state and addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdInfo {
+    /// The rdma_cm state.
+    pub state: State,
+    /// Local address, once bound.
+    pub local: Option<SocketAddr>,
+    /// Peer address, once known.
+    pub peer: Option<SocketAddr>,
+    /// Address of the device the id is on.
+    pub device: Option<IpAddr>,
+}
+
+/// Which per-client limit of a provider was hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    /// Ids held by one client.
+    Ids,
+    /// Events queued for one client.
+    QueuedEvents,
+    /// Connect requests delivered to no one yet.
+    UnreadRequests,
+    /// Bytes in one message.
+    MessageSize,
+    /// Commands waiting to be answered.
+    PendingCommands,
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::Ids => "ids per client",
+            Limit::QueuedEvents => "queued events per client",
+            Limit::UnreadRequests => "unread connect requests per client",
+            Limit::MessageSize => "bytes per message",
+            Limit::PendingCommands => "pending commands per client",
+        })
+    }
+}
+
+/// Whoever carries out the operations of a provider-backed fabric.
+pub trait Provider: Send + Sync + 'static {
+    /// Creates an id at the provider. Its events go to `sink`.
+    fn create_id(&self, ps: PortSpace, sink: Sink) -> Result<Arc<dyn RemoteId>>;
+    /// The addresses of the provider's devices.
+    fn device_addrs(&self) -> Vec<IpAddr>;
+    /// The fabric is shutting down: release everything.
+    fn shutdown(&self);
+}
+
+/// An id at a provider.
+pub trait RemoteId: Send + Sync + 'static {
+    /// Carries out one operation, synchronously.
+    fn call(&self, op: Op) -> Result<Reply>;
+    /// The id was destroyed locally (exactly once, after its last callback): destroy it at the
+    /// provider. Must not wait for anything an event callback could be holding.
+    fn release(&self);
+}
+
+/// Where a provider delivers the events of one id. Cheap to clone; does nothing once the id
+/// is destroyed.
+#[derive(Clone)]
+pub struct Sink(pub(crate) Weak<IdInner>);
+
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.upgrade() {
+            Some(i) => write!(f, "Sink({})", i.key),
+            None => f.write_str("Sink(gone)"),
+        }
+    }
+}
+
+impl Sink {
+    /// Delivers an event. `ConnectRequest` must go through [`Sink::connect_request`] (it
+    /// is dropped here); `DeviceRemoval` marks the id removed (only destroy is valid after).
+    pub fn event(&self, ev: Event) {
+        if matches!(ev, Event::ConnectRequest { .. }) {
+            return;
+        }
+        if let Some(inner) = self.0.upgrade() {
+            crate::id::remote_event(&inner, ev);
+        }
+    }
+
+    /// A connect request arrived on this (listening) id: builds the child id around `child`,
+    /// publishes it and delivers `ConnectRequest` on it. Returns the child's sink, or `None`
+    /// when the listener is gone, in which case `child` has been released (the provider
+    /// rejects the request).
+    pub fn connect_request(
+        &self,
+        child: Arc<dyn RemoteId>,
+        private_data: Vec<u8>,
+        param: ConnParam,
+        ud: bool,
+    ) -> Option<Sink> {
+        match self.0.upgrade() {
+            Some(l) => crate::id::remote_connect_request(&l, child, private_data, param, ud),
+            None => {
+                child.release();
+                None
+            }
+        }
+    }
+
+    /// Whether the id still takes events.
+    pub fn is_live(&self) -> bool {
+        self.0.upgrade().is_some_and(|i| i.slot.is_live())
+    }
+}
