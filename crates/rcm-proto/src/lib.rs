@@ -1,10 +1,12 @@
 //! Sans-IO connection-manager engines for rcm.
 //!
-//! [`ib`] holds the IB CM (the IBTA chapter 12 state machine over RoCEv2 MADs) and [`sim`] a
-//! deterministic network to drive it through loss, duplication, reordering, delay, partitions
+//! [`ib`] holds the IB CM (the IBTA chapter 12 state machine over RoCEv2 MADs), [`iw`] the iWARP
+//! CM (the iw_cm states over MPA on one TCP byte stream), and [`sim`] a deterministic network
+//! to drive the IB CM through loss, duplication, reordering, delay, partitions
 //! and crashes. Nothing here does I/O: datagrams and the current time go in; datagrams, a
 //! deadline and events come out. No threads, sockets, clocks or `unsafe`.
 #![forbid(unsafe_code)]
 
 pub mod ib;
+pub mod iw;
 pub mod sim;
