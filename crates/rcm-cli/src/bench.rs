@@ -41,6 +41,8 @@ pub struct BenchOpts {
     pub progress: bool,
     /// Give up waiting for a step after this long.
     pub step_timeout: Duration,
+    /// Use the `rcm daemon` at this socket instead of devices in this process.
+    pub daemon: Option<std::path::PathBuf>,
 }
 
 /// One row of the table.
@@ -687,21 +689,36 @@ pub fn tcp_baseline(n: usize) -> std::io::Result<f64> {
     Ok(n as f64 / el.as_secs_f64())
 }
 
-/// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
-/// interrupted (returns `None`), `--server` runs the client from `--bind`.
-pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
-    let bind = o
-        .bind
-        .ok_or("--bind is required with --listen or --server")?;
+/// The fabric of one side: the daemon's (a session of it), or a fresh one with a device
+/// on `bind`.
+fn side_fabric(o: &BenchOpts, bind: Option<IpAddr>) -> Result<(Fabric, IpAddr), String> {
     let cfg = FabricConfig {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
         ..FabricConfig::default()
     };
-    let fabric = Fabric::new(cfg);
-    fabric
-        .add_device(bind)
+    if let Some(path) = &o.daemon {
+        let f = rcm_ucm::fabric_with(path, cfg)
+            .map_err(|e| format!("daemon {}: {e}", path.display()))?;
+        let devs = f.device_addrs();
+        let ip = match bind {
+            Some(b) if devs.contains(&b) => b,
+            Some(b) => return Err(format!("the daemon has no device on {b} (it has {devs:?})")),
+            None => *devs.first().ok_or("the daemon has no devices")?,
+        };
+        return Ok((f, ip));
+    }
+    let bind = bind.ok_or("--bind is required with --listen or --server")?;
+    let f = Fabric::new(cfg);
+    f.add_device(bind)
         .map_err(|e| format!("device on {bind}: {e}"))?;
+    Ok((f, bind))
+}
+
+/// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
+/// interrupted (returns `None`), `--server` runs the client from `--bind`.
+pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
+    let (fabric, bind) = side_fabric(o, o.bind)?;
     if o.listen {
         let served = Arc::new(AtomicUsize::new(0));
         let _srv = serve(
@@ -726,6 +743,38 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
     let server = o.server.ok_or("--server is required")?;
     let r = run_client(&fabric, &[bind], SocketAddr::new(server, o.port), o);
     fabric.shutdown();
+    Ok(Some(r))
+}
+
+/// The default benchmark through a daemon: the server and the client are two sessions of
+/// it (as two processes would be); the server listens on the daemon's first device and the
+/// client connects from the others (or the same one, when it has only one).
+pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
+    let (sf, server_ip) = side_fabric(o, o.bind)?;
+    let (cf, _) = side_fabric(o, None)?;
+    let mut srcs: Vec<IpAddr> = cf
+        .device_addrs()
+        .into_iter()
+        .filter(|d| *d != server_ip && d.is_ipv4() == server_ip.is_ipv4())
+        .collect();
+    if srcs.is_empty() {
+        srcs.push(server_ip);
+    }
+    let served = Arc::new(AtomicUsize::new(0));
+    let srv = serve(
+        &sf,
+        SocketAddr::new(server_ip, o.port),
+        o.connections.max(1024),
+        served,
+    )
+    .map_err(|e| format!("listen: {e}"))?;
+    let mut r = run_client(&cf, &srcs, SocketAddr::new(server_ip, o.port), o);
+    let _ = srv.destroy();
+    cf.shutdown();
+    sf.shutdown();
+    if server_ip.is_loopback() {
+        r.udp_rtt_p50_us = udp_rtt(srcs[0], server_ip, 2000).unwrap_or(0.0);
+    }
     Ok(Some(r))
 }
 

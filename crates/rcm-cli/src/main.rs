@@ -1,4 +1,4 @@
-//! The `rcm` command: the benchmark, capture decoding, and (to come) ping, stress, daemon.
+//! The `rcm` command: the benchmark, ping, stress, the access daemon, and capture decoding.
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -39,6 +39,16 @@ enum Cmd {
     ///
     /// Exit status: 0 when every invariant held, 1 otherwise (each violation printed).
     Stress(StressArgs),
+    /// The access daemon: owns the RoCEv2 devices of the --bind addresses (one process per
+    /// host address owns UDP 4791, as the kernel owns QP1) and serves rcm clients over a Unix
+    /// socket (`--daemon PATH` of bench/ping/stress, or `rcm_ucm::fabric` in a program).
+    /// Each client sees only its own ids; everything a client held is destroyed when it exits.
+    /// Logs to stderr (RUST_LOG=debug for more). SIGTERM or SIGINT: destroys every id
+    /// gracefully (peers see DREQ or REJ), removes the socket, exits 0.
+    ///
+    /// Exit status: 0 after a clean shutdown; 2 when it cannot start (bad usage, a live daemon
+    /// on the socket, a device that cannot be opened).
+    Daemon(DaemonArgs),
     /// Decode RDMA CM traffic in a pcap/pcapng file: IB CM MADs over RoCEv2 (UDP 4791) and
     /// iWARP MPA over TCP, one line per message, every ICRC and MPA CRC verified.
     ///
@@ -98,6 +108,108 @@ struct BenchArgs {
     /// Seconds to wait for any one step before giving up.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// Go through the `rcm daemon` at this socket (server and client are two sessions of it)
+    /// instead of devices in this process.
+    #[arg(long, value_name = "PATH")]
+    daemon: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct DaemonArgs {
+    /// Unix socket to serve on.
+    #[arg(long, value_name = "PATH", default_value = "/tmp/rcm.sock")]
+    socket: PathBuf,
+    /// An address whose device the daemon owns (repeat for several).
+    #[arg(long, value_name = "IP", required = true)]
+    bind: Vec<std::net::IpAddr>,
+    /// Transport of the devices.
+    #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"])]
+    transport: String,
+    /// UDP port of the RoCEv2 devices.
+    #[arg(long, default_value_t = 4791)]
+    udp_port: u16,
+    /// Callback threads.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// Socket file permissions, octal.
+    #[arg(long, default_value = "660", value_parser = parse_mode)]
+    mode: u32,
+    /// Most ids one client may hold.
+    #[arg(long, default_value_t = rcm_ucm::proto::Limits::default().max_ids)]
+    max_ids: u32,
+    /// Most events queued for one client; more are dropped and counted.
+    #[arg(long, default_value_t = rcm_ucm::proto::Limits::default().max_queued_events)]
+    max_queued_events: u32,
+    /// Most connect requests queued unread for one client; more are rejected.
+    #[arg(long, default_value_t = rcm_ucm::proto::Limits::default().max_unread_requests)]
+    max_unread_requests: u32,
+    /// Largest message a client may send, in bytes.
+    #[arg(long, default_value_t = rcm_ucm::proto::Limits::default().max_message,
+          value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
+    max_message: u32,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal file mode like 660"))
+}
+
+fn daemon(a: &DaemonArgs) -> ExitCode {
+    use rcm_ucm::{Daemon, DaemonConfig, Transport};
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .try_init();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
+            eprintln!("rcm daemon: cannot handle signal {sig}: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let mut cfg = DaemonConfig::new(&a.socket, a.bind.clone());
+    cfg.transport = if a.transport == "iwarp" {
+        Transport::Iwarp
+    } else {
+        Transport::Roce
+    };
+    cfg.fabric.udp_port = a.udp_port;
+    cfg.fabric.dispatcher_threads = a.threads as usize;
+    cfg.mode = a.mode;
+    cfg.limits = rcm_ucm::proto::Limits {
+        max_ids: a.max_ids,
+        max_queued_events: a.max_queued_events,
+        max_unread_requests: a.max_unread_requests,
+        max_message: a.max_message,
+    };
+    let d = match Daemon::start(cfg) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("rcm daemon: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    eprintln!(
+        "rcm daemon: serving {:?} on {} (UDP {}); SIGTERM or Ctrl-C to stop",
+        a.bind,
+        a.socket.display(),
+        a.udp_port
+    );
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    eprintln!(
+        "rcm daemon: stopping: {} session(s), {} id(s) to destroy",
+        d.sessions(),
+        d.held_ids()
+    );
+    d.shutdown();
+    ExitCode::SUCCESS
 }
 
 #[derive(clap::Args)]
@@ -138,6 +250,9 @@ struct PingArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Go through the `rcm daemon` at this socket instead of devices in this process.
+    #[arg(long, value_name = "PATH")]
+    daemon: Option<PathBuf>,
 }
 
 fn ping(a: &PingArgs) -> ExitCode {
@@ -168,6 +283,7 @@ fn ping(a: &PingArgs) -> ExitCode {
         private_data: a.private_data.as_bytes().to_vec(),
         udp_port: a.udp_port,
         timeout: std::time::Duration::from_secs(a.timeout),
+        daemon: a.daemon.clone(),
     };
     let r = match ping::run(&o, !a.json) {
         Ok(r) => r,
@@ -211,6 +327,9 @@ struct StressArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Stress the `rcm daemon` at this socket (device removal is then not exercised).
+    #[arg(long, value_name = "PATH")]
+    daemon: Option<PathBuf>,
 }
 
 fn stress(a: &StressArgs) -> ExitCode {
@@ -220,6 +339,7 @@ fn stress(a: &StressArgs) -> ExitCode {
         threads: a.threads as usize,
         seed,
         udp_port: a.udp_port,
+        daemon: a.daemon.clone(),
     };
     if !a.json {
         println!(
@@ -271,6 +391,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench(&a),
         Cmd::Ping(a) => ping(&a),
         Cmd::Stress(a) => stress(&a),
+        Cmd::Daemon(a) => daemon(&a),
     }
 }
 
@@ -292,9 +413,12 @@ fn bench(a: &BenchArgs) -> ExitCode {
         baseline_tcp: a.baseline.is_some(),
         progress: !a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()),
         step_timeout: std::time::Duration::from_secs(a.timeout),
+        daemon: a.daemon.clone(),
     };
     let r = if a.listen || a.server.is_some() {
         bench::run_remote(&o)
+    } else if o.daemon.is_some() {
+        bench::run_daemon(&o)
     } else {
         bench::run_local(&o)
     };

@@ -33,6 +33,8 @@ pub struct PingOpts {
     pub udp_port: u16,
     /// Overall time limit.
     pub timeout: Duration,
+    /// Use the `rcm daemon` at this socket instead of devices in this process.
+    pub daemon: Option<std::path::PathBuf>,
 }
 
 /// What happened.
@@ -330,7 +332,33 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         udp_port: o.udp_port,
         ..FabricConfig::default()
     };
-    let fabric = Fabric::new(cfg);
+    let (fabric, daemon_devs) = match &o.daemon {
+        Some(p) => {
+            let f =
+                rcm_ucm::fabric_with(p, cfg).map_err(|e| format!("daemon {}: {e}", p.display()))?;
+            let devs = f.device_addrs();
+            if devs.is_empty() {
+                return Err(format!("the daemon at {} has no devices", p.display()));
+            }
+            (f, Some(devs))
+        }
+        None => (Fabric::new(cfg), None),
+    };
+    // Through a daemon the devices are its own: use them, never add any.
+    let add = |ip: IpAddr| -> Result<(), String> {
+        match &daemon_devs {
+            Some(d) if d.contains(&ip) => Ok(()),
+            Some(d) => Err(format!("the daemon has no device on {ip} (it has {d:?})")),
+            None => fabric
+                .add_device(ip)
+                .map(drop)
+                .map_err(|e| format!("device on {ip}: {e}")),
+        }
+    };
+    let first = daemon_devs.as_ref().and_then(|d| d.first().copied());
+    let second = daemon_devs
+        .as_ref()
+        .and_then(|d| d.get(1).or(d.first()).copied());
     let deadline = Instant::now() + o.timeout;
     let mut r = PingReport {
         connections: o.count.max(usize::from(o.listen != Some(true))),
@@ -339,10 +367,8 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
     let default_port = o.port;
     match o.listen {
         Some(true) => {
-            let bind = o.bind.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            fabric
-                .add_device(bind)
-                .map_err(|e| format!("device on {bind}: {e}"))?;
+            let bind = o.bind.or(first).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            add(bind)?;
             let ch = EventChannel::new();
             let l = fabric.create_id_on(o.ps, &ch);
             l.bind(SocketAddr::new(bind, default_port))
@@ -357,14 +383,12 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         }
         Some(false) => {
             let dst = o.connect.ok_or("--connect needs an address")?;
-            let bind = o.bind.unwrap_or(if dst.is_ipv4() {
+            let bind = o.bind.or(second).unwrap_or(if dst.is_ipv4() {
                 IpAddr::from([127, 0, 0, 2])
             } else {
                 dst
             });
-            fabric
-                .add_device(bind)
-                .map_err(|e| format!("device on {bind}: {e}"))?;
+            add(bind)?;
             let ch = EventChannel::new();
             r.role = "client".into();
             client_loop(
@@ -378,13 +402,12 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             );
         }
         None => {
-            let (s, c) = (IpAddr::from([127, 0, 0, 1]), IpAddr::from([127, 0, 0, 2]));
-            fabric
-                .add_device(s)
-                .map_err(|e| format!("device on {s}: {e}"))?;
-            fabric
-                .add_device(c)
-                .map_err(|e| format!("device on {c}: {e}"))?;
+            let s = first.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            let c = second.unwrap_or(IpAddr::from([127, 0, 0, 2]));
+            add(s)?;
+            if c != s {
+                add(c)?;
+            }
             let sch = EventChannel::new();
             let l = fabric.create_id_on(o.ps, &sch);
             l.bind(SocketAddr::new(s, default_port))

@@ -26,6 +26,9 @@ pub struct StressOpts {
     pub seed: u64,
     /// UDP port of the loopback devices.
     pub udp_port: u16,
+    /// Stress the `rcm daemon` at this socket instead of devices in this process (device
+    /// removal is then not exercised: the devices are the daemon's).
+    pub daemon: Option<std::path::PathBuf>,
 }
 
 /// Counts and verdicts.
@@ -111,11 +114,25 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         dispatcher_threads: 2,
         seed: Some(o.seed),
     };
-    let fabric = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
-    let removable = IpAddr::from([127, 0, 0, 3]);
-    fabric
-        .add_device(removable)
-        .map_err(|e| format!("device {removable}: {e}"))?;
+    let (fabric, client, primary, removable) = match &o.daemon {
+        Some(p) => {
+            let c =
+                rcm_ucm::Client::connect(p).map_err(|e| format!("daemon {}: {e}", p.display()))?;
+            let f = Fabric::with_provider(Arc::new(c.clone()), cfg);
+            let devs = f.device_addrs();
+            let first = *devs.first().ok_or("the daemon has no devices")?;
+            let last = devs.iter().rev().find(|d| d.is_ipv4() == first.is_ipv4());
+            (f, Some(c), first, *last.unwrap_or(&first))
+        }
+        None => {
+            let f = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
+            let removable = IpAddr::from([127, 0, 0, 3]);
+            f.add_device(removable)
+                .map_err(|e| format!("device {removable}: {e}"))?;
+            (f, None, IpAddr::from([127, 0, 0, 1]), removable)
+        }
+    };
+    let through_daemon = client.is_some();
     let shared = Arc::new(Shared {
         callbacks: AtomicU64::new(0),
         established: AtomicU64::new(0),
@@ -191,11 +208,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                         let (id, flag) = new_client(&fabric, &shared, &mut rng);
                         counts.0.fetch_add(1, Ordering::Relaxed);
                         let dst = if rng.gen_bool(0.2) {
-                            [127, 0, 0, 3]
+                            removable
                         } else {
-                            [127, 0, 0, 1]
+                            primary
                         };
-                        let _ = id.resolve_addr(None, SocketAddr::new(IpAddr::from(dst), 7471));
+                        let _ = id.resolve_addr(None, SocketAddr::new(dst, 7471));
                         live.push((id, flag));
                     }
                     5..=7 if !live.is_empty() => {
@@ -242,7 +259,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         let (fabric, stop, counts, shared) =
             (fabric.clone(), stop.clone(), counts.clone(), shared.clone());
         std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) && !through_daemon {
                 std::thread::sleep(Duration::from_millis(300));
                 if let Ok(r) = fabric.remove_device(removable) {
                     if let Err(held) = r.wait(Duration::from_secs(10)) {
@@ -301,11 +318,18 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     while (fabric.engine_ceps() > 0 || fabric.live_ids() > 0) && Instant::now() < settle {
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (left_ids, left_ceps, left_ports) = (
+    let (left_ids, mut left_ceps, left_ports) = (
         fabric.live_ids(),
         fabric.engine_ceps(),
         fabric.bound_ports(),
     );
+    // Through a daemon, what matters is what the daemon still holds for this session.
+    if let Some(c) = &client {
+        while c.stats().is_ok_and(|s| s.ids > 0) && Instant::now() < settle {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        left_ceps += c.stats().map_or(0, |s| s.ids as usize);
+    }
     fabric.shutdown();
     let c = &*counts;
     let mut r = StressReport {
@@ -344,7 +368,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     }
     if left_ids != 0 || left_ceps != 0 || left_ports != 0 {
         r.violations.push(format!(
-            "left at the end: {left_ids} ids, {left_ceps} engine endpoints, {left_ports} port bindings"
+            "left at the end: {left_ids} ids, {left_ceps} engine endpoints or daemon-held ids, {left_ports} port bindings"
         ));
     }
     Ok(r)

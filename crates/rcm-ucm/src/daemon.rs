@@ -146,7 +146,6 @@ struct Queued {
 
 #[derive(Default)]
 struct Out {
-    replies: VecDeque<Vec<u8>>,
     events: VecDeque<Queued>,
     credit: u64,
     unread_requests: u32,
@@ -160,6 +159,9 @@ struct Session {
     out: Mutex<Out>,
     out_cond: Condvar,
     stream: UnixStream,
+    /// Replies (written by the reader) and event batches (by the writer) go out whole
+    /// under this lock. A client that stops reading blocks only its own session.
+    wire: Mutex<UnixStream>,
     dropped_events: AtomicU64,
     refused_requests: AtomicU64,
     commands: AtomicU64,
@@ -184,8 +186,6 @@ fn lock_two<'a, T>(
     }
 }
 
-/// Replies waiting to be written before the session stops reading commands.
-const MAX_PENDING_REPLIES: usize = 1024;
 /// Events written per batch.
 const EVENT_BATCH: usize = 256;
 
@@ -352,7 +352,7 @@ fn accept_loop(sh: &Arc<Shared>, listener: &UnixListener) {
 fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     let order = sh.next_order.fetch_add(1, Ordering::Relaxed);
     let reader = stream.try_clone()?;
-    let writer = stream.try_clone()?;
+    let wire = stream.try_clone()?;
     let s = Arc::new(Session {
         order,
         token: AtomicU64::new(0),
@@ -364,6 +364,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         out: Mutex::new(Out::default()),
         out_cond: Condvar::new(),
         stream,
+        wire: Mutex::new(wire),
         dropped_events: AtomicU64::new(0),
         refused_requests: AtomicU64::new(0),
         commands: AtomicU64::new(0),
@@ -372,7 +373,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     let ws = s.clone();
     let w = std::thread::Builder::new()
         .name(format!("rcm-ucm-w{order}"))
-        .spawn(move || writer_loop(&ws, writer))?;
+        .spawn(move || writer_loop(&ws))?;
     let sh2 = sh.clone();
     let rs = s.clone();
     let r = std::thread::Builder::new()
@@ -388,7 +389,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     Ok(())
 }
 
-fn writer_loop(s: &Session, mut stream: UnixStream) {
+fn writer_loop(s: &Session) {
     let mut buf = Vec::with_capacity(64 * 1024);
     loop {
         {
@@ -397,7 +398,7 @@ fn writer_loop(s: &Session, mut stream: UnixStream) {
                 if out.closed {
                     return;
                 }
-                if !out.replies.is_empty() || (out.credit > 0 && !out.events.is_empty()) {
+                if out.credit > 0 && !out.events.is_empty() {
                     break;
                 }
                 out = s
@@ -406,9 +407,6 @@ fn writer_loop(s: &Session, mut stream: UnixStream) {
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
             buf.clear();
-            while let Some(r) = out.replies.pop_front() {
-                buf.extend_from_slice(&r);
-            }
             let mut n = 0;
             while out.credit > 0 && n < EVENT_BATCH {
                 let Some(q) = out.events.pop_front() else {
@@ -422,32 +420,26 @@ fn writer_loop(s: &Session, mut stream: UnixStream) {
                 n += 1;
             }
         }
-        // The reader may be waiting for room in the reply queue.
-        s.out_cond.notify_all();
-        if stream.write_all(&buf).is_err() {
-            lock(&s.out).closed = true;
-            s.out_cond.notify_all();
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+        if lock(&s.wire).write_all(&buf).is_err() {
+            fail(s);
             return;
         }
     }
 }
 
-fn push_reply(s: &Session, frame: Vec<u8>) {
-    let mut out = lock(&s.out);
-    // Backpressure: a client that does not read its replies stalls only itself.
-    while out.replies.len() >= MAX_PENDING_REPLIES && !out.closed {
-        out = s
-            .out_cond
-            .wait(out)
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-    }
-    if out.closed {
-        return;
-    }
-    out.replies.push_back(frame);
-    drop(out);
+/// The client cannot be written to: end the session (the reader sees the shutdown).
+fn fail(s: &Session) {
+    lock(&s.out).closed = true;
     s.out_cond.notify_all();
+    let _ = s.stream.shutdown(std::net::Shutdown::Both);
+}
+
+fn push_reply(s: &Session, frame: &[u8]) {
+    // Written at once by the reader: a reply costs no thread hop. A client that does not
+    // read its replies blocks here, stalling only its own session.
+    if lock(&s.wire).write_all(frame).is_err() {
+        fail(s);
+    }
 }
 
 fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
@@ -463,7 +455,10 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
             Ok(h) => h,
             Err(e) => {
                 // The stream cannot be resynchronised: say why and end the session.
-                push_reply(s, Message::Err(WireError::BadMessage(e.to_string())).encode(0));
+                push_reply(
+                    s,
+                    &Message::Err(WireError::BadMessage(e.to_string())).encode(0),
+                );
                 return;
             }
         };
@@ -478,7 +473,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
                 return;
             }
             let e = WireError::Cm(rcm::Error::LimitExceeded(Limit::MessageSize));
-            push_reply(s, Message::Err(e).encode(h.seq));
+            push_reply(s, &Message::Err(e).encode(h.seq));
             continue;
         }
         body.resize(h.body_len(), 0);
@@ -491,7 +486,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
             Err(e) => {
                 push_reply(
                     s,
-                    Message::Err(WireError::BadMessage(e.to_string())).encode(h.seq),
+                    &Message::Err(WireError::BadMessage(e.to_string())).encode(h.seq),
                 );
                 continue;
             }
@@ -529,7 +524,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
             (_, true) => serve(sh, s, cmd),
         };
         if let Some(m) = reply {
-            push_reply(s, m.encode(h.seq));
+            push_reply(s, &m.encode(h.seq));
         }
     }
 }
@@ -577,11 +572,7 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
     })
 }
 
-fn create_id(
-    sh: &Arc<Shared>,
-    s: &Arc<Session>,
-    ps: rcm::PortSpace,
-) -> Result<Answer, WireError> {
+fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<Answer, WireError> {
     if lock(&s.table).ids.len() >= sh.limits.max_ids as usize {
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
@@ -634,7 +625,11 @@ fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
     if out.events.len() >= limits.max_queued_events as usize {
         // Dropped and counted; the id is left alone (never a second destroy).
         sess.dropped_events.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(session = sess.order, event = ev.name(), "event queue full: dropped");
+        tracing::warn!(
+            session = sess.order,
+            event = ev.name(),
+            "event queue full: dropped"
+        );
         return Flow::Continue;
     }
     let frame = Message::Event {
@@ -681,7 +676,10 @@ fn on_connect_request(
         || out.unread_requests >= limits.max_unread_requests
     {
         sess.refused_requests.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(session = sess.order, "connect request refused: session limit");
+        tracing::warn!(
+            session = sess.order,
+            "connect request refused: session limit"
+        );
         return Flow::Destroy;
     }
     let h = t.alloc();
@@ -819,11 +817,7 @@ fn migrate_id(
             }
         }
         oa.events = keep;
-        oa.unread_requests = oa
-            .events
-            .iter()
-            .filter(|q| q.listener.is_some())
-            .count() as u32;
+        oa.unread_requests = oa.events.iter().filter(|q| q.listener.is_some()).count() as u32;
     }
     *own = Some((Arc::downgrade(s), nh));
     drop(ta);
@@ -845,7 +839,6 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
         let mut out = lock(&s.out);
         out.closed = true;
         out.events.clear();
-        out.replies.clear();
     }
     s.out_cond.notify_all();
     let _ = s.stream.shutdown(std::net::Shutdown::Both);

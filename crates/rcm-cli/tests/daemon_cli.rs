@@ -1,0 +1,315 @@
+//! `rcm daemon` and the tools' `--daemon` as a user runs them: separate processes, a real
+//! Unix socket, signals. Each test has its own UDP port and socket path.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn rcm(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(args)
+        .output()
+        .expect("run rcm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn sock(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("rcm-cli-d-{}-{name}.sock", std::process::id()))
+}
+
+/// A daemon this test started: killed (by its PID) if the test fails before stopping it.
+struct Started(Child);
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for Started {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Started {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+/// Starts `rcm daemon` and waits until it serves.
+fn start(path: &Path, udp: u16, binds: &[&str]) -> Started {
+    let _ = std::fs::remove_file(path);
+    let mut args = vec![
+        "daemon".to_string(),
+        "--socket".into(),
+        path.display().to_string(),
+        "--udp-port".into(),
+        udp.to_string(),
+    ];
+    for b in binds {
+        args.push("--bind".into());
+        args.push((*b).into());
+    }
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rcm daemon");
+    let err = c.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(err).lines();
+    let t0 = Instant::now();
+    loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "daemon did not start"
+        );
+        match lines.next() {
+            Some(Ok(l)) if l.contains("SIGTERM or Ctrl-C to stop") => break,
+            Some(Ok(_)) => {}
+            _ => {
+                let _ = c.kill();
+                panic!("daemon exited before serving: {:?}", c.wait())
+            }
+        }
+    }
+    // Keep draining its log so it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Started(c)
+}
+
+fn sigterm(c: &Child) {
+    let pid = c.id().to_string();
+    let st = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+}
+
+fn wait_exit(c: &mut Child) -> i32 {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = c.try_wait().expect("try_wait") {
+            return st.code().unwrap_or(-1);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "daemon did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
+    let path = sock("tools");
+    let mut d = start(&path, 27801, &["127.0.0.1", "127.0.0.2"]);
+    let mode = std::fs::metadata(&path)
+        .expect("socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o660, "socket mode {mode:o}");
+    let p = path.to_str().unwrap();
+
+    let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "20", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 20);
+    assert_eq!(v["disconnected"], 20);
+
+    let (code, out, err) = rcm(&["ping", "--daemon", p, "--ps", "udp", "-c", "5", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "300", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 300);
+    assert_eq!(v["errors"], 0);
+
+    let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(!out.contains("VIOLATION"), "{out}");
+
+    // A second daemon on the same socket is refused, and the first keeps serving.
+    let (code, _, err) = rcm(&[
+        "daemon",
+        "--socket",
+        p,
+        "--bind",
+        "127.0.0.3",
+        "--udp-port",
+        "27802",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("a live daemon already serves"), "{err}");
+    let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "1"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+    assert!(!path.exists(), "the socket file is removed on shutdown");
+}
+
+#[test]
+fn separate_server_and_client_processes_through_one_daemon() {
+    let path = sock("procs");
+    let mut d = start(&path, 27803, &["127.0.0.1"]);
+    let p = path.to_str().unwrap().to_string();
+    // Server process: serves 3 connections and exits.
+    let p2 = p.clone();
+    let server = std::thread::spawn(move || {
+        Command::new(env!("CARGO_BIN_EXE_rcm"))
+            .args(["ping", "--daemon", &p2, "--listen", "-c", "3", "-p", "7600"])
+            .output()
+    });
+    // The client retries until the server's listener is up (a REJ before that).
+    let t0 = Instant::now();
+    let mut done = 0;
+    while done < 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "client never got through"
+        );
+        let (code, _, _) = rcm(&[
+            "ping",
+            "--daemon",
+            &p,
+            "--connect",
+            "127.0.0.1",
+            "-p",
+            "7600",
+            "-c",
+            "1",
+            "--timeout",
+            "5",
+        ]);
+        if code == 0 {
+            done += 1;
+        } else {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let out = server.join().unwrap().expect("server ran");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+}
+
+#[test]
+fn killed_client_is_cleaned_up_and_its_peer_sees_the_disconnect() {
+    let path = sock("kill");
+    let mut d = start(&path, 27804, &["127.0.0.1", "127.0.0.2"]);
+    let p = path.to_str().unwrap().to_string();
+    // A server that serves forever (count 0) in its own process, then killed with -9.
+    let mut srv = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(["ping", "--daemon", &p, "--listen", "-c", "0", "-p", "7601"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("server");
+    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
+    let t0 = Instant::now();
+    loop {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        match lines.next() {
+            Some(Ok(l)) if l.contains("listening") => break,
+            Some(Ok(_)) => {}
+            _ => panic!("server exited"),
+        }
+    }
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--daemon",
+        &p,
+        "--connect",
+        "127.0.0.1",
+        "-p",
+        "7601",
+        "-c",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    srv.kill().expect("kill -9");
+    let _ = srv.wait();
+    // The dead server's listener is gone: a new connect is refused, cleanly and at once.
+    let t0 = Instant::now();
+    let (code, out, _) = rcm(&[
+        "ping",
+        "--daemon",
+        &p,
+        "--connect",
+        "127.0.0.1",
+        "-p",
+        "7601",
+        "-c",
+        "1",
+        "--timeout",
+        "10",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("REJECTED") || out.contains("rejected") || out.contains("UNREACHABLE"),
+        "{out}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+}
+
+#[test]
+fn daemon_usage_errors_are_clear() {
+    let (code, _, err) = rcm(&["daemon", "--socket", "/tmp/x.sock"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--bind"), "{err}");
+    let (code, _, err) = rcm(&["daemon", "--bind", "127.0.0.1", "--mode", "999"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("octal"), "{err}");
+    let file = std::env::temp_dir().join(format!("rcm-cli-d-{}-file", std::process::id()));
+    std::fs::write(&file, b"keep me").unwrap();
+    let (code, _, err) = rcm(&[
+        "daemon",
+        "--socket",
+        file.to_str().unwrap(),
+        "--bind",
+        "127.0.0.1",
+        "--udp-port",
+        "27805",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    let _ = std::fs::remove_file(&file);
+    let (code, _, err) = rcm(&[
+        "daemon",
+        "--socket",
+        sock("iw").to_str().unwrap(),
+        "--bind",
+        "127.0.0.1",
+        "--transport",
+        "iwarp",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("iWARP"), "{err}");
+    let (code, _, err) = rcm(&["ping", "--daemon", "/nonexistent/rcm.sock"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent/rcm.sock"), "{err}");
+}
