@@ -60,6 +60,35 @@ cat /tmp/rbench.log
 stop csrv
 cap_stop s5
 
+step "7: UD (SIDR): rcm ping --ps udp against the kernel's udaddy, both ways"
+cap_start s7 veth0
+bg usrv udaddy -b $INIT_IP -c 1 -C 0
+sleep 1
+in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -c 1 --private-data "" --timeout 30; verdict rcm-sidr-active $?
+wait_job usrv 30; verdict udaddy-server $?
+stop usrv
+bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --private-data "" --timeout 30
+sleep 1
+udaddy -s $PEER_IP -c 1 -C 0; verdict udaddy-client $?
+wait_job uapp 30; verdict rcm-sidr-passive $?
+stop uapp
+cap_stop s7
+
+step "8: rcm daemon owns the peer's CM port; rcm ping --daemon connects to the kernel's ucmatose"
+cap_start s8 veth0
+bg_peer dmn rcm daemon --socket /tmp/rcm-vm.sock --bind $PEER_IP
+sleep 1
+bg srv ucmatose -b $INIT_IP -p 7471 -c 2 -C 0
+sleep 1
+in_peer rcm ping --daemon /tmp/rcm-vm.sock --connect $INIT_IP -c 2 --private-data "" --timeout 40; verdict rcm-via-daemon-active $?
+wait_job srv 40; verdict ucmatose-server-vs-daemon $?
+stop srv
+# The daemon exits 0 on SIGTERM once every id is destroyed (this VM runs only our jobs).
+for p in $(pidof rcm); do kill -TERM $p; done
+sleep 1
+[ -e /tmp/rcm-vm.sock ]; [ $? != 0 ]; verdict daemon-removed-its-socket $?
+cap_stop s8
+
 step "6: timewait agreement: the kernel never had to retry a DREQ or DREP to rcm"
 r=0
 for f in /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/dreq /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/drep; do

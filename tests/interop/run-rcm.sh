@@ -8,7 +8,7 @@ harness=${RCM_INTEROP_HARNESS:-$top/../shared/interop}
 rcm=$1 out=$2
 mkdir -p "$out"
 rc=0
-"$harness/run-vm.sh" --quiet --timeout 280 --scenario "$here/rcm-roce.sh" --extra-bin "$rcm" --out "$out" || rc=$?
+"$harness/run-vm.sh" --quiet --timeout 420 --scenario "$here/rcm-roce.sh" --extra-bin "$rcm" --out "$out" || rc=$?
 grep -E '^verdict ' "$out/console.log" || true
 for cap in "$out"/s*.pcap; do
     [ -f "$cap" ] || continue
