@@ -1277,3 +1277,110 @@ fn stale_rep_is_rejected_and_its_later_copies_dropped() {
     assert_eq!(t.ep.state(h), Some(State::ReqSent));
     assert!(t.ep.stats().rx_duplicates >= 1);
 }
+
+/// The half-open budget: accepted connections whose RTU never comes (a spoofed REQ flood)
+/// stay within `max_half_open`; the oldest are given up as REP timeouts, without a REJ to the
+/// (spoofed) peer, while a connection that confirms in time is untouched.
+#[test]
+fn half_open_budget_evicts_the_oldest_unconfirmed_accepts() {
+    let mut t = T::with(|c| c.max_half_open = 16);
+    let l = t.ep.listen(SID, u64::MAX, 0).unwrap();
+    let mut accepted = Vec::new();
+    let mut legit = None;
+    let mut timeouts = Vec::new();
+    for i in 0..100u32 {
+        t.recv(
+            TID + u64::from(i),
+            CmMessage::Req(peer_req(PEER_ID + i, PEER_QPN + i)),
+        );
+        let mut ev = t.events();
+        ev.retain(|(h, e)| {
+            let evicted = matches!(e, CmEvent::TimedOut(TimedOut::Rep));
+            if evicted {
+                timeouts.push(*h);
+            }
+            !evicted
+        });
+        let [(lh, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(*lh, l);
+        t.ep.accept(t.now, *cep, &AcceptParams::default()).unwrap();
+        let rep = t.sent();
+        assert!(
+            rep.iter().any(|m| matches!(m.msg, CmMessage::Rep(_))),
+            "REQ {i} answered"
+        );
+        accepted.push(*cep);
+        if i == 50 {
+            // One real client among the flood: its RTU comes at once.
+            let id = t.ep.local_comm_id(*cep).unwrap();
+            t.recv(
+                TID + u64::from(i),
+                CmMessage::Rtu(Rtu {
+                    local_comm_id: PEER_ID + i,
+                    remote_comm_id: id,
+                    ..Rtu::default()
+                }),
+            );
+            assert_eq!(t.events(), vec![(*cep, CmEvent::Established)]);
+            legit = Some(*cep);
+        }
+    }
+    for (h, e) in t.events() {
+        assert_eq!(e, CmEvent::TimedOut(TimedOut::Rep));
+        timeouts.push(h);
+    }
+    let evicted = t.ep.stats().half_open_evictions;
+    assert!(evicted >= 100 - 16 - 1, "evicted only {evicted}");
+    assert_eq!(
+        timeouts.len() as u64,
+        evicted,
+        "one REP timeout per eviction"
+    );
+    assert!(!timeouts.contains(legit.as_ref().unwrap()));
+    let waiting = accepted
+        .iter()
+        .filter(|h| t.ep.state(**h) == Some(State::RepSent))
+        .count();
+    assert!(
+        waiting <= 16,
+        "{waiting} accepted connections still half-open"
+    );
+    // The newest accepts survive; the real client is established.
+    assert_eq!(t.ep.state(accepted[99]), Some(State::RepSent));
+    assert_eq!(t.ep.state(legit.unwrap()), Some(State::Established));
+    // Evictions are REP timeouts to the owner and send nothing to the peer.
+    assert_eq!(t.ep.state(accepted[0]), Some(State::Idle));
+    t.nothing_sent();
+}
+
+/// Under the budget nothing is evicted, however many connections confirm over time.
+#[test]
+fn half_open_budget_leaves_confirmed_connections_alone() {
+    let mut t = T::with(|c| c.max_half_open = 4);
+    t.ep.listen(SID, u64::MAX, 0).unwrap();
+    for i in 0..50u32 {
+        t.recv(
+            TID + u64::from(i),
+            CmMessage::Req(peer_req(PEER_ID + i, PEER_QPN + i)),
+        );
+        let ev = t.events();
+        let [(_, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
+            panic!("{ev:?}")
+        };
+        t.ep.accept(t.now, *cep, &AcceptParams::default()).unwrap();
+        t.sent();
+        let id = t.ep.local_comm_id(*cep).unwrap();
+        t.recv(
+            TID + u64::from(i),
+            CmMessage::Rtu(Rtu {
+                local_comm_id: PEER_ID + i,
+                remote_comm_id: id,
+                ..Rtu::default()
+            }),
+        );
+        assert_eq!(t.events(), vec![(*cep, CmEvent::Established)]);
+    }
+    assert_eq!(t.ep.stats().half_open_evictions, 0);
+}

@@ -42,6 +42,9 @@ pub struct Stats {
     pub tx: u64,
     /// Retransmissions among them.
     pub retransmits: u64,
+    /// Accepted connections still waiting for their RTU that were given up early because the
+    /// half-open budget (`EndpointConfig::max_half_open`) was exceeded.
+    pub half_open_evictions: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +73,9 @@ pub struct Endpoint {
     transmits: VecDeque<Transmit>,
     events: VecDeque<(CepHandle, CmEvent)>,
     stats: Stats,
+    /// Accepted passive connections in order of their REP, for the half-open budget. Entries
+    /// of connections that moved on are dropped lazily.
+    rep_wait: VecDeque<CepHandle>,
     conn_ceps: usize,
 }
 
@@ -100,6 +106,7 @@ impl Endpoint {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: Stats::default(),
+            rep_wait: VecDeque::new(),
             conn_ceps: 0,
         }
     }
@@ -487,7 +494,40 @@ impl Endpoint {
         self.unlink_listener(h);
         self.cancel_timer(h);
         self.send_tracked(now, h, CmMessage::Rep(rep));
+        self.note_half_open(h);
         Ok(())
+    }
+
+    /// Keeps accepted-but-unconfirmed connections within `max_half_open`. A REQ flood from
+    /// spoofed addresses that a server accepts leaves connections waiting for RTUs that never
+    /// come, each with REP retransmissions; past the budget the oldest of them are given up
+    /// (as a REP timeout, without a REJ towards the spoofed address). Legitimate connections
+    /// confirm within a round trip, so under a flood the oldest entries are the flood's. The
+    /// queue is compacted only when it outgrows the budget, and a full budget evicts an
+    /// eighth at once, so the cost per accept stays constant.
+    fn note_half_open(&mut self, h: CepHandle) {
+        let max = self.cfg.max_half_open.max(1);
+        self.rep_wait.push_back(h);
+        if self.rep_wait.len() <= max {
+            return;
+        }
+        let ceps = &self.ceps;
+        self.rep_wait.retain(|h| {
+            ceps.get(h)
+                .is_some_and(|c| matches!(c.state, State::RepSent | State::MraRepRcvd))
+        });
+        if self.rep_wait.len() <= max {
+            return;
+        }
+        let target = max - max / 8;
+        while self.rep_wait.len() > target {
+            let Some(old) = self.rep_wait.pop_front() else {
+                break;
+            };
+            self.stats.half_open_evictions += 1;
+            self.reset_to_idle(old);
+            self.emit(old, CmEvent::TimedOut(TimedOut::Rep));
+        }
     }
 
     /// Sends the RTU after a REP (active side): RepRcvd/MraRepSent → Established.

@@ -79,6 +79,10 @@ pub struct EndpointConfig {
     pub max_ceps: usize,
     /// Shortest timewait, whatever the path's ACK timeout says.
     pub min_timewait: Duration,
+    /// Most accepted connections waiting for their RTU at once (the half-open budget: with
+    /// ~1.5 KB each, 65,536 bound a REQ flood's memory near 100 MB); past it the oldest are
+    /// given up as REP timeouts.
+    pub max_half_open: usize,
 }
 
 impl EndpointConfig {
@@ -93,6 +97,7 @@ impl EndpointConfig {
             ca_ack_delay: 15,
             max_ceps: 1 << 20,
             min_timewait: Duration::from_millis(0),
+            max_half_open: 1 << 16,
         }
     }
 }
