@@ -43,6 +43,8 @@ pub struct BenchOpts {
     pub step_timeout: Duration,
     /// Use the `rcm daemon` at this socket instead of devices in this process.
     pub daemon: Option<std::path::PathBuf>,
+    /// iWARP devices (MPA over TCP on the rdma_cm port) instead of RoCEv2 ones.
+    pub iwarp: bool,
 }
 
 /// One row of the table.
@@ -348,6 +350,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             }
         }
         let mut early = vec![false; n];
+        let mut responded = vec![false; n];
         wait(
             &ch,
             &index,
@@ -356,6 +359,24 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             &mut failures,
             &mut failed,
             |i, ev, id| match ev {
+                // iWARP has no CONNECT_RESPONSE: the MPA Reply is ESTABLISHED (iw_cm's
+                // CONNECT_REPLY), so connect ends here and the QP steps and establish are
+                // the same instant (what cmtime shows on siw). Told apart by the missing
+                // response, so it also works through a daemon whose transport we don't know.
+                Event::Established { .. } if !responded[i] => {
+                    connect.end(i);
+                    rtr.begin(i);
+                    let _ = id.init_qp_attr(QpState::Rtr);
+                    rtr.end(i);
+                    rts.begin(i);
+                    let _ = id.init_qp_attr(QpState::Rts);
+                    rts.end(i);
+                    establish.begin(i);
+                    establish.end(i);
+                    latency.end(i);
+                    early[i] = true;
+                    true
+                }
                 // The RTU goes out inside establish(), so ESTABLISHED can overtake other
                 // connections' responses: note it for the next step.
                 Event::Established { .. } => {
@@ -365,6 +386,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                     false
                 }
                 Event::ConnectResponse { .. } => {
+                    responded[i] = true;
                     connect.end(i);
                     rtr.begin(i);
                     let _ = id.init_qp_attr(QpState::Rtr);
@@ -710,8 +732,12 @@ fn side_fabric(o: &BenchOpts, bind: Option<IpAddr>) -> Result<(Fabric, IpAddr), 
     }
     let bind = bind.ok_or("--bind is required with --listen or --server")?;
     let f = Fabric::new(cfg);
-    f.add_device(bind)
-        .map_err(|e| format!("device on {bind}: {e}"))?;
+    if o.iwarp {
+        f.add_iwarp_device(bind)
+    } else {
+        f.add_device(bind)
+    }
+    .map_err(|e| format!("device on {bind}: {e}"))?;
     Ok((f, bind))
 }
 
@@ -787,9 +813,14 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).
     let client_devices = o.connections.div_ceil(25_000).clamp(1, 200) as u8;
-    let fabric = Fabric::loopback_with(1 + client_devices, cfg).map_err(|e| {
-        format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
-    })?;
+    let fabric = if o.iwarp {
+        Fabric::loopback_iwarp(1 + client_devices, cfg)
+            .map_err(|e| format!("cannot open loopback iWARP devices: {e}"))?
+    } else {
+        Fabric::loopback_with(1 + client_devices, cfg).map_err(|e| {
+            format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
+        })?
+    };
     let served = Arc::new(AtomicUsize::new(0));
     // A burst is accepted as fast as callbacks run; the backlog must hold all of it or the
     // excess is dropped and retried a second later.

@@ -257,10 +257,6 @@ struct PingArgs {
 
 fn ping(a: &PingArgs) -> ExitCode {
     use rcm_cli::ping;
-    if a.transport == "iwarp" {
-        eprintln!("rcm ping: the iWARP transport is not implemented yet (only roce)");
-        return ExitCode::from(2);
-    }
     let ps = if a.ps == "udp" {
         rcm::PortSpace::Udp
     } else {
@@ -284,6 +280,7 @@ fn ping(a: &PingArgs) -> ExitCode {
         udp_port: a.udp_port,
         timeout: std::time::Duration::from_secs(a.timeout),
         daemon: a.daemon.clone(),
+        iwarp: a.transport == "iwarp",
     };
     let r = match ping::run(&o, !a.json) {
         Ok(r) => r,
@@ -299,6 +296,12 @@ fn ping(a: &PingArgs) -> ExitCode {
             "rcm ping: {}: {} of {} established, {} disconnected, {} rejected, private data matched {} time(s)",
             r.role, r.established, r.connections, r.disconnected, r.rejected, r.private_data_ok
         );
+        if a.transport == "iwarp" {
+            println!(
+                "rcm ping: messages over the iWARP stream matched {} of {}",
+                r.messages_ok, r.messages_expected
+            );
+        }
         for e in &r.errors {
             println!("rcm ping: error: {e}");
         }
@@ -397,10 +400,6 @@ fn main() -> ExitCode {
 
 fn bench(a: &BenchArgs) -> ExitCode {
     use rcm_cli::bench;
-    if a.transport == "iwarp" {
-        eprintln!("rcm bench: the iWARP transport is not implemented yet (only roce)");
-        return ExitCode::from(2);
-    }
     let o = bench::BenchOpts {
         connections: a.connections as usize,
         serial: a.serial,
@@ -414,6 +413,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         progress: !a.json && std::io::IsTerminal::is_terminal(&std::io::stderr()),
         step_timeout: std::time::Duration::from_secs(a.timeout),
         daemon: a.daemon.clone(),
+        iwarp: a.transport == "iwarp",
     };
     let r = if a.listen || a.server.is_some() {
         bench::run_remote(&o)

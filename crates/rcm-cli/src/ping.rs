@@ -1,6 +1,10 @@
 //! `rcm ping`: connections with private data checked byte for byte both ways, as
 //! ucmatose/udaddy do. The server disconnects each connection once it is established (as
 //! `ucmatose -C 0` does), so rcm interoperates with the kernel's tools in both roles.
+//!
+//! Over iWARP (`iwarp`) each established connection also carries one real message each way
+//! before the server disconnects: the client sends "ping " + the private data as an RDMAP
+//! Send, the server "pong " + the private data, and each side checks what it got.
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace,
@@ -35,6 +39,46 @@ pub struct PingOpts {
     pub timeout: Duration,
     /// Use the `rcm daemon` at this socket instead of devices in this process.
     pub daemon: Option<std::path::PathBuf>,
+    /// iWARP devices (MPA over TCP) instead of RoCEv2, with a message exchange.
+    pub iwarp: bool,
+}
+
+/// How long either side waits for the other's message once established.
+const MESSAGE_WAIT: Duration = Duration::from_secs(10);
+
+/// The message the client sends (and the server expects) over an iWARP connection.
+fn ping_message(pd: &[u8]) -> Vec<u8> {
+    [b"ping ".as_slice(), pd].concat()
+}
+
+/// The server's answer.
+fn pong_message(pd: &[u8]) -> Vec<u8> {
+    [b"pong ".as_slice(), pd].concat()
+}
+
+/// Sends this side's message and checks the peer's (iWARP); errors go to the report.
+fn exchange(id: &CmId, send: &[u8], want: &[u8], who: &str, r: &mut PingReport, log: bool) {
+    if let Err(e) = id.send(send) {
+        r.errors.push(format!("{who}: send: {e}"));
+        return;
+    }
+    match id.recv_message(MESSAGE_WAIT) {
+        Some(m) if m == want => {
+            r.messages_ok += 1;
+            if log {
+                println!(
+                    "rcm ping: {who}: message exchanged: sent {:?}, received {:?}",
+                    String::from_utf8_lossy(send),
+                    String::from_utf8_lossy(&m)
+                );
+            }
+        }
+        Some(m) => r.errors.push(format!(
+            "{who}: message differs: {:?}",
+            String::from_utf8_lossy(&m)
+        )),
+        None => r.errors.push(format!("{who}: no message from the peer")),
+    }
 }
 
 /// What happened.
@@ -52,6 +96,10 @@ pub struct PingReport {
     pub disconnected: usize,
     /// Private-data checks that matched byte for byte.
     pub private_data_ok: usize,
+    /// iWARP: messages received over the stream that matched byte for byte.
+    pub messages_ok: usize,
+    /// iWARP: messages expected (one per connection and side).
+    pub messages_expected: usize,
     /// Everything that went wrong, with the event and reason.
     pub errors: Vec<String>,
 }
@@ -65,7 +113,9 @@ impl PingReport {
         if reject {
             self.rejected == self.connections
         } else {
-            self.established == self.connections && self.disconnected == self.connections
+            self.established == self.connections
+                && self.disconnected == self.connections
+                && self.messages_ok == self.messages_expected
         }
     }
 }
@@ -146,6 +196,11 @@ fn server_loop(
                 r.established += 1;
                 if log {
                     println!("rcm ping: server: established with {:?}", id.peer_addr());
+                }
+                if o.iwarp {
+                    r.messages_expected += 1;
+                    let pd = &o.private_data;
+                    exchange(&id, &pong_message(pd), &ping_message(pd), "server", r, log);
                 }
                 if let Err(err) = id.disconnect() {
                     r.errors.push(format!("server: disconnect: {err}"));
@@ -271,6 +326,20 @@ fn client_loop(
                             .unwrap_or_default()
                     );
                 }
+                if o.iwarp {
+                    // iWARP has no CONNECT_RESPONSE: the MPA Reply's private data comes
+                    // with ESTABLISHED, exactly as long as sent.
+                    if private_data == &o.private_data {
+                        r.private_data_ok += 1;
+                    } else {
+                        r.errors
+                            .push(format!("client {i}: reply private data differs"));
+                    }
+                    r.messages_expected += 1;
+                    let pd = &o.private_data;
+                    let who = format!("client {i}");
+                    exchange(&id, &ping_message(pd), &pong_message(pd), &who, r, log);
+                }
                 if ud(o.ps) {
                     if pd_matches(private_data, &o.private_data) {
                         r.private_data_ok += 1;
@@ -322,7 +391,21 @@ fn client_loop(
 
 /// Runs `rcm ping` as asked.
 pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
-    if o.private_data.len() > 56 && !ud(o.ps) {
+    if o.iwarp {
+        if ud(o.ps) {
+            return Err("iWARP carries only the TCP port space (--ps tcp)".into());
+        }
+        if o.daemon.is_some() {
+            return Err("--transport iwarp: messages are not carried through the daemon".into());
+        }
+        if o.private_data.len() > rcm::IWARP_PRIVATE_DATA_MAX {
+            return Err(format!(
+                "--private-data is {} bytes; an MPA Request carries at most {}",
+                o.private_data.len(),
+                rcm::IWARP_PRIVATE_DATA_MAX
+            ));
+        }
+    } else if o.private_data.len() > 56 && !ud(o.ps) {
         return Err(format!(
             "--private-data is {} bytes; a REQ carries at most 56 user bytes",
             o.private_data.len()
@@ -349,6 +432,10 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         match &daemon_devs {
             Some(d) if d.contains(&ip) => Ok(()),
             Some(d) => Err(format!("the daemon has no device on {ip} (it has {d:?})")),
+            None if o.iwarp => fabric
+                .add_iwarp_device(ip)
+                .map(drop)
+                .map_err(|e| format!("iWARP device on {ip}: {e}")),
             None => fabric
                 .add_device(ip)
                 .map(drop)
@@ -438,6 +525,8 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
                 .map_err(|_| "server thread panicked".to_string())?;
             r.errors.extend(sr.errors);
             r.private_data_ok += sr.private_data_ok;
+            r.messages_ok += sr.messages_ok;
+            r.messages_expected += sr.messages_expected;
         }
     }
     fabric.shutdown();

@@ -114,23 +114,19 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         dispatcher_threads: 2,
         seed: Some(o.seed),
     };
-    let (fabric, client, primary, removable) = match &o.daemon {
-        Some(p) => {
-            let c =
-                rcm_ucm::Client::connect(p).map_err(|e| format!("daemon {}: {e}", p.display()))?;
-            let f = Fabric::with_provider(Arc::new(c.clone()), cfg);
-            let devs = f.device_addrs();
-            let first = *devs.first().ok_or("the daemon has no devices")?;
-            let last = devs.iter().rev().find(|d| d.is_ipv4() == first.is_ipv4());
-            (f, Some(c), first, *last.unwrap_or(&first))
-        }
-        None => {
-            let f = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
-            let removable = IpAddr::from([127, 0, 0, 3]);
-            f.add_device(removable)
-                .map_err(|e| format!("device {removable}: {e}"))?;
-            (f, None, IpAddr::from([127, 0, 0, 1]), removable)
-        }
+    let (fabric, client, primary, removable) = if let Some(p) = &o.daemon {
+        let c = rcm_ucm::Client::connect(p).map_err(|e| format!("daemon {}: {e}", p.display()))?;
+        let f = Fabric::with_provider(Arc::new(c.clone()), cfg);
+        let devs = f.device_addrs();
+        let first = *devs.first().ok_or("the daemon has no devices")?;
+        let last = devs.iter().rev().find(|d| d.is_ipv4() == first.is_ipv4());
+        (f, Some(c), first, *last.unwrap_or(&first))
+    } else {
+        let f = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
+        let removable = IpAddr::from([127, 0, 0, 3]);
+        f.add_device(removable)
+            .map_err(|e| format!("device {removable}: {e}"))?;
+        (f, None, IpAddr::from([127, 0, 0, 1]), removable)
     };
     let through_daemon = client.is_some();
     let shared = Arc::new(Shared {

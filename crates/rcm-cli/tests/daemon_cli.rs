@@ -50,6 +50,10 @@ impl std::ops::DerefMut for Started {
 
 /// Starts `rcm daemon` and waits until it serves.
 fn start(path: &Path, udp: u16, binds: &[&str]) -> Started {
+    start_with(path, udp, binds, &[])
+}
+
+fn start_with(path: &Path, udp: u16, binds: &[&str], extra: &[&str]) -> Started {
     let _ = std::fs::remove_file(path);
     let mut args = vec![
         "daemon".to_string(),
@@ -62,6 +66,7 @@ fn start(path: &Path, udp: u16, binds: &[&str]) -> Started {
         args.push("--bind".into());
         args.push((*b).into());
     }
+    args.extend(extra.iter().map(|e| (*e).to_string()));
     let mut c = Command::new(env!("CARGO_BIN_EXE_rcm"))
         .args(&args)
         .stdout(Stdio::null())
@@ -298,18 +303,35 @@ fn daemon_usage_errors_are_clear() {
     assert!(err.contains("not a socket"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
     let _ = std::fs::remove_file(&file);
-    let (code, _, err) = rcm(&[
-        "daemon",
-        "--socket",
-        sock("iw").to_str().unwrap(),
-        "--bind",
-        "127.0.0.1",
-        "--transport",
-        "iwarp",
-    ]);
-    assert_eq!(code, 2);
-    assert!(err.contains("iWARP"), "{err}");
     let (code, _, err) = rcm(&["ping", "--daemon", "/nonexistent/rcm.sock"]);
     assert_eq!(code, 2);
     assert!(err.contains("/nonexistent/rcm.sock"), "{err}");
+}
+
+#[test]
+fn iwarp_daemon_serves_ping_and_bench() {
+    let path = sock("iwarp");
+    let mut d = start_with(
+        &path,
+        27806,
+        &["127.0.0.1", "127.0.0.2"],
+        &["--transport", "iwarp"],
+    );
+    let p = path.to_str().unwrap();
+    let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "5", "-p", "7650", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 5);
+    assert_eq!(v["disconnected"], 5);
+    // The bench does not need to be told the daemon's transport.
+    let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "-p", "7651", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 200);
+    // Messages travel over the stream, which the daemon does not carry: a clear refusal.
+    let (code, _, err) = rcm(&["ping", "--daemon", p, "--transport", "iwarp"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("not carried through the daemon"), "{err}");
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
 }

@@ -185,9 +185,8 @@ impl Inner {
 
 impl Provider for Client {
     fn create_id(&self, ps: PortSpace, sink: Sink) -> rcm::Result<Arc<dyn RemoteId>> {
-        let h = match self.0.request(&Command::CreateId(ps))? {
-            Answer::Handle(h) => h,
-            _ => return Err(Error::Remote("unexpected answer to CreateId".into())),
+        let Answer::Handle(h) = self.0.request(&Command::CreateId(ps))? else {
+            return Err(Error::Remote("unexpected answer to CreateId".into()));
         };
         // No event can come for `h` before its first operation, which follows this.
         lock(&self.0.sinks).insert(h, sink);
@@ -238,10 +237,7 @@ impl RemoteId for Handle {
 fn reader(weak: &Weak<Inner>, mut s: UnixStream) {
     let mut body = Vec::new();
     let mut used: u32 = 0;
-    loop {
-        let Ok(h) = read_frame(&mut s, &mut body) else {
-            break;
-        };
+    while let Ok(h) = read_frame(&mut s, &mut body) {
         let Some(c) = weak.upgrade() else { return };
         let msg = match decode_message(h.kind, &body) {
             Ok(m) => m,

@@ -81,9 +81,6 @@ pub enum DaemonError {
     /// No address to serve.
     #[error("no --bind address given")]
     NoBinds,
-    /// The transport is not available.
-    #[error("{0}")]
-    Unsupported(&'static str),
     /// A device could not be opened.
     #[error("device {0}: {1}")]
     Device(IpAddr, rcm::Error),
@@ -192,40 +189,46 @@ const EVENT_BATCH: usize = 256;
 impl Daemon {
     /// Opens the devices and the socket and starts serving.
     pub fn start(cfg: DaemonConfig) -> Result<Daemon, DaemonError> {
-        if cfg.binds.is_empty() {
+        let DaemonConfig {
+            socket,
+            binds,
+            transport,
+            fabric: fabric_cfg,
+            limits,
+            mode,
+        } = cfg;
+        if binds.is_empty() {
             return Err(DaemonError::NoBinds);
         }
-        if cfg.transport == Transport::Iwarp {
-            return Err(DaemonError::Unsupported(
-                "iWARP devices are not available yet: rcm has no TCP device driver (issue #5)",
-            ));
-        }
-        claim_socket_path(&cfg.socket)?;
-        let fabric = Fabric::new(cfg.fabric.clone());
-        for ip in &cfg.binds {
-            if let Err(e) = fabric.add_device(*ip) {
+        claim_socket_path(&socket)?;
+        let fabric = Fabric::new(fabric_cfg);
+        for ip in &binds {
+            let added = match transport {
+                Transport::Roce => fabric.add_device(*ip),
+                Transport::Iwarp => fabric.add_iwarp_device(*ip),
+            };
+            if let Err(e) = added {
                 fabric.shutdown();
                 return Err(DaemonError::Device(*ip, e));
             }
         }
-        let listener = match UnixListener::bind(&cfg.socket) {
+        let listener = match UnixListener::bind(&socket) {
             Ok(l) => l,
             Err(e) => {
                 fabric.shutdown();
-                return Err(DaemonError::Io(cfg.socket.clone(), e));
+                return Err(DaemonError::Io(socket, e));
             }
         };
-        if let Err(e) =
-            std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(cfg.mode))
-        {
+        if let Err(e) = std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(mode)) {
             fabric.shutdown();
-            let _ = std::fs::remove_file(&cfg.socket);
-            return Err(DaemonError::Io(cfg.socket.clone(), e));
+            let _ = std::fs::remove_file(&socket);
+            return Err(DaemonError::Io(socket, e));
         }
+        tracing::info!(socket = %socket.display(), binds = ?binds, ?transport, "rcm daemon serving");
         let shared = Arc::new(Shared {
             fabric,
-            limits: cfg.limits,
-            socket: cfg.socket.clone(),
+            limits,
+            socket,
             stopping: AtomicBool::new(false),
             next_order: AtomicU64::new(1),
             sessions: Mutex::new(HashMap::new()),
@@ -233,12 +236,11 @@ impl Daemon {
             threads: Mutex::new(Vec::new()),
             orphan_events: AtomicU64::new(0),
         });
-        tracing::info!(socket = %cfg.socket.display(), binds = ?cfg.binds, "rcm daemon serving");
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
             .name("rcm-ucm-accept".into())
             .spawn(move || accept_loop(&sh, &listener))
-            .map_err(|e| DaemonError::Io(cfg.socket.clone(), e))?;
+            .map_err(|e| DaemonError::Io(shared.socket.clone(), e))?;
         Ok(Daemon {
             shared,
             accept: Some(accept),
@@ -321,13 +323,11 @@ fn claim_socket_path(path: &Path) -> Result<(), DaemonError> {
     if !meta.file_type().is_socket() {
         return Err(DaemonError::NotASocket(path.to_path_buf()));
     }
-    match UnixStream::connect(path) {
-        Ok(_) => Err(DaemonError::AlreadyRunning(path.to_path_buf())),
-        Err(_) => {
-            tracing::info!(path = %path.display(), "removing a stale socket");
-            std::fs::remove_file(path).map_err(|e| DaemonError::Io(path.to_path_buf(), e))
-        }
+    if UnixStream::connect(path).is_ok() {
+        return Err(DaemonError::AlreadyRunning(path.to_path_buf()));
     }
+    tracing::info!(path = %path.display(), "removing a stale socket");
+    std::fs::remove_file(path).map_err(|e| DaemonError::Io(path.to_path_buf(), e))
 }
 
 fn accept_loop(sh: &Arc<Shared>, listener: &UnixListener) {
@@ -370,6 +370,18 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         commands: AtomicU64::new(0),
     });
     lock(&sh.sessions).insert(order, s.clone());
+    // Join the threads of sessions that ended, so a long-lived daemon keeps no handles.
+    {
+        let mut threads = lock(&sh.threads);
+        let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut *threads)
+            .into_iter()
+            .partition(|t| t.is_finished());
+        *threads = live;
+        drop(threads);
+        for t in done {
+            let _ = t.join();
+        }
+    }
     let ws = s.clone();
     let w = std::thread::Builder::new()
         .name(format!("rcm-ucm-w{order}"))
@@ -713,6 +725,7 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
         return Err(WireError::NoSuchId);
     };
     let mut victims = Vec::new();
+    let mut child_cells = Vec::new();
     {
         let mut own = lock(&cell.owner);
         let mut t = lock(&s.table);
@@ -743,11 +756,17 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
         out.unread_requests = unread;
         for c in children {
             if let Some((cid, ccell)) = t.ids.remove(&c) {
-                *lock(&ccell.owner) = None;
+                child_cells.push(ccell);
                 victims.push(cid);
             }
         }
         *own = None;
+    }
+    // Each child's cell only after the table and queue are released: a child's event takes
+    // its cell and then the queue, so holding the queue while taking a cell would deadlock.
+    // An event queued meanwhile names a handle the session no longer has; clients drop those.
+    for c in child_cells {
+        *lock(&c.owner) = None;
     }
     for id in victims {
         let _ = id.destroy();

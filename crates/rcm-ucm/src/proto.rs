@@ -340,9 +340,7 @@ impl WireEvent {
                 reason,
                 private_data,
             },
-            Event::Established { ud, private_data } => {
-                WireEvent::Established { ud, private_data }
-            }
+            Event::Established { ud, private_data } => WireEvent::Established { ud, private_data },
             Event::Disconnected => WireEvent::Disconnected,
             Event::DeviceRemoval => WireEvent::DeviceRemoval,
             Event::TimewaitExit => WireEvent::TimewaitExit,
@@ -373,9 +371,7 @@ impl WireEvent {
                 reason,
                 private_data,
             },
-            WireEvent::Established { ud, private_data } => {
-                Event::Established { ud, private_data }
-            }
+            WireEvent::Established { ud, private_data } => Event::Established { ud, private_data },
             WireEvent::Disconnected => Event::Disconnected,
             WireEvent::DeviceRemoval => Event::DeviceRemoval,
             WireEvent::TimewaitExit => Event::TimewaitExit,

@@ -68,10 +68,10 @@ impl RawSession {
     fn read_one(&mut self) -> std::io::Result<(u32, Message)> {
         let mut hb = [0u8; 12];
         self.stream.read_exact(&mut hb)?;
-        let h = Header::parse(&hb).map_err(invalid)?;
+        let h = Header::parse(&hb).map_err(|e| invalid(&e))?;
         let mut body = vec![0u8; h.body_len()];
         self.stream.read_exact(&mut body)?;
-        let m = decode_message(h.kind, &body).map_err(invalid)?;
+        let m = decode_message(h.kind, &body).map_err(|e| invalid(&e))?;
         Ok((h.seq, m))
     }
 
@@ -128,6 +128,6 @@ impl RawSession {
     }
 }
 
-fn invalid(e: ProtoError) -> std::io::Error {
+fn invalid(e: &ProtoError) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
 }

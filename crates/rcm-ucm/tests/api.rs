@@ -2,8 +2,8 @@
 //! the daemon.
 
 use rcm::{
-    AcceptOptions, ConnectOptions, DestroyOutcome, Event, EventChannel, Fabric, FabricConfig,
-    Flow, PortSpace, State,
+    AcceptOptions, ConnectOptions, DestroyOutcome, Event, EventChannel, Fabric, FabricConfig, Flow,
+    PortSpace, State,
 };
 use rcm_proto::ib::RetryPolicy;
 use rcm_ucm::{Daemon, DaemonConfig};
@@ -75,7 +75,10 @@ fn connect_accept_disconnect_between_two_clients() {
     let mut devs = client.device_addrs();
     devs.sort();
     assert_eq!(devs, vec![ip(1), ip(2)]);
-    assert!(client.add_device(ip(3)).is_err(), "a daemon fabric has no local devices");
+    assert!(
+        client.add_device(ip(3)).is_err(),
+        "a daemon fabric has no local devices"
+    );
 
     let (l, sch) = listen(&server, SocketAddr::new(ip(1), 7000));
     assert_eq!(l.state(), State::Listen);
@@ -128,7 +131,10 @@ fn connect_accept_disconnect_between_two_clients() {
     assert_eq!(child.destroy(), Ok(DestroyOutcome::Done));
     assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
     assert_eq!(c.state(), State::Destroying);
-    assert!(matches!(c.bind(SocketAddr::new(ip(1), 0)), Err(rcm::Error::Destroyed)));
+    assert!(matches!(
+        c.bind(SocketAddr::new(ip(1), 0)),
+        Err(rcm::Error::Destroyed)
+    ));
 
     let t0 = Instant::now();
     while d.held_ids() != 0 || d.fabric().live_ids() != 0 {
@@ -156,7 +162,8 @@ fn handlers_flow_destroy_and_destroy_inside_callback() {
             let _ = stx.send(format!("server {}", ev.name()));
             match ev {
                 Event::ConnectRequest { .. } => {
-                    id.accept(&AcceptOptions::default()).expect("accept in callback");
+                    id.accept(&AcceptOptions::default())
+                        .expect("accept in callback");
                     Flow::Continue
                 }
                 Event::Disconnected => {

@@ -1,5 +1,6 @@
 //! A RoCEv2 CM port: a UDP socket on one local address, the rcm-proto engine behind a mutex,
-//! and an I/O thread that feeds it datagrams and time. Commands from any thread lock the
+//! and an I/O thread that feeds it datagrams and time. (An iWARP device is the same struct
+//! with its `iw` part set and no UDP socket: see `iwarp.rs`.) Commands from any thread lock the
 //! engine briefly; transmits are sent and events routed only after the lock is released, so
 //! no user code and no other id's teardown ever runs under it.
 
@@ -58,6 +59,8 @@ pub(crate) struct DeviceInner {
     psn: AtomicU32,
     pub stats: DeviceStats,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
+    pub iw: Option<crate::iwarp::IwDev>,
 }
 
 impl DeviceInner {
@@ -83,6 +86,7 @@ impl DeviceInner {
             psn: AtomicU32::new(0),
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
+            iw: None,
         });
         let weak = Arc::downgrade(&dev);
         let h = std::thread::Builder::new()
@@ -91,6 +95,38 @@ impl DeviceInner {
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&dev.thread) = Some(h);
         Ok(dev)
+    }
+
+    /// An iWARP device on `ip`: TCP listeners and streams run by its own I/O thread.
+    pub(crate) fn open_iwarp(
+        ip: IpAddr,
+        cfg: rcm_proto::iw::CepConfig,
+        engine: Endpoint,
+    ) -> crate::Result<Arc<Self>> {
+        crate::iwarp::check_addr(ip)?;
+        let dev = Arc::new(DeviceInner {
+            ip,
+            port: 0,
+            sock: Mutex::new(None),
+            engine: Mutex::new(engine),
+            ceps: Mutex::new(HashMap::new()),
+            listens: Mutex::new(HashMap::new()),
+            removed: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            wake_at: Mutex::new(None),
+            pending: Mutex::new(Pending::default()),
+            psn: AtomicU32::new(0),
+            stats: DeviceStats::default(),
+            thread: Mutex::new(None),
+            iw: Some(crate::iwarp::IwDev::new(cfg)?),
+        });
+        crate::iwarp::IwDev::start(&dev)?;
+        Ok(dev)
+    }
+
+    /// Whether this is an iWARP device.
+    pub(crate) fn is_iwarp(&self) -> bool {
+        self.iw.is_some()
     }
 
     /// Runs `f` on the engine, then sends what it queued and routes what it reported.
@@ -237,6 +273,10 @@ impl DeviceInner {
 
     /// Stops the I/O thread (after removal completed, or at fabric shutdown).
     pub(crate) fn shutdown(&self) {
+        if let Some(iw) = &self.iw {
+            iw.shutdown();
+            return;
+        }
         self.stop.store(true, Ordering::SeqCst);
         if let Some(sock) = self.socket() {
             let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
@@ -260,7 +300,11 @@ impl DeviceInner {
         (usize, usize, usize, usize, usize),
     ) {
         let ep = sync::lock(&self.engine);
-        (ep.stats().clone(), ep.cep_count(), ep.table_sizes())
+        let ceps = match &self.iw {
+            Some(iw) => iw.conn_count(),
+            None => ep.cep_count(),
+        };
+        (ep.stats().clone(), ceps, ep.table_sizes())
     }
 }
 

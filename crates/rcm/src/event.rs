@@ -56,7 +56,8 @@ pub enum Event {
     ConnectRequest {
         /// The listener the request arrived on.
         listener: CmId,
-        /// The user private data (the whole area: 56 bytes for a REQ, 180 for SIDR_REQ).
+        /// The user private data (the whole area: 56 bytes for a REQ, 180 for SIDR_REQ; on
+        /// iWARP exactly what the MPA Request carried).
         private_data: Vec<u8>,
         /// What the peer offered.
         param: ConnParam,
@@ -74,7 +75,10 @@ pub enum Event {
     ConnectError(crate::Error),
     /// The peer did not answer.
     Unreachable(Unreachable),
-    /// The peer rejected.
+    /// The peer rejected. On iWARP: an MPA Reply with R set, or the stream closed before
+    /// the Reply, gives reason 28 (consumer reject) with the Reply's private data; a refused
+    /// TCP connect (nobody listens on the port) gives 8 (invalid service ID), what a RoCE
+    /// peer without a listener answers.
     Rejected {
         /// The IB reject reason (28 = consumer reject).
         reason: RejReason,
@@ -85,10 +89,13 @@ pub enum Event {
     Established {
         /// UD only: where to send.
         ud: Option<UdParam>,
-        /// UD only: the SIDR_REP private data.
+        /// UD: the SIDR_REP private data. iWARP active side: the MPA Reply's private data,
+        /// exactly as sent (iWARP has no `ConnectResponse`: the Reply establishes, as the
+        /// iw_cm's CONNECT_REPLY becomes rdma_cm's ESTABLISHED). Otherwise empty.
         private_data: Vec<u8>,
     },
-    /// The connection is down (DREQ received or our DREQ answered or timed out).
+    /// The connection is down (DREQ received or our DREQ answered or timed out; on iWARP
+    /// the stream closed: both FINs, a reset, or a Terminate).
     Disconnected,
     /// The id's device was removed; only destroy is valid now.
     DeviceRemoval,

@@ -159,7 +159,7 @@ impl FabricInner {
     }
 }
 
-/// A set of RoCEv2 devices in this process and everything bound to them. Cheap to clone.
+/// A set of RoCEv2 and iWARP devices in this process and everything bound to them. Cheap to clone.
 #[derive(Clone)]
 pub struct Fabric(pub(crate) Arc<FabricInner>);
 
@@ -217,6 +217,41 @@ impl Fabric {
     /// Adds a RoCEv2 device on a local address (it binds UDP `udp_port` there). Wildcard
     /// listeners start listening on it at once.
     pub fn add_device(&self, ip: IpAddr) -> crate::Result<Device> {
+        self.add(ip, None)
+    }
+
+    /// Adds an iWARP device on a local address, with siw's timers (see
+    /// [`Fabric::add_iwarp_device_with`]).
+    pub fn add_iwarp_device(&self, ip: IpAddr) -> crate::Result<Device> {
+        self.add_iwarp_device_with(ip, rcm_proto::iw::CepConfig::default())
+    }
+
+    /// Adds an iWARP device: the rdma_cm port is the TCP port, as with Linux's siw. A
+    /// listener on port P listens on TCP `ip:P`; a connect opens TCP to `dst:P` from an
+    /// ephemeral port of `ip` and runs MPA (revision 2, no CRC, no markers) over it. No
+    /// socket is opened until something listens or connects. The same [`CmId`] API works on
+    /// it (differences: no UD port spaces, private data up to 252 bytes, see the methods),
+    /// and wildcard listeners start listening on it at once.
+    ///
+    /// [`CmId`]: crate::CmId
+    pub fn add_iwarp_device_with(
+        &self,
+        ip: IpAddr,
+        cfg: rcm_proto::iw::CepConfig,
+    ) -> crate::Result<Device> {
+        self.add(ip, Some(cfg))
+    }
+
+    /// `n` iWARP devices on 127.0.0.1, 127.0.0.2, … in a new fabric.
+    pub fn loopback_iwarp(n: u8, cfg: FabricConfig) -> crate::Result<Self> {
+        let f = Fabric::new(cfg);
+        for i in 1..=n {
+            f.add_iwarp_device(IpAddr::from([127, 0, 0, i]))?;
+        }
+        Ok(f)
+    }
+
+    fn add(&self, ip: IpAddr, iwarp: Option<rcm_proto::iw::CepConfig>) -> crate::Result<Device> {
         if self.0.provider.is_some() {
             return Err(crate::Error::InvalidArgument(
                 "the devices of a provider-backed fabric are the provider's".into(),
@@ -234,7 +269,10 @@ impl Fabric {
         cfg.retry = self.0.cfg.retry;
         cfg.min_timewait = self.0.cfg.min_timewait;
         let _listens = sync::lock(&self.0.listen_lock);
-        let dev = DeviceInner::open(ip, self.0.cfg.udp_port, Endpoint::new(cfg))?;
+        let dev = match iwarp {
+            Some(icfg) => DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg))?,
+            None => DeviceInner::open(ip, self.0.cfg.udp_port, Endpoint::new(cfg))?,
+        };
         sync::lock(&self.0.devices).push(dev.clone());
         crate::id::on_device_added(&self.0, &dev);
         Ok(Device(dev))
@@ -311,6 +349,11 @@ impl Device {
     /// Its address.
     pub fn addr(&self) -> IpAddr {
         self.0.ip
+    }
+
+    /// Whether it is an iWARP device (TCP) rather than RoCEv2 (UDP).
+    pub fn is_iwarp(&self) -> bool {
+        self.0.is_iwarp()
     }
 
     /// (received, sent) datagram counts.

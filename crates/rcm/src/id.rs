@@ -7,6 +7,7 @@
 use crate::device::{DeviceInner, ServiceListen};
 use crate::event::{ConnParam, Event, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
+use crate::iwarp::{ConnKey, IwEvent};
 use crate::remote::{IdInfo, Op, RemoteId, Reply, Sink};
 use crate::slot::{ChannelCore, DestroyOutcome, Flow, Slot, Target};
 use crate::sync;
@@ -14,6 +15,7 @@ use crate::{Error, Result};
 use rcm_proto::ib::{
     self, AcceptParams, CepHandle, CmEvent, ConnectParams, PathParams, SidrParams, SidrReplyParams,
 };
+use rcm_proto::iw;
 use rcm_wire::cm::{RejReason, SidrStatus};
 use rcm_wire::cma::{self, CmaHdr, PortSpace, CMA_HDR_LEN};
 use rcm_wire::Gid;
@@ -56,7 +58,8 @@ pub type Handler = Arc<dyn Fn(&CmId, Event) -> Flow + Send + Sync>;
 /// What `connect` asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectOptions {
-    /// User private data: at most 56 bytes (RC) or 180 (UD), after rdma_cm's 36-byte header.
+    /// User private data: at most 56 bytes (RC) or 180 (UD), after rdma_cm's 36-byte header;
+    /// on iWARP at most [`IWARP_PRIVATE_DATA_MAX`] (252), with no header.
     pub private_data: Vec<u8>,
     /// Responder resources.
     pub responder_resources: u8,
@@ -86,7 +89,7 @@ impl Default for ConnectOptions {
 /// What `accept` answers with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcceptOptions {
-    /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP).
+    /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP); 252 on iWARP.
     pub private_data: Vec<u8>,
     /// Responder resources.
     pub responder_resources: u8,
@@ -209,6 +212,8 @@ pub(crate) struct IdState {
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
     children: std::collections::HashMap<u64, Weak<IdInner>>,
+    /// iWARP: the device's TCP stream this id owns.
+    iw: Option<ConnKey>,
 }
 
 pub(crate) struct IdInner {
@@ -223,6 +228,9 @@ pub(crate) struct IdInner {
     op: Mutex<()>,
     /// Set when a provider (another process) owns this id; every operation goes there.
     pub remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
+    /// iWARP: Send messages received and not yet taken (`recv_message`).
+    inbox: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    inbox_cv: std::sync::Condvar,
 }
 
 /// An rdma_cm communication identifier. Cloning gives another handle to the same id; the id
@@ -372,6 +380,7 @@ fn new_state() -> IdState {
         listener: None,
         request_unseen: false,
         children: std::collections::HashMap::new(),
+        iw: None,
     }
 }
 
@@ -407,6 +416,8 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         st: Mutex::new(new_state()),
         op: Mutex::new(()),
         remote: std::sync::OnceLock::new(),
+        inbox: Mutex::new(std::collections::VecDeque::new()),
+        inbox_cv: std::sync::Condvar::new(),
     });
     let td = inner.clone();
     inner.slot.set_teardown(Box::new(move || teardown(&td)));
@@ -431,7 +442,8 @@ impl Fabric {
         handler: impl Fn(&CmId, Event) -> Flow + Send + Sync + 'static,
     ) -> CmId {
         let h: Handler = Arc::new(handler);
-        self.finish_create(ps, callback(h)).unwrap_or_else(|(id, _)| id)
+        self.finish_create(ps, callback(h))
+            .unwrap_or_else(|(id, _)| id)
     }
 
     /// Creates an id whose events go to `channel`.
@@ -765,11 +777,18 @@ impl CmId {
             return Err(Error::InvalidState(g.state));
         };
         let loopback = src.ip().is_loopback();
-        g.path = PathParams {
-            flow_label: (u32::from(src.port()) * 31 + u32::from(dst.port())) & 0xF_FFFF,
-            hop_limit: 64,
-            mtu: if loopback { 5 } else { 3 },
-            ..PathParams::default()
+        // iWARP has no path to build: TCP routes (Linux's iWARP route resolution is a no-op
+        // work item).
+        let iwarp = g.device.as_ref().is_some_and(|d| d.is_iwarp());
+        g.path = if iwarp {
+            PathParams::default()
+        } else {
+            PathParams {
+                flow_label: (u32::from(src.port()) * 31 + u32::from(dst.port())) & 0xF_FFFF,
+                hop_limit: 64,
+                mtu: if loopback { 5 } else { 3 },
+                ..PathParams::default()
+            }
         };
         g.state = State::RouteResolved;
         drop(g);
@@ -800,6 +819,8 @@ impl CmId {
                     .devices()
                     .into_iter()
                     .filter(|d| d.ip.is_ipv4() == src.is_ipv4() || src.is_ipv6())
+                    // iWARP carries only the TCP port space (as rdma_cm on iWARP).
+                    .filter(|d| !d.is_iwarp() || self.0.ps == PortSpace::Tcp)
                     .collect()
             } else {
                 g.device.clone().into_iter().collect::<Vec<_>>()
@@ -924,6 +945,13 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
+        let iw_dev = sync::lock(&self.0.st)
+            .device
+            .clone()
+            .filter(|d| d.is_iwarp());
+        if let Some(dev) = iw_dev {
+            return self.iw_connect(&dev, opts);
+        }
         let (dst, dev, qpn, path, pd) = {
             let g = self.usable()?;
             if g.state != State::RouteResolved {
@@ -1021,6 +1049,9 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
+        if let Some((dev, key)) = self.iw_conn()? {
+            return self.iw_accept(&dev, key, opts);
+        }
         let (dev, cep, qpn) = {
             let g = self.usable()?;
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
@@ -1079,6 +1110,9 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
+        if let Some((dev, key)) = self.iw_conn()? {
+            return self.iw_reject(&dev, key, private_data);
+        }
         let (dev, cep) = {
             let g = self.usable()?;
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
@@ -1115,6 +1149,10 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
+        if self.iw_conn()?.is_some() {
+            // iWARP has no RTU: the MPA Reply establishes the connection by itself.
+            return Err(Error::InvalidState(sync::lock(&self.0.st).state));
+        }
         let (dev, cep) = {
             let g = self.usable()?;
             if g.state != State::Connect || g.listener.is_some() {
@@ -1136,6 +1174,9 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
+        if let Some((dev, key)) = self.iw_conn()? {
+            return self.iw_disconnect(&dev, key);
+        }
         let (dev, cep) = {
             let g = self.usable()?;
             if g.state != State::Established || is_ud(self.0.ps) {
@@ -1163,7 +1204,9 @@ impl CmId {
     }
 
     /// The attributes to move the QP to `state` with (`rdma_init_qp_attr`), from what the
-    /// two sides negotiated.
+    /// two sides negotiated. On iWARP only `qp_state` and `port_num` are set, for every
+    /// state: `iw_cm_init_qp_attr` gives only the access flags (remote read and write, which
+    /// [`QpAttr`] does not carry) and nothing for RTS; MPA carries no QPN, PSN or path.
     pub fn init_qp_attr(&self, state: QpState) -> Result<QpAttr> {
         if let Some(r) = self.forward(|| Op::InitQpAttr(state)) {
             return match r? {
@@ -1182,6 +1225,11 @@ impl CmId {
         };
         if is_ud(self.0.ps) {
             a.qkey = cma::RDMA_UDP_QKEY;
+            return Ok(a);
+        }
+        if g.device.as_ref().is_some_and(|d| d.is_iwarp()) {
+            // `iw_cm_init_qp_attr` gives only the access flags (remote read and write) for
+            // INIT and RTR and nothing for RTS: the MPA exchange carries no QPN, PSN or path.
             return Ok(a);
         }
         if state == QpState::Init {
@@ -1217,7 +1265,9 @@ impl CmId {
         if self.0.slot.migrate(&to.0) {
             Ok(())
         } else {
-            Err(Error::InvalidArgument("only channel-mode ids can migrate".into()))
+            Err(Error::InvalidArgument(
+                "only channel-mode ids can migrate".into(),
+            ))
         }
     }
 
@@ -1280,6 +1330,14 @@ fn register_listen(
     backlog: usize,
     id: Weak<IdInner>,
 ) -> Result<()> {
+    if d.is_iwarp() {
+        return match cma::parse_service_id(sid) {
+            Some((PortSpace::Tcp, port)) => d.iw_listen(port, id),
+            _ => Err(Error::InvalidArgument(
+                "iWARP devices carry only the TCP port space".into(),
+            )),
+        };
+    }
     let existing = sync::lock(&d.listens).get(&sid).is_some();
     if !existing {
         let h = d.with_engine(|ep, _| ep.listen(sid, u64::MAX, backlog))?;
@@ -1297,6 +1355,12 @@ fn register_listen(
 }
 
 fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
+    if d.is_iwarp() {
+        if let Some((_, port)) = cma::parse_service_id(sid) {
+            d.iw_unlisten(port, id);
+        }
+        return;
+    }
     let handle = {
         let mut l = sync::lock(&d.listens);
         let Some(entry) = l.get_mut(&sid) else { return };
@@ -1322,7 +1386,7 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
-    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener) = {
+    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener, iwk) = {
         let mut g = sync::lock(&inner.st);
         g.state = State::Destroying;
         (
@@ -1335,12 +1399,17 @@ fn teardown(inner: &Arc<IdInner>) {
             std::mem::take(&mut g.children),
             g.wildcard,
             g.listener.clone(),
+            g.iw.take(),
         )
     };
     // A child leaves its listener's list (the list must not grow with every connection).
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
         sync::lock(&l.st).children.remove(&inner.key);
     }
+    if let (Some(dev), Some(key)) = (&dev, iwk) {
+        iw_destroy(dev, key);
+    }
+    sync::lock(&inner.inbox).clear();
     if let (Some(dev), Some(cep)) = (&dev, cep) {
         sync::lock(&dev.ceps).remove(&cep);
         dev.with_engine(|ep, now| {
@@ -1760,6 +1829,7 @@ pub(crate) fn on_device_added(fabric: &Arc<FabricInner>, dev: &Arc<DeviceInner>)
             if g.state != State::Listen
                 || !l.slot.is_live()
                 || (src.is_ipv4() != dev.ip.is_ipv4() && !src.is_ipv6())
+                || (dev.is_iwarp() && l.ps != PortSpace::Tcp)
             {
                 continue;
             }
@@ -1826,4 +1896,438 @@ pub fn any_addr(v6: bool, port: u16) -> SocketAddr {
     } else {
         SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// iWARP: the same calls over an `iw::Cep` per TCP stream (see `iwarp.rs`).
+
+/// The largest private data of an MPA Request, Reply or reject: Linux's 256 bytes less the
+/// 4 bytes of MPA revision 2's IRD/ORD words (siw_accept's limit). rdma_cm puts no header
+/// in front of it on iWARP (`cma_connect_iw` passes the user's bytes straight to MPA).
+pub const IWARP_PRIVATE_DATA_MAX: usize = rcm_wire::mpa::ENHANCED_USER_MAX;
+
+fn iw_pd(len: usize) -> Result<()> {
+    if len > IWARP_PRIVATE_DATA_MAX {
+        return Err(Error::PrivateDataTooLong {
+            len,
+            max: IWARP_PRIVATE_DATA_MAX,
+        });
+    }
+    Ok(())
+}
+
+fn iw_err(e: iw::CepError, state: State) -> Error {
+    match e {
+        iw::CepError::PrivateDataTooLong { len, max } => Error::PrivateDataTooLong { len, max },
+        iw::CepError::InvalidState(_) => Error::InvalidState(state),
+        e => Error::InvalidArgument(e.to_string().into()),
+    }
+}
+
+/// Ends a stream an id owned: its events stop being routed, and the Cep is destroyed (an
+/// unanswered Request is rejected, an established connection reset: `destroy_cm_id`).
+fn iw_destroy(dev: &Arc<DeviceInner>, key: ConnKey) {
+    if let Some(iw) = &dev.iw {
+        sync::lock(&iw.owners).remove(&key);
+    }
+    dev.iw_cep(key, iw::Cep::destroy);
+}
+
+impl CmId {
+    /// The iWARP device and stream of this id, if it has one.
+    fn iw_conn(&self) -> Result<Option<(Arc<DeviceInner>, ConnKey)>> {
+        let g = self.usable()?;
+        Ok(match (&g.device, g.iw) {
+            (Some(d), Some(k)) if d.is_iwarp() => Some((d.clone(), k)),
+            (Some(d), None) if d.is_iwarp() => return Err(Error::InvalidState(g.state)),
+            _ => None,
+        })
+    }
+
+    /// `rdma_connect` on iWARP (`cma_connect_iw` → `iw_cm_connect`): TCP to the peer's
+    /// port, then an MPA revision-2 Request with the user's private data as is.
+    fn iw_connect(&self, dev: &Arc<DeviceInner>, opts: &ConnectOptions) -> Result<()> {
+        let (dst, qpn) = {
+            let g = self.usable()?;
+            if g.state != State::RouteResolved {
+                return Err(Error::InvalidState(g.state));
+            }
+            if is_ud(self.0.ps) {
+                return Err(Error::InvalidArgument(
+                    "iWARP carries only the TCP port space (no UD)".into(),
+                ));
+            }
+            iw_pd(opts.private_data.len())?;
+            let dst = g.dst.ok_or(Error::InvalidState(g.state))?;
+            (dst, Self::claim_qp(&g, opts.qpn, &self.0.fabric)?)
+        };
+        sync::lock(&self.0.st).state = State::Connect;
+        let max = dev
+            .iw
+            .as_ref()
+            .map_or(128, |i| i.cfg.max_ird.min(i.cfg.max_ord));
+        let p = iw::ConnectParams {
+            ird: u16::from(opts.responder_resources).min(max),
+            ord: u16::from(opts.initiator_depth).min(max),
+            private_data: opts.private_data.clone(),
+            ..iw::ConnectParams::default()
+        };
+        let r = dev.iw_connect(dst, p, Arc::downgrade(&self.0));
+        let mut g = sync::lock(&self.0.st);
+        match r {
+            Ok(k) if g.state == State::Destroying || g.removed => {
+                // Destroyed meanwhile: the teardown did not see this stream; end it here.
+                drop(g);
+                iw_destroy(dev, k);
+                Err(Error::Destroyed)
+            }
+            Ok(k) => {
+                g.iw = Some(k);
+                g.conn.local_qpn = qpn;
+                Ok(())
+            }
+            Err(e) => {
+                if g.state == State::Connect {
+                    g.state = State::RouteResolved;
+                }
+                Self::unclaim_qp(&g);
+                Err(e)
+            }
+        }
+    }
+
+    fn iw_accept(&self, dev: &Arc<DeviceInner>, key: ConnKey, opts: &AcceptOptions) -> Result<()> {
+        {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+                return Err(Error::InvalidState(g.state));
+            }
+            iw_pd(opts.private_data.len())?;
+            Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+        }
+        let p = iw::AcceptParams {
+            ird: u16::from(opts.responder_resources),
+            ord: u16::from(opts.initiator_depth),
+            crc: false,
+            private_data: opts.private_data.clone(),
+        };
+        // `accept` queues the Reply and (no peer-to-peer mode) the Cep's ESTABLISHED, which
+        // is routed to this id behind any event already queued for it.
+        let r = dev.iw_cep(key, |c, now| c.accept(now, &p));
+        let mut g = sync::lock(&self.0.st);
+        match r {
+            Some(Ok(())) => {
+                g.conn.accepted = true;
+                Ok(())
+            }
+            Some(Err(e)) => {
+                Self::unclaim_qp(&g);
+                Err(iw_err(e, g.state))
+            }
+            // The stream is already gone (the peer closed it): `Disconnected` is queued.
+            None => {
+                Self::unclaim_qp(&g);
+                Err(Error::InvalidState(State::Disconnect))
+            }
+        }
+    }
+
+    fn iw_reject(&self, dev: &Arc<DeviceInner>, key: ConnKey, pd: &[u8]) -> Result<()> {
+        {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+                return Err(Error::InvalidState(g.state));
+            }
+            iw_pd(pd.len())?;
+        }
+        // An MPA Reply with R set and the private data, then FIN (`siw_reject`); the iw_cm
+        // generates no event for it.
+        let r = dev.iw_cep(key, |c, now| c.reject(now, pd));
+        let mut g = sync::lock(&self.0.st);
+        match r {
+            Some(Ok(())) => {
+                if g.state == State::Connect {
+                    g.state = State::Disconnect;
+                }
+                Ok(())
+            }
+            Some(Err(e)) => Err(iw_err(e, g.state)),
+            None => Err(Error::InvalidState(State::Disconnect)),
+        }
+    }
+
+    fn iw_disconnect(&self, dev: &Arc<DeviceInner>, key: ConnKey) -> Result<()> {
+        {
+            let g = self.usable()?;
+            if g.state != State::Established {
+                return Err(Error::InvalidState(g.state));
+            }
+        }
+        // Graceful: FIN after what is queued; `Disconnected` once the peer's FIN is in
+        // (`iw_cm_disconnect(abrupt = 0)`).
+        match dev.iw_cep(key, iw::Cep::disconnect) {
+            Some(Ok(())) => {}
+            Some(Err(e)) => return Err(iw_err(e, State::Disconnect)),
+            None => return Err(Error::InvalidState(State::Disconnect)),
+        }
+        let mut g = sync::lock(&self.0.st);
+        if g.state == State::Established {
+            g.state = State::Disconnect;
+        }
+        Ok(())
+    }
+
+    /// Sends one message over an established iWARP connection: an RDMAP Send, framed in
+    /// MPA FPDUs on the TCP stream (split into DDP segments when long). The peer gets it from
+    /// [`CmId::recv_message`]. On RoCE (rcm does not carry RoCE's data path), on a daemon's
+    /// id, and on a connection that is not established this fails, sending nothing.
+    pub fn send(&self, msg: &[u8]) -> Result<()> {
+        if self.0.remote.get().is_some() {
+            return Err(Error::InvalidArgument(
+                "messages are not carried through a provider".into(),
+            ));
+        }
+        let (dev, key) = {
+            let g = self.usable()?;
+            match (&g.device, g.iw) {
+                (Some(d), Some(k)) if d.is_iwarp() => {
+                    if g.state != State::Established {
+                        return Err(Error::InvalidState(g.state));
+                    }
+                    (d.clone(), k)
+                }
+                (Some(d), None) if d.is_iwarp() => return Err(Error::InvalidState(g.state)),
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "send needs an iWARP connection (rcm has no RoCE data path)".into(),
+                    ))
+                }
+            }
+        };
+        match dev.iw_cep(key, |c, now| c.send(now, msg)) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(iw_err(e, self.state())),
+            None => Err(Error::InvalidState(State::Disconnect)),
+        }
+    }
+
+    /// The next message the peer sent ([`CmId::send`]), waiting up to `timeout`. Messages are
+    /// kept in arrival order until taken (not events: they need no ack and do not hold the
+    /// id); those not taken are dropped when the id is destroyed.
+    pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
+        let end = std::time::Instant::now() + timeout;
+        let mut q = sync::lock(&self.0.inbox);
+        loop {
+            if let Some(m) = q.pop_front() {
+                return Some(m);
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || !self.0.slot.is_live() {
+                return None;
+            }
+            q = sync::wait_timeout(&self.0.inbox_cv, q, left);
+        }
+    }
+
+    /// The next message already received, if any.
+    pub fn try_recv_message(&self) -> Option<Vec<u8>> {
+        sync::lock(&self.0.inbox).pop_front()
+    }
+}
+
+/// An event of an iWARP stream: a new connect request, or what it does to the id owning the
+/// stream (`cma_iw_handler`'s mapping).
+pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
+    let Some(iwd) = dev.iw.as_ref() else { return };
+    let ev = match ev {
+        IwEvent::Request { port, peer, req } => {
+            return on_iw_connect_request(dev, key, port, peer, req);
+        }
+        ev => ev,
+    };
+    let id = sync::lock(&iwd.owners).get(&key).and_then(Weak::upgrade);
+    let Some(id) = id else { return };
+    let out = {
+        let mut g = sync::lock(&id.st);
+        if g.removed {
+            // After DeviceRemoval only destroy is valid: no event, no state change.
+            return;
+        }
+        match ev {
+            // Routed above; a Cep's own request is always turned into one.
+            IwEvent::Request { .. } | IwEvent::Cep(iw::Event::ConnectRequest(_)) => None,
+            IwEvent::ConnectFailed(kind) => {
+                if g.state != State::Connect {
+                    return;
+                }
+                g.state = State::Disconnect;
+                CmId::unclaim_qp(&g);
+                // Nobody listens on that TCP port: the RST is what IB's REJ "invalid service
+                // ID" is on RoCE, and rdma_cm reports -ECONNREFUSED as REJECTED.
+                Some(if kind == std::io::ErrorKind::ConnectionRefused {
+                    Event::Rejected {
+                        reason: RejReason::InvalidServiceId,
+                        private_data: Vec::new(),
+                    }
+                } else {
+                    Event::Unreachable(Unreachable::Timeout)
+                })
+            }
+            IwEvent::Cep(iw::Event::ConnectReply(reply)) => {
+                if g.state != State::Connect {
+                    return;
+                }
+                Some(match reply {
+                    iw::ConnectReply::Accepted(neg) => {
+                        // `cm_conn_rep_handler`: status 0 is ESTABLISHED at once, carrying the
+                        // Reply's private data.
+                        g.state = State::Established;
+                        g.conn.responder_resources = u8::try_from(neg.ird).unwrap_or(u8::MAX);
+                        g.conn.initiator_depth = u8::try_from(neg.ord).unwrap_or(u8::MAX);
+                        Event::Established {
+                            ud: None,
+                            private_data: neg.private_data,
+                        }
+                    }
+                    iw::ConnectReply::Rejected { private_data, .. } => {
+                        g.state = State::Disconnect;
+                        CmId::unclaim_qp(&g);
+                        Event::Rejected {
+                            reason: RejReason::ConsumerDefined,
+                            private_data,
+                        }
+                    }
+                    iw::ConnectReply::Error(e) => {
+                        g.state = State::Disconnect;
+                        CmId::unclaim_qp(&g);
+                        // `cma_iw_handler`: -ETIMEDOUT → UNREACHABLE, -ECONNRESET →
+                        // REJECTED, anything else → CONNECT_ERROR.
+                        match e {
+                            iw::ConnectError::Timeout => Event::Unreachable(Unreachable::Timeout),
+                            iw::ConnectError::PeerClosed | iw::ConnectError::Reset => {
+                                Event::Rejected {
+                                    reason: RejReason::ConsumerDefined,
+                                    private_data: Vec::new(),
+                                }
+                            }
+                            iw::ConnectError::Protocol(p) => {
+                                Event::ConnectError(Error::Io(format!("MPA protocol error: {p:?}")))
+                            }
+                        }
+                    }
+                })
+            }
+            IwEvent::Cep(iw::Event::Established(_)) => {
+                if g.state != State::Connect {
+                    return;
+                }
+                g.state = State::Established;
+                Some(Event::Established {
+                    ud: None,
+                    private_data: Vec::new(),
+                })
+            }
+            IwEvent::Cep(iw::Event::Disconnect) => {
+                // `cm_disconnect_handler`: ESTABLISHED → CLOSING, no upcall; the CLOSE that
+                // follows is what rdma_cm reports.
+                if g.state == State::Established {
+                    g.state = State::Disconnect;
+                }
+                None
+            }
+            IwEvent::Cep(iw::Event::Close(_)) => {
+                // Also for a request that was never answered or accepted: the peer gave up,
+                // and rdma_cm reports CLOSE as DISCONNECTED whatever the state.
+                if !matches!(
+                    g.state,
+                    State::Connect | State::Established | State::Disconnect
+                ) || g.disconnected_reported
+                {
+                    return;
+                }
+                g.state = State::Disconnect;
+                g.disconnected_reported = true;
+                CmId::unclaim_qp(&g);
+                Some(Event::Disconnected)
+            }
+            IwEvent::Cep(iw::Event::Message(m)) => {
+                drop(g);
+                sync::lock(&id.inbox).push_back(m);
+                id.inbox_cv.notify_all();
+                None
+            }
+        }
+    };
+    if let Some(ev) = out {
+        id.slot.push(ev);
+    }
+}
+
+/// A valid MPA Request arrived on a stream accepted on TCP `port`: find the rdma_cm listener
+/// (`iw_conn_req_handler`), build the child completely, join it to the listener while that
+/// still listens, publish it, then deliver `ConnectRequest` on it. Without a listener the
+/// Request is rejected (MPA Reply with R).
+fn on_iw_connect_request(
+    dev: &Arc<DeviceInner>,
+    key: ConnKey,
+    port: u16,
+    peer: SocketAddr,
+    req: iw::ConnectRequest,
+) {
+    let Some(iwd) = dev.iw.as_ref() else { return };
+    let refuse = |dev: &Arc<DeviceInner>| {
+        dev.iw_cep(key, |c, now| {
+            let _ = c.reject(now, &[]);
+        });
+    };
+    let candidates: Vec<Arc<IdInner>> = sync::lock(&iwd.listens)
+        .get(&port)
+        .map(|(_, ids)| ids.iter().filter_map(Weak::upgrade).collect())
+        .unwrap_or_default();
+    let Some(lst) = candidates.into_iter().find(|l| l.slot.is_live()) else {
+        return refuse(dev);
+    };
+    let Some(target) = lst.slot_target() else {
+        return refuse(dev);
+    };
+    let child = build(&lst.fabric, lst.ps, target);
+    let param = ConnParam {
+        responder_resources: req.ird.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
+        initiator_depth: req.ord.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
+        ..ConnParam::default()
+    };
+    {
+        let mut g = sync::lock(&child.0.st);
+        g.state = State::Connect;
+        g.src = Some(SocketAddr::new(dev.ip, port));
+        g.dst = Some(peer);
+        g.device = Some(dev.clone());
+        g.iw = Some(key);
+        g.listener = Some(Arc::downgrade(&lst));
+        g.request_unseen = true;
+        g.conn.responder_resources = param.initiator_depth;
+        g.conn.initiator_depth = param.responder_resources;
+    }
+    {
+        let mut g = sync::lock(&lst.st);
+        if g.state != State::Listen
+            || !lst.slot.is_live()
+            || dev.removed.load(std::sync::atomic::Ordering::SeqCst)
+        {
+            drop(g);
+            sync::lock(&child.0.st).request_unseen = false;
+            // The child's teardown rejects the Request (the Cep is still unanswered).
+            drop(child.begin_destroy());
+            return;
+        }
+        g.children.insert(child.0.key, Arc::downgrade(&child.0));
+    }
+    publish(&child);
+    sync::lock(&iwd.owners).insert(key, Arc::downgrade(&child.0));
+    child.0.slot.push(Event::ConnectRequest {
+        listener: CmId(lst),
+        private_data: req.private_data,
+        param,
+        ud: false,
+    });
 }

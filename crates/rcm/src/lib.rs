@@ -1,7 +1,9 @@
 //! rcm: the connection-manager library applications use.
 //!
 //! A [`Fabric`] holds RoCEv2 devices (a UDP socket on port 4791 of a local address each,
-//! running the `rcm-proto` engine) and the rdma_cm layer over them: [`CmId`]s with address and
+//! running the `rcm-proto` engine) and iWARP devices (TCP on the rdma_cm port, an
+//! `rcm_proto::iw::Cep` per stream, see [`Fabric::add_iwarp_device`]), and the rdma_cm layer
+//! over both: [`CmId`]s with address and
 //! route resolution, port spaces, listen (wildcard across devices), connect, accept, reject,
 //! disconnect and QP attribute hand-off. Events reach the user either through a handler
 //! (one call at a time per id, in order, returning [`Flow`]) or an [`EventChannel`].
@@ -35,6 +37,8 @@ mod fabric;
 #[cfg(not(loom))]
 mod id;
 #[cfg(not(loom))]
+mod iwarp;
+#[cfg(not(loom))]
 mod ports;
 #[cfg(not(loom))]
 pub mod remote;
@@ -54,7 +58,7 @@ pub use fabric::{Device, Fabric, FabricConfig, Removal};
 #[cfg(not(loom))]
 pub use id::{
     any_addr, AcceptOptions, ChannelEvent, CmId, ConnectOptions, DestroyHandle, EventChannel,
-    Handler, QpAttr, QpState, State,
+    Handler, QpAttr, QpState, State, IWARP_PRIVATE_DATA_MAX,
 };
 #[cfg(not(loom))]
 pub use ports::EPHEMERAL;

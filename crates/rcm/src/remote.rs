@@ -164,13 +164,11 @@ impl Sink {
         param: ConnParam,
         ud: bool,
     ) -> Option<Sink> {
-        match self.0.upgrade() {
-            Some(l) => crate::id::remote_connect_request(&l, child, private_data, param, ud),
-            None => {
-                child.release();
-                None
-            }
-        }
+        let Some(l) = self.0.upgrade() else {
+            child.release();
+            return None;
+        };
+        crate::id::remote_connect_request(&l, child, private_data, param, ud)
     }
 
     /// Whether the id still takes events.

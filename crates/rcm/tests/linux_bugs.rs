@@ -871,7 +871,9 @@ fn ops() -> Vec<(&'static str, Op)> {
             if id.begin_destroy().wait_for(T) {
                 Ok(())
             } else {
-                Err(Error::InvalidArgument("begin_destroy never completed".into()))
+                Err(Error::InvalidArgument(
+                    "begin_destroy never completed".into(),
+                ))
             }
         }),
     ]

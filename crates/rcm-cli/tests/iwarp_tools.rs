@@ -1,0 +1,242 @@
+//! `rcm bench` and `rcm ping` with `--transport iwarp`: iWARP devices (MPA over TCP) on
+//! loopback, run as the binary. Each test has its own TCP (rdma_cm) and UDP ports in
+//! 28010..=28029.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn rcm(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(args)
+        .output()
+        .expect("run rcm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bench_iwarp_local_runs_every_cmtime_step() {
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--transport",
+        "iwarp",
+        "-c",
+        "100",
+        "-p",
+        "28010",
+        "--udp-port",
+        "28011",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for step in [
+        "create id",
+        "resolve addr",
+        "resolve route",
+        "cm connect",
+        "establish",
+        "disconnect",
+        "destroy id",
+    ] {
+        assert!(out.contains(step), "missing step {step}: {out}");
+    }
+    assert!(out.contains("established 100/100  errors 0"), "{out}");
+}
+
+#[test]
+fn bench_iwarp_serial() {
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--transport",
+        "iwarp",
+        "--serial",
+        "-c",
+        "10",
+        "-p",
+        "28012",
+        "--udp-port",
+        "28013",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("established 10/10  errors 0"), "{out}");
+}
+
+#[test]
+fn ping_iwarp_both_roles_exchanges_private_data_and_messages() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "-c",
+        "3",
+        "-p",
+        "28014",
+        "--udp-port",
+        "28015",
+        "--private-data",
+        "iw-data",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(
+            "both: 3 of 3 established, 3 disconnected, 0 rejected, private data matched 6 time(s)"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("message exchanged: sent \"ping iw-data\", received \"pong iw-data\""),
+        "{out}"
+    );
+    assert!(
+        out.contains("messages over the iWARP stream matched 6 of 6"),
+        "{out}"
+    );
+}
+
+#[test]
+fn ping_iwarp_split_server_and_client() {
+    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "ping",
+            "--transport",
+            "iwarp",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "-c",
+            "2",
+            "-p",
+            "28016",
+            "--udp-port",
+            "28017",
+            "--timeout",
+            "30",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start server");
+    // The client retries until the server listens (TCP refused → REJECTED in between).
+    let mut client = None;
+    for _ in 0..100 {
+        let r = rcm(&[
+            "ping",
+            "--transport",
+            "iwarp",
+            "--connect",
+            "127.0.0.1",
+            "--bind",
+            "127.0.0.2",
+            "-c",
+            "2",
+            "-p",
+            "28016",
+            "--udp-port",
+            "28018",
+            "--timeout",
+            "30",
+        ]);
+        if r.0 == 0 {
+            client = Some(r);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, cout, _) = client.expect("the client never succeeded");
+    let s = server.wait_with_output().expect("server exits");
+    let sout = String::from_utf8_lossy(&s.stdout);
+    assert_eq!(s.status.code(), Some(0), "{sout}");
+    assert!(
+        cout.contains("client: 2 of 2 established, 2 disconnected"),
+        "{cout}"
+    );
+    assert!(
+        cout.contains("messages over the iWARP stream matched 2 of 2"),
+        "{cout}"
+    );
+    assert!(
+        sout.contains("server: 2 of 2 established, 2 disconnected"),
+        "{sout}"
+    );
+    assert!(
+        sout.contains("messages over the iWARP stream matched 2 of 2"),
+        "{sout}"
+    );
+}
+
+#[test]
+fn ping_iwarp_reject_carries_private_data() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--reject",
+        "-p",
+        "28019",
+        "--udp-port",
+        "28020",
+        "--private-data",
+        "nope",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("rejected, reason 28 (ConsumerDefined)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("1 rejected, private data matched 2 time(s)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn ping_iwarp_without_server_is_rejected() {
+    // Nobody listens on TCP 127.0.0.1:28021: the RST is IB's "invalid service ID" (8).
+    let (code, out, _) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--connect",
+        "127.0.0.1",
+        "-p",
+        "28021",
+        "--udp-port",
+        "28022",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("rejected, reason 8 (InvalidServiceId)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn ping_iwarp_usage_errors() {
+    let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--ps", "udp", "-p", "28023"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("iWARP"), "{err}");
+    let long = "x".repeat(253);
+    let (code, _, err) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "-p",
+        "28024",
+        "--private-data",
+        &long,
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("at most 252"), "{err}");
+}

@@ -1,0 +1,101 @@
+//! What the daemon hop costs: one command round trip (`state()` = Query) through the daemon
+//! against the same call in-process, and a whole connect/accept/disconnect cycle both ways.
+#![allow(missing_docs)] // criterion's macros generate undocumented items
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace};
+use rcm_ucm::{Daemon, DaemonConfig};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, last])
+}
+
+fn cfg(port: u16) -> FabricConfig {
+    FabricConfig {
+        udp_port: port,
+        ..FabricConfig::default()
+    }
+}
+
+fn wait(ch: &EventChannel) -> Event {
+    let mut e = ch
+        .get_event(Some(Duration::from_secs(10)))
+        .expect("event within 10 s");
+    e.take().expect("event")
+}
+
+/// One connect → accept → establish → disconnect cycle between a server and a client id.
+fn cycle(client: &Fabric, sch: &EventChannel, port: u16) {
+    let cch = EventChannel::new();
+    let c = client.create_id_on(PortSpace::Tcp, &cch);
+    c.resolve_addr(None, SocketAddr::new(ip(1), port)).unwrap();
+    assert!(matches!(wait(&cch), Event::AddrResolved));
+    c.resolve_route().unwrap();
+    assert!(matches!(wait(&cch), Event::RouteResolved));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let req = sch
+        .get_event(Some(Duration::from_secs(10)))
+        .expect("request");
+    let child = req.id().clone();
+    drop(req);
+    child.accept(&AcceptOptions::default()).unwrap();
+    assert!(matches!(wait(&cch), Event::ConnectResponse { .. }));
+    c.establish().unwrap();
+    assert!(matches!(wait(&cch), Event::Established { .. }));
+    assert!(matches!(wait(sch), Event::Established { .. }));
+    c.disconnect().unwrap();
+    assert!(matches!(wait(&cch), Event::Disconnected));
+    assert!(matches!(wait(sch), Event::Disconnected));
+    c.destroy().unwrap();
+    child.destroy().unwrap();
+}
+
+fn bench(c: &mut Criterion) {
+    let sock = std::env::temp_dir().join(format!("rcm-ucm-bench-{}.sock", std::process::id()));
+    let mut dc = DaemonConfig::new(&sock, vec![ip(1), ip(2)]);
+    dc.fabric = cfg(47901);
+    let d = Daemon::start(dc).expect("daemon");
+    let remote_s = rcm_ucm::fabric(d.socket()).expect("session");
+    let remote_c = rcm_ucm::fabric(d.socket()).expect("session");
+    let local = Fabric::loopback_with(2, cfg(47902)).expect("devices");
+
+    let mut g = c.benchmark_group("hop");
+    let lid = local.create_id_on(PortSpace::Tcp, &EventChannel::new());
+    g.bench_function("query in-process", |b| b.iter(|| lid.state()));
+    let rid = remote_c.create_id_on(PortSpace::Tcp, &EventChannel::new());
+    g.bench_function("query through daemon", |b| b.iter(|| rid.state()));
+    g.bench_function("create+destroy id through daemon", |b| {
+        b.iter(|| {
+            let id = remote_c.create_id_on(PortSpace::Tcp, &EventChannel::new());
+            id.destroy().unwrap();
+        });
+    });
+
+    for (name, s, cl, port) in [
+        ("cycle in-process", &local, &local, 7801u16),
+        ("cycle through daemon", &remote_s, &remote_c, 7802),
+    ] {
+        let sch = EventChannel::new();
+        let l = s.create_id_on(PortSpace::Tcp, &sch);
+        l.bind(SocketAddr::new(ip(1), port)).unwrap();
+        l.listen(64).unwrap();
+        g.bench_function(name, |b| b.iter(|| cycle(cl, &sch, port)));
+        l.destroy().unwrap();
+    }
+    g.finish();
+    lid.destroy().unwrap();
+    rid.destroy().unwrap();
+    remote_s.shutdown();
+    remote_c.shutdown();
+    local.shutdown();
+    d.shutdown();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(Duration::from_secs(3));
+    targets = bench
+}
+criterion_main!(benches);

@@ -1,0 +1,287 @@
+//! Helpers shared by `tests/sessions.rs` and `tests/proto_fuzz.rs`: daemons on loopback with
+//! a UDP port of their own, raw-session shorthands, rcm-API dialing and leak checks.
+#![allow(dead_code)]
+
+use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace};
+use rcm_proto::ib::RetryPolicy;
+use rcm_ucm::proto::{Answer, Command, Limits, Message, SessionStats, WireError};
+use rcm_ucm::raw::RawSession;
+use rcm_ucm::{Daemon, DaemonConfig};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// How long any single wait in these tests may take.
+pub const T: Duration = Duration::from_secs(10);
+
+/// A socket path of this process and test.
+pub fn sock(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("rcm-ucm-t-{}-{name}.sock", std::process::id()))
+}
+
+/// 127.0.0.`last`.
+pub fn ip(last: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, last])
+}
+
+/// 127.0.0.`last`:`port`.
+pub fn sa(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(last), port)
+}
+
+/// An IPv6 destination no daemon device has: `resolve_addr` to it queues one `AddrError`.
+pub fn nowhere() -> SocketAddr {
+    "[fd00::1]:1".parse().expect("address")
+}
+
+/// A daemon configuration on 127.0.0.`binds` with UDP port `port` and short CM retries.
+pub fn config(name: &str, port: u16, binds: &[u8]) -> DaemonConfig {
+    let mut cfg = DaemonConfig::new(sock(name), binds.iter().map(|b| ip(*b)).collect());
+    cfg.fabric = FabricConfig {
+        udp_port: port,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        dispatcher_threads: 4,
+        ..FabricConfig::default()
+    };
+    cfg
+}
+
+/// Like [`config`], with retries slow enough (first after 2 s, give up after 20 s) that a
+/// REQ nobody answers never times out within a test.
+pub fn config_patient(name: &str, port: u16, binds: &[u8]) -> DaemonConfig {
+    let mut cfg = config(name, port, binds);
+    cfg.fabric.retry = RetryPolicy::Backoff {
+        initial: Duration::from_secs(2),
+        max_wait: Duration::from_secs(5),
+        deadline: Duration::from_secs(20),
+    };
+    cfg
+}
+
+/// A started daemon (see [`config`]).
+pub fn daemon(name: &str, port: u16, binds: &[u8]) -> Daemon {
+    Daemon::start(config(name, port, binds)).expect("daemon starts")
+}
+
+/// A started daemon with these limits.
+pub fn daemon_with_limits(name: &str, port: u16, binds: &[u8], limits: Limits) -> Daemon {
+    let mut cfg = config(name, port, binds);
+    cfg.limits = limits;
+    Daemon::start(cfg).expect("daemon starts")
+}
+
+/// Polls `f` every 10 ms until it holds; panics with `what()` after `T`.
+pub fn wait_until(mut f: impl FnMut() -> bool, what: impl Fn() -> String) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < T, "timed out waiting: {}", what());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until the daemon holds exactly `held` ids for its sessions and its fabric has
+/// exactly `live` live ids.
+pub fn wait_ids(d: &Daemon, held: usize, live: usize) {
+    wait_until(
+        || d.held_ids() == held && d.fabric().live_ids() == live,
+        || {
+            format!(
+                "daemon holds {} ids (want {held}), fabric has {} live (want {live})",
+                d.held_ids(),
+                d.fabric().live_ids()
+            )
+        },
+    );
+}
+
+/// The next channel event within `T`.
+pub fn next(ch: &EventChannel) -> rcm::ChannelEvent {
+    ch.get_event(Some(T)).expect("an event within 10 s")
+}
+
+/// A listener bound to `addr` with its channel.
+pub fn listen(f: &Fabric, addr: SocketAddr) -> (rcm::CmId, EventChannel) {
+    let ch = EventChannel::new();
+    let l = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    l.bind(addr).expect("bind");
+    l.listen(16).expect("listen");
+    (l, ch)
+}
+
+/// Active side up to a sent REQ.
+pub fn dial(f: &Fabric, ch: &EventChannel, dst: SocketAddr, pd: &[u8]) -> rcm::CmId {
+    let c = f.try_create_id_on(PortSpace::Tcp, ch).expect("create");
+    c.resolve_addr(None, dst).expect("resolve_addr");
+    let ev = next(ch);
+    assert!(matches!(ev.event(), Event::AddrResolved), "{ev:?}");
+    drop(ev);
+    c.resolve_route().expect("resolve_route");
+    let ev = next(ch);
+    assert!(matches!(ev.event(), Event::RouteResolved), "{ev:?}");
+    drop(ev);
+    c.connect(&ConnectOptions {
+        private_data: pd.to_vec(),
+        ..ConnectOptions::default()
+    })
+    .expect("connect");
+    c
+}
+
+/// Accepts the next connect request on `lch`; returns the child id.
+pub fn accept_next(lch: &EventChannel, pd: &[u8]) -> rcm::CmId {
+    let req = next(lch);
+    assert!(
+        matches!(req.event(), Event::ConnectRequest { .. }),
+        "expected a connect request, got {req:?}"
+    );
+    let child = req.id().clone();
+    drop(req);
+    child
+        .accept(&AcceptOptions {
+            private_data: pd.to_vec(),
+            ..AcceptOptions::default()
+        })
+        .expect("accept");
+    child
+}
+
+/// The active side's ConnectResponse then RTU, and both sides' Established.
+pub fn finish_connect(c: &rcm::CmId, cch: &EventChannel, sch: &EventChannel) {
+    let rep = next(cch);
+    assert!(
+        matches!(rep.event(), Event::ConnectResponse { .. }),
+        "expected ConnectResponse, got {rep:?}"
+    );
+    drop(rep);
+    c.establish().expect("establish");
+    let e = next(sch);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    let e = next(cch);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+}
+
+/// A full connect / accept / private data / disconnect / destroy round trip between two new
+/// client sessions of the daemon at `d`, through a listener at `addr`.
+pub fn round_trip(d: &Daemon, addr: SocketAddr) {
+    let server = rcm_ucm::fabric(d.socket()).expect("server session");
+    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    let (l, sch) = listen(&server, addr);
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, addr, b"round trip");
+    let req = next(&sch);
+    let child = req.id().clone();
+    match req.event() {
+        Event::ConnectRequest { private_data, .. } => {
+            assert_eq!(&private_data[..10], b"round trip");
+        }
+        other => panic!("expected a connect request, got {other:?}"),
+    }
+    drop(req);
+    child
+        .accept(&AcceptOptions {
+            private_data: b"back".to_vec(),
+            ..AcceptOptions::default()
+        })
+        .expect("accept");
+    let rep = next(&cch);
+    match rep.event() {
+        Event::ConnectResponse { private_data, .. } => assert_eq!(&private_data[..4], b"back"),
+        other => panic!("expected ConnectResponse, got {other:?}"),
+    }
+    drop(rep);
+    c.establish().expect("establish");
+    let e = next(&sch);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    let e = next(&cch);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    c.disconnect().expect("disconnect");
+    let e = next(&cch);
+    assert!(matches!(e.event(), Event::Disconnected), "{e:?}");
+    drop(e);
+    let e = next(&sch);
+    assert!(matches!(e.event(), Event::Disconnected), "{e:?}");
+    drop(e);
+    for id in [c, child, l] {
+        assert_eq!(id.destroy(), Ok(rcm::DestroyOutcome::Done));
+    }
+    server.shutdown();
+    client.shutdown();
+}
+
+// ---------------------------------------------------------------------------------------
+// Raw sessions
+
+/// A raw session that said Hello; with its token.
+pub fn raw(d: &Daemon) -> (RawSession, u64) {
+    let (s, token) = RawSession::open(d.socket()).expect("raw session");
+    s.set_timeout(T).expect("timeout");
+    (s, token)
+}
+
+/// `CreateId(Tcp)`; the handle.
+pub fn create(s: &mut RawSession) -> u32 {
+    match s.call(&Command::CreateId(PortSpace::Tcp)).expect("reply") {
+        Message::Ok(Answer::Handle(h)) => h,
+        m => panic!("CreateId answered {m:?}"),
+    }
+}
+
+/// A command that must succeed; its answer.
+pub fn ok(s: &mut RawSession, cmd: &Command) -> Answer {
+    match s.call(cmd).expect("reply") {
+        Message::Ok(a) => a,
+        m => panic!("{cmd:?} answered {m:?}"),
+    }
+}
+
+/// A command that must fail; its error.
+pub fn err(s: &mut RawSession, cmd: &Command) -> WireError {
+    match s.call(cmd).expect("reply") {
+        Message::Err(e) => e,
+        m => panic!("{cmd:?} answered {m:?}, expected an error"),
+    }
+}
+
+/// The session's counters.
+pub fn stats(s: &mut RawSession) -> SessionStats {
+    match ok(s, &Command::Stats) {
+        Answer::Stats(st) => st,
+        a => panic!("Stats answered {a:?}"),
+    }
+}
+
+/// Polls the session's counters until `f` holds.
+pub fn wait_stats(s: &mut RawSession, f: impl Fn(&SessionStats) -> bool, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let st = stats(s);
+        if f(&st) {
+            return;
+        }
+        assert!(t0.elapsed() < T, "timed out waiting for {what}: {st:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Asserts no message arrives within `d`.
+pub fn assert_silent(s: &mut RawSession, d: Duration) {
+    s.set_timeout(d).expect("timeout");
+    match s.recv() {
+        Ok(m) => panic!("unexpected message {m:?}"),
+        Err(e) => assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+            "read failed: {e}"
+        ),
+    }
+    s.set_timeout(T).expect("timeout");
+}

@@ -1,0 +1,592 @@
+//! An iWARP CM port: TCP on one local address, one `rcm_proto::iw::Cep` per stream, and an I/O
+//! thread running a `mio` event loop over the device's listeners and streams.
+//!
+//! It mirrors the RoCEv2 driver (`device.rs`): every command and every input runs under the
+//! engine lock (the streams, their Ceps and the listening sockets), the bytes a Cep queued are
+//! written and its socket actions applied before the lock is released, and its events are
+//! queued in Cep order while the lock is still held. One thread at a time then routes that
+//! queue to the ids, with no engine lock held, so user code never runs under it and the events
+//! of one stream reach its id in order.
+//!
+//! As Linux's siw and iw_cm do, an rdma_cm listener on port P listens on TCP `ip:P`; an active
+//! side connects to `dst:P` from an ephemeral local port of its device's address, and sends
+//! the MPA Request once the TCP connect completed.
+
+use crate::device::DeviceInner;
+use crate::id::IdInner;
+use crate::sync;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
+use rcm_proto::iw::{self, Cep, CepConfig, TcpAction};
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// Names one TCP stream of a device (also its mio token). Never reused.
+pub(crate) type ConnKey = usize;
+
+/// The rdma_cm listeners of one TCP port, and the key of its listening socket.
+type PortListeners = (ConnKey, Vec<Weak<IdInner>>);
+
+const WAKER: Token = Token(0);
+
+/// What the driver reports for a stream, to be routed to its id.
+#[derive(Debug)]
+pub(crate) enum IwEvent {
+    /// An event of the stream's Cep.
+    Cep(iw::Event),
+    /// Passive: a valid MPA Request arrived on a stream accepted on TCP port `port`.
+    Request {
+        port: u16,
+        peer: SocketAddr,
+        req: iw::ConnectRequest,
+    },
+    /// Active: the TCP connect failed (refused: nobody listens on that port).
+    ConnectFailed(ErrorKind),
+}
+
+struct Conn {
+    cep: Cep,
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// Active: the TCP connect is still in flight; the MPA Request waits for it.
+    connecting: Option<iw::ConnectParams>,
+    /// Bytes the socket did not take yet.
+    out: Vec<u8>,
+    /// Socket actions due once `out` is written.
+    after: VecDeque<TcpAction>,
+    /// Passive: the TCP port it was accepted on.
+    listen_port: Option<u16>,
+    /// The socket is closed (or reset): the entry goes once drained.
+    done: bool,
+}
+
+struct Listener {
+    sock: TcpListener,
+    port: u16,
+}
+
+/// The streams and listeners of one device, behind its engine lock.
+pub(crate) struct IwEngine {
+    conns: HashMap<ConnKey, Conn>,
+    listeners: HashMap<ConnKey, Listener>,
+    next: ConnKey,
+    /// Events in order, moved to the routing queue before the lock is released.
+    events: Vec<(ConnKey, IwEvent)>,
+}
+
+#[derive(Default)]
+struct Pending {
+    events: VecDeque<(ConnKey, IwEvent)>,
+    routing: bool,
+}
+
+/// The iWARP part of a device.
+pub(crate) struct IwDev {
+    pub cfg: CepConfig,
+    engine: Mutex<IwEngine>,
+    registry: Registry,
+    waker: Waker,
+    /// The id each stream belongs to (inserted under the engine lock, before any of the
+    /// stream's events can be routed).
+    pub owners: Mutex<HashMap<ConnKey, Weak<IdInner>>>,
+    /// rdma_cm listeners by TCP port, and the listening socket's key.
+    pub listens: Mutex<HashMap<u16, PortListeners>>,
+    pending: Mutex<Pending>,
+    stop: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The poll, until the I/O thread takes it.
+    poll: Mutex<Option<Poll>>,
+}
+
+impl IwDev {
+    pub(crate) fn new(cfg: CepConfig) -> crate::Result<Self> {
+        let poll = Poll::new()?;
+        let registry = poll.registry().try_clone()?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        Ok(IwDev {
+            cfg,
+            engine: Mutex::new(IwEngine {
+                conns: HashMap::new(),
+                listeners: HashMap::new(),
+                next: 1,
+                events: Vec::new(),
+            }),
+            registry,
+            waker,
+            owners: Mutex::new(HashMap::new()),
+            listens: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Pending::default()),
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+            poll: Mutex::new(Some(poll)),
+        })
+    }
+
+    /// Starts the I/O thread (once the device is built).
+    pub(crate) fn start(dev: &Arc<DeviceInner>) -> crate::Result<()> {
+        let Some(iw) = dev.iw.as_ref() else {
+            return Ok(());
+        };
+        let Some(poll) = sync::lock(&iw.poll).take() else {
+            return Ok(());
+        };
+        let weak = Arc::downgrade(dev);
+        let h = std::thread::Builder::new()
+            .name(format!("rcm-iw-{}", dev.ip))
+            .spawn(move || io_loop(&weak, poll))
+            .map_err(|e| crate::Error::Io(e.to_string()))?;
+        *sync::lock(&iw.thread) = Some(h);
+        Ok(())
+    }
+
+    /// Stops the I/O thread and closes every socket (after removal, or at shutdown).
+    pub(crate) fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.waker.wake();
+        let h = sync::lock(&self.thread).take();
+        if let Some(h) = h {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        let mut e = sync::lock(&self.engine);
+        for (_, c) in e.conns.drain() {
+            reset(&c.stream);
+        }
+        e.listeners.clear();
+        e.events.clear();
+        drop(e);
+        sync::lock(&self.listens).clear();
+    }
+
+    /// Streams still held (for leak checks).
+    pub(crate) fn conn_count(&self) -> usize {
+        sync::lock(&self.engine).conns.len()
+    }
+}
+
+/// Sets `SO_LINGER` 0 so that closing the socket resets the connection (RST), as siw does
+/// when the QP goes to error.
+fn reset(s: &TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
+
+impl IwEngine {
+    fn new_key(&mut self) -> ConnKey {
+        self.next += 1;
+        self.next
+    }
+
+    /// Runs `f` on a stream's Cep, then drives the stream.
+    pub(crate) fn with_cep<R>(
+        &mut self,
+        key: ConnKey,
+        now: Instant,
+        registry: &Registry,
+        f: impl FnOnce(&mut Cep) -> R,
+    ) -> Option<R> {
+        let c = self.conns.get_mut(&key)?;
+        let r = f(&mut c.cep);
+        self.drive(key, now, registry);
+        Some(r)
+    }
+
+    /// Moves what the Cep produced: bytes to the socket, actions once the bytes are out,
+    /// events to the queue. A write error is the end of the stream for the Cep.
+    fn drive(&mut self, key: ConnKey, now: Instant, registry: &Registry) {
+        let Some(c) = self.conns.get_mut(&key) else {
+            return;
+        };
+        loop {
+            while let Some(b) = c.cep.poll_transmit() {
+                c.out.extend_from_slice(&b);
+            }
+            while let Some(a) = c.cep.poll_tcp_action() {
+                c.after.push_back(a);
+            }
+            while let Some(e) = c.cep.poll_event() {
+                let ev = match (e, c.listen_port) {
+                    (iw::Event::ConnectRequest(req), Some(port)) => IwEvent::Request {
+                        port,
+                        peer: c.peer,
+                        req,
+                    },
+                    (e, _) => IwEvent::Cep(e),
+                };
+                self.events.push((key, ev));
+            }
+            if c.connecting.is_some() {
+                // Destroyed before the TCP connect completed: drop the half-open socket.
+                c.done = c.cep.is_closed();
+                break;
+            }
+            if c.done {
+                break;
+            }
+            if let Err(graceful) = c.flush() {
+                c.cep.on_tcp_closed(now, graceful);
+                continue;
+            }
+            break;
+        }
+        if c.done {
+            let _ = registry.deregister(&mut c.stream);
+            self.conns.remove(&key);
+        }
+    }
+}
+
+impl Conn {
+    /// Writes what it can; applies the socket actions once everything is written. `Err` when
+    /// the socket failed (the peer reset it).
+    fn flush(&mut self) -> Result<(), bool> {
+        while !self.out.is_empty() {
+            match self.stream.write(&self.out) {
+                Ok(0) => return Err(false),
+                Ok(n) => {
+                    self.out.drain(..n);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.done = true;
+                    return Err(false);
+                }
+            }
+        }
+        while let Some(a) = self.after.pop_front() {
+            match a {
+                TcpAction::Shutdown => {
+                    let _ = self.stream.shutdown(Shutdown::Write);
+                }
+                TcpAction::Close => self.done = true,
+                TcpAction::Reset => {
+                    reset(&self.stream);
+                    self.done = true;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceInner {
+    fn iw(&self) -> &IwDev {
+        // Only called on iWARP devices (`with_iw` checks).
+        self.iw
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("not an iWARP device"))
+    }
+
+    /// Runs `f` on the iWARP engine, then routes what it reported, after releasing the lock.
+    /// Like `with_engine`: events are queued in order under the lock, and one thread at a time
+    /// routes them; a call made while this thread routes only queues.
+    pub(crate) fn with_iw<R>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&mut IwEngine, &IwDev, Instant) -> R,
+    ) -> R {
+        let iw = self.iw();
+        let now = Instant::now();
+        let r = {
+            let mut e = sync::lock(&iw.engine);
+            let r = f(&mut e, iw, now);
+            if !e.events.is_empty() {
+                let mut p = sync::lock(&iw.pending);
+                p.events.extend(e.events.drain(..));
+            }
+            r
+        };
+        self.route_iw();
+        r
+    }
+
+    fn route_iw(self: &Arc<Self>) {
+        let iw = self.iw();
+        let mut p = sync::lock(&iw.pending);
+        if p.routing {
+            return;
+        }
+        p.routing = true;
+        loop {
+            let batch: Vec<_> = p.events.drain(..).collect();
+            if batch.is_empty() {
+                p.routing = false;
+                return;
+            }
+            drop(p);
+            for (key, ev) in batch {
+                crate::id::on_iw_event(self, key, ev);
+            }
+            p = sync::lock(&iw.pending);
+        }
+    }
+
+    /// Active: opens a TCP connection from this device's address to `dst`; the MPA Request
+    /// (`p`) leaves once it is connected. `owner` receives the stream's events.
+    pub(crate) fn iw_connect(
+        self: &Arc<Self>,
+        dst: SocketAddr,
+        p: iw::ConnectParams,
+        owner: Weak<IdInner>,
+    ) -> crate::Result<ConnKey> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(dst),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        sock.set_nonblocking(true)?;
+        sock.set_nodelay(true)?;
+        sock.bind(&SocketAddr::new(self.ip, 0).into())?;
+        match sock.connect(&dst.into()) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
+        }
+        let mut stream = TcpStream::from_std(sock.into());
+        let cfg = self.iw().cfg.clone();
+        self.with_iw(|e, iw, _| {
+            let key = e.new_key();
+            iw.registry.register(
+                &mut stream,
+                Token(key),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+            sync::lock(&iw.owners).insert(key, owner);
+            e.conns.insert(
+                key,
+                Conn {
+                    cep: Cep::active(cfg),
+                    stream,
+                    peer: dst,
+                    connecting: Some(p),
+                    out: Vec::new(),
+                    after: VecDeque::new(),
+                    listen_port: None,
+                    done: false,
+                },
+            );
+            Ok(key)
+        })
+    }
+
+    /// Starts a TCP listener on `port` for the rdma_cm listener `id` (shared by every
+    /// rdma_cm listener of this device on that port).
+    pub(crate) fn iw_listen(self: &Arc<Self>, port: u16, id: Weak<IdInner>) -> crate::Result<()> {
+        let iw = self.iw();
+        let mut ls = sync::lock(&iw.listens);
+        if let Some((_, ids)) = ls.get_mut(&port) {
+            ids.push(id);
+            return Ok(());
+        }
+        let addr = SocketAddr::new(self.ip, port);
+        let mut sock = TcpListener::bind(addr).map_err(|e| match e.kind() {
+            ErrorKind::AddrInUse => crate::Error::AddrInUse(addr),
+            _ => e.into(),
+        })?;
+        let mut e = sync::lock(&iw.engine);
+        let key = e.new_key();
+        iw.registry
+            .register(&mut sock, Token(key), Interest::READABLE)?;
+        e.listeners.insert(key, Listener { sock, port });
+        drop(e);
+        ls.insert(port, (key, vec![id]));
+        Ok(())
+    }
+
+    /// Removes `id` from the listeners of `port`; the last one closes the TCP listener.
+    pub(crate) fn iw_unlisten(&self, port: u16, id: &IdInner) {
+        let iw = self.iw();
+        let mut ls = sync::lock(&iw.listens);
+        let Some((key, ids)) = ls.get_mut(&port) else {
+            return;
+        };
+        ids.retain(|w| {
+            w.upgrade()
+                .is_some_and(|x| !std::ptr::eq(Arc::as_ptr(&x), id))
+        });
+        if ids.is_empty() {
+            let key = *key;
+            ls.remove(&port);
+            let mut e = sync::lock(&iw.engine);
+            if let Some(mut l) = e.listeners.remove(&key) {
+                let _ = iw.registry.deregister(&mut l.sock);
+            }
+        }
+    }
+
+    /// Runs `f` on a stream's Cep (if the stream still exists), then drives it.
+    pub(crate) fn iw_cep<R>(
+        self: &Arc<Self>,
+        key: ConnKey,
+        f: impl FnOnce(&mut Cep, Instant) -> R,
+    ) -> Option<R> {
+        self.with_iw(|e, iw, now| e.with_cep(key, now, &iw.registry, |c| f(c, now)))
+    }
+
+    /// Feeds one readiness event to the engine.
+    fn iw_ready(e: &mut IwEngine, iw: &IwDev, token: Token, now: Instant) {
+        let key = token.0;
+        if let Some(l) = e.listeners.get(&key) {
+            let port = l.port;
+            let mut accepted = Vec::new();
+            loop {
+                match l.sock.accept() {
+                    Ok((s, peer)) => accepted.push((s, peer)),
+                    Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            for (mut stream, peer) in accepted {
+                let _ = stream.set_nodelay(true);
+                let k = e.new_key();
+                if iw
+                    .registry
+                    .register(
+                        &mut stream,
+                        Token(k),
+                        Interest::READABLE | Interest::WRITABLE,
+                    )
+                    .is_err()
+                {
+                    continue;
+                }
+                e.conns.insert(
+                    k,
+                    Conn {
+                        cep: Cep::passive(now, iw.cfg.clone()),
+                        stream,
+                        peer,
+                        connecting: None,
+                        out: Vec::new(),
+                        after: VecDeque::new(),
+                        listen_port: Some(port),
+                        done: false,
+                    },
+                );
+            }
+            return;
+        }
+        let Some(c) = e.conns.get_mut(&key) else {
+            return;
+        };
+        if c.connecting.is_some() {
+            // The connect finished one way or the other once the socket reports anything.
+            match c.stream.take_error() {
+                Ok(Some(err)) | Err(err) => {
+                    let kind = err.kind();
+                    e.events.push((key, IwEvent::ConnectFailed(kind)));
+                    if let Some(mut c) = e.conns.remove(&key) {
+                        let _ = iw.registry.deregister(&mut c.stream);
+                    }
+                    return;
+                }
+                Ok(None) => {}
+            }
+            match c.stream.peer_addr() {
+                Ok(_) => {
+                    if let Some(p) = c.connecting.take() {
+                        // The parameters were checked by the caller; a refusal here still
+                        // ends the connection cleanly.
+                        if c.cep.connect(now, &p).is_err() {
+                            c.cep.destroy(now);
+                            e.events
+                                .push((key, IwEvent::ConnectFailed(ErrorKind::InvalidInput)));
+                        }
+                    }
+                }
+                Err(err) if err.kind() == ErrorKind::NotConnected => return,
+                Err(err) => {
+                    e.events.push((key, IwEvent::ConnectFailed(err.kind())));
+                    if let Some(mut c) = e.conns.remove(&key) {
+                        let _ = iw.registry.deregister(&mut c.stream);
+                    }
+                    return;
+                }
+            }
+        }
+        // Read everything the socket has (edge-triggered).
+        let mut buf = [0u8; 16 << 10];
+        let mut closed = None;
+        loop {
+            match c.stream.read(&mut buf) {
+                Ok(0) => {
+                    closed = Some(true);
+                    break;
+                }
+                Ok(n) => {
+                    c.cep.on_bytes(now, &buf[..n]);
+                    if c.cep.is_closed() {
+                        break;
+                    }
+                }
+                Err(err) if err.kind() == ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    closed = Some(false);
+                    break;
+                }
+            }
+        }
+        if let Some(graceful) = closed {
+            c.cep.on_tcp_closed(now, graceful);
+        }
+        e.drive(key, now, &iw.registry);
+    }
+
+    /// Runs the Cep timers that are due; returns the next deadline.
+    fn iw_timers(e: &mut IwEngine, iw: &IwDev, now: Instant) -> Option<Instant> {
+        let due: Vec<ConnKey> = e
+            .conns
+            .iter()
+            .filter(|(_, c)| c.cep.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in due {
+            e.with_cep(k, now, &iw.registry, |c| c.on_timer(now));
+        }
+        e.conns.values().filter_map(|c| c.cep.poll_timeout()).min()
+    }
+}
+
+fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
+    let mut events = Events::with_capacity(256);
+    let mut wait = Duration::from_millis(100);
+    loop {
+        if poll.poll(&mut events, Some(wait)).is_err() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let Some(d) = dev.upgrade() else { return };
+        let Some(iw) = d.iw.as_ref() else { return };
+        if iw.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let tokens: Vec<Token> = events.iter().map(mio::event::Event::token).collect();
+        // Time is the Cep's to keep; this loop only sleeps until its next deadline.
+        let next = d.with_iw(|e, iw, now| {
+            for t in tokens {
+                if t != WAKER {
+                    DeviceInner::iw_ready(e, iw, t, now);
+                }
+            }
+            DeviceInner::iw_timers(e, iw, now)
+        });
+        let now = Instant::now();
+        wait = next
+            .map_or(Duration::from_millis(500), |t| {
+                t.saturating_duration_since(now)
+            })
+            .clamp(Duration::from_millis(1), Duration::from_millis(500));
+    }
+}
+
+/// Whether `ip` can carry an iWARP device (any local address; checked by binding).
+pub(crate) fn check_addr(ip: IpAddr) -> crate::Result<()> {
+    let l = std::net::TcpListener::bind(SocketAddr::new(ip, 0))?;
+    drop(l);
+    Ok(())
+}

@@ -1,0 +1,747 @@
+//! iWARP devices under the rdma_cm API: connect, accept, reject, disconnect and messages over
+//! real TCP on loopback, and the iw_cm races Linux got wrong, made deterministic with gates in
+//! callbacks. TCP ports 27901..=27960 (one per test), RoCE UDP port 27990.
+#![cfg(not(loom))]
+
+mod common;
+
+use common::{eventually, ip, Gate, Tracked, T};
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, Fabric, FabricConfig, Flow,
+    PortSpace, QpState, State, IWARP_PRIVATE_DATA_MAX,
+};
+use rcm_wire::cm::RejReason;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A fabric of iWARP devices on 127.0.0.`last` for each of `lasts`.
+fn iw_fabric(lasts: &[u8]) -> Fabric {
+    let f = Fabric::new(common::config(27990));
+    for &l in lasts {
+        f.add_iwarp_device(ip(l)).expect("iWARP device");
+    }
+    f
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(last), port)
+}
+
+/// What every id saw, in order: (id key, event description).
+#[derive(Default)]
+struct Log {
+    ev: Mutex<Vec<(u64, String)>>,
+    cv: Condvar,
+}
+
+impl Log {
+    fn new() -> Arc<Self> {
+        Arc::new(Log::default())
+    }
+
+    fn push(&self, id: &CmId, what: String) {
+        self.ev.lock().unwrap().push((id.key(), what));
+        self.cv.notify_all();
+    }
+
+    /// Waits (up to the hang guard) until `n` entries equal to `what` are in.
+    fn wait_n(&self, what: &str, n: usize) {
+        let end = Instant::now() + T;
+        let mut g = self.ev.lock().unwrap();
+        while g.iter().filter(|(_, w)| w == what).count() < n {
+            assert!(
+                Instant::now() < end,
+                "timed out waiting for {n} x {what:?}: {g:?}"
+            );
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(50))
+                .unwrap()
+                .0;
+        }
+    }
+
+    fn count(&self, what: &str) -> usize {
+        self.ev
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, w)| w == what)
+            .count()
+    }
+
+    fn of(&self, key: u64) -> Vec<String> {
+        self.ev
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, w)| w.clone())
+            .collect()
+    }
+}
+
+fn describe(ev: &Event) -> String {
+    match ev {
+        Event::ConnectRequest { private_data, .. } => {
+            format!("request {}", String::from_utf8_lossy(private_data))
+        }
+        Event::Established { private_data, .. } if !private_data.is_empty() => {
+            format!("established {}", String::from_utf8_lossy(private_data))
+        }
+        Event::Rejected {
+            reason,
+            private_data,
+        } => format!(
+            "rejected {} {}",
+            reason.raw(),
+            String::from_utf8_lossy(private_data)
+        ),
+        other => other.name().to_lowercase(),
+    }
+}
+
+/// A listener whose handler logs, then runs `on` (which may accept, reject, block, …).
+fn listener(
+    f: &Fabric,
+    at: SocketAddr,
+    log: &Arc<Log>,
+    on: impl Fn(&CmId, &Event) -> Flow + Send + Sync + 'static,
+) -> CmId {
+    let log = log.clone();
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        log.push(id, describe(&ev));
+        on(id, &ev)
+    });
+    id.bind(at).unwrap();
+    id.listen(0).unwrap();
+    id
+}
+
+fn accept_with(pd: &'static [u8]) -> impl Fn(&CmId, &Event) -> Flow + Send + Sync + 'static {
+    move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            id.accept(&AcceptOptions {
+                private_data: pd.to_vec(),
+                ..AcceptOptions::default()
+            })
+            .unwrap();
+        }
+        Flow::Continue
+    }
+}
+
+/// A client that resolves, connects to `dst` with `pd`, logs, then runs `on`.
+fn client(
+    f: &Fabric,
+    dst: SocketAddr,
+    pd: &[u8],
+    log: &Arc<Log>,
+    on: impl Fn(&CmId, &Event) -> Flow + Send + Sync + 'static,
+) -> CmId {
+    let log = log.clone();
+    let pd = pd.to_vec();
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        log.push(id, describe(&ev));
+        match &ev {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => id
+                .connect(&ConnectOptions {
+                    private_data: pd.clone(),
+                    ..ConnectOptions::default()
+                })
+                .unwrap(),
+            _ => {}
+        }
+        on(id, &ev)
+    });
+    id.resolve_addr(None, dst).unwrap();
+    id
+}
+
+fn cont(_: &CmId, _: &Event) -> Flow {
+    Flow::Continue
+}
+
+/// Every id, port and stream is gone once everything was destroyed.
+fn assert_clean(f: &Fabric) {
+    assert!(
+        eventually(T, || f.live_ids() == 0),
+        "ids leaked: {}",
+        f.live_ids()
+    );
+    assert!(eventually(T, || f.bound_ports() == 0), "ports leaked");
+    assert!(
+        eventually(T, || f.engine_ceps() == 0),
+        "streams leaked: {}",
+        f.engine_ceps()
+    );
+}
+
+#[test]
+fn connect_accept_messages_disconnect() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let ch = children.clone();
+    let l = listener(&f, addr(1, 27901), &log, move |id, ev| {
+        if let Event::ConnectRequest { param, .. } = ev {
+            // MPA revision 2 carries the initiator's IRD/ORD.
+            assert_eq!((param.responder_resources, param.initiator_depth), (1, 1));
+            ch.lock().unwrap().push(id.clone());
+            id.accept(&AcceptOptions {
+                private_data: b"welcome".to_vec(),
+                ..AcceptOptions::default()
+            })
+            .unwrap();
+        }
+        Flow::Continue
+    });
+    let c = client(&f, addr(1, 27901), b"hello", &log, cont);
+    // Private data arrives exactly, both ways (no cma_hdr, no padding on iWARP).
+    log.wait_n("request hello", 1);
+    log.wait_n("established welcome", 1);
+    log.wait_n("established", 1);
+    let s = children.lock().unwrap()[0].clone();
+    assert_eq!(s.state(), State::Established);
+    assert_eq!(c.state(), State::Established);
+    assert_eq!(s.device_addr(), Some(ip(1)));
+    assert_eq!(c.device_addr(), Some(ip(2)));
+    assert_eq!(s.peer_addr().map(|a| a.ip()), Some(ip(2)));
+    assert_eq!(s.local_addr(), Some(addr(1, 27901)));
+    // iw_cm hands out only access flags: no QPN, PSN or path.
+    let a = c.init_qp_attr(QpState::Rtr).unwrap();
+    assert_eq!((a.dest_qp_num, a.rq_psn), (0, 0));
+    assert_eq!(c.establish(), Err(Error::InvalidState(State::Established)));
+
+    // Messages over the stream, both ways, including one longer than an FPDU.
+    c.send(b"ping").unwrap();
+    assert_eq!(s.recv_message(T).as_deref(), Some(&b"ping"[..]));
+    let big: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+    s.send(&big).unwrap();
+    s.send(b"pong").unwrap();
+    assert_eq!(c.recv_message(T), Some(big));
+    assert_eq!(c.recv_message(T).as_deref(), Some(&b"pong"[..]));
+
+    c.disconnect().unwrap();
+    log.wait_n("disconnected", 2);
+    assert_eq!(
+        log.of(c.key()).last().map(String::as_str),
+        Some("disconnected")
+    );
+    assert_eq!(
+        log.of(s.key()),
+        ["request hello", "established", "disconnected"]
+    );
+    assert_eq!(c.send(b"late"), Err(Error::InvalidState(State::Disconnect)));
+    for id in [c, s, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    assert_clean(&f);
+    f.shutdown();
+}
+
+#[test]
+fn reject_with_private_data() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27902), &log, |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            id.reject(b"go away").unwrap();
+            // Linux's consumers destroy a rejected child at once (`rdma_reject` + destroy).
+            return Flow::Destroy;
+        }
+        Flow::Continue
+    });
+    let c = client(&f, addr(1, 27902), b"knock", &log, cont);
+    log.wait_n("rejected 28 go away", 1);
+    assert_eq!(c.state(), State::Disconnect);
+    assert_eq!(log.count("request knock"), 1);
+    c.destroy().unwrap();
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+#[test]
+fn connection_refused_is_rejected_invalid_service_id() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    // Nobody listens on TCP 127.0.0.1:27903: the RST is reported as IB's "invalid service
+    // ID" reject, what a RoCE peer without a listener answers.
+    let c = client(&f, addr(1, 27903), b"anyone?", &log, cont);
+    log.wait_n(
+        &format!("rejected {} ", RejReason::InvalidServiceId.raw()),
+        1,
+    );
+    assert_eq!(c.state(), State::Disconnect);
+    c.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+#[test]
+fn private_data_limits() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27904), &log, move |id, ev| {
+        if let Event::ConnectRequest { private_data, .. } = ev {
+            assert_eq!(private_data.len(), IWARP_PRIVATE_DATA_MAX);
+            let too_long = vec![1u8; IWARP_PRIVATE_DATA_MAX + 1];
+            assert_eq!(
+                id.accept(&AcceptOptions {
+                    private_data: too_long,
+                    ..AcceptOptions::default()
+                }),
+                Err(Error::PrivateDataTooLong { len: 253, max: 252 })
+            );
+            id.accept(&AcceptOptions {
+                private_data: vec![2u8; IWARP_PRIVATE_DATA_MAX],
+                ..AcceptOptions::default()
+            })
+            .unwrap();
+        }
+        // The child goes with the connection.
+        if let Event::Disconnected = ev {
+            return Flow::Destroy;
+        }
+        Flow::Continue
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = Mutex::new(tx);
+    let c = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => {
+                let long = ConnectOptions {
+                    private_data: vec![1u8; 253],
+                    ..ConnectOptions::default()
+                };
+                tx.lock().unwrap().send(id.connect(&long)).unwrap();
+                id.connect(&ConnectOptions {
+                    private_data: vec![1u8; 252],
+                    ..ConnectOptions::default()
+                })
+                .unwrap();
+            }
+            Event::Established { private_data, .. } => {
+                tx.lock().unwrap().send(Ok(())).unwrap();
+                assert_eq!(private_data, vec![2u8; 252]);
+            }
+            _ => {}
+        }
+        Flow::Continue
+    });
+    c.resolve_addr(None, addr(1, 27904)).unwrap();
+    assert_eq!(
+        rx.recv_timeout(T).unwrap(),
+        Err(Error::PrivateDataTooLong { len: 253, max: 252 })
+    );
+    assert_eq!(rx.recv_timeout(T).unwrap(), Ok(()));
+    // Destroying an established id resets the stream: the child sees DISCONNECTED.
+    c.destroy().unwrap();
+    log.wait_n("disconnected", 1);
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+#[test]
+fn five_hundred_connections_at_once() {
+    const N: usize = 500;
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27905), &log, accept_with(b"ok"));
+    let clients: Vec<CmId> = (0..N)
+        .map(|_| client(&f, addr(1, 27905), b"hi", &log, cont))
+        .collect();
+    log.wait_n("established ok", N);
+    log.wait_n("established", N);
+    assert_eq!(log.count("request hi"), N);
+    for c in &clients {
+        c.disconnect().unwrap();
+    }
+    log.wait_n("disconnected", 2 * N);
+    for c in clients {
+        assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    }
+    l.destroy().unwrap();
+    // The children are still alive (never destroyed by their user): shutdown ends them.
+    f.shutdown();
+}
+
+#[test]
+fn wildcard_listen_spans_iwarp_and_roce() {
+    let cfg = FabricConfig {
+        udp_port: 27990,
+        ..common::config(27990)
+    };
+    let server = Fabric::new(cfg.clone());
+    server.add_device(ip(1)).unwrap();
+    server.add_iwarp_device(ip(2)).unwrap();
+    let cl = Fabric::new(cfg);
+    cl.add_device(ip(3)).unwrap();
+    cl.add_iwarp_device(ip(4)).unwrap();
+    let log = Log::new();
+    let devs = Arc::new(Mutex::new(Vec::new()));
+    let d2 = devs.clone();
+    let l = server.create_id(PortSpace::Tcp, {
+        let log = log.clone();
+        move |id, ev| {
+            log.push(id, describe(&ev));
+            if let Event::ConnectRequest { .. } = ev {
+                d2.lock().unwrap().push(id.device_addr());
+                id.accept(&AcceptOptions::default()).unwrap();
+            }
+            Flow::Continue
+        }
+    });
+    l.bind(rcm::any_addr(false, 27906)).unwrap();
+    l.listen(0).unwrap();
+    let mk = |src: u8, dst: u8| {
+        let log = log.clone();
+        let id = cl.create_id(PortSpace::Tcp, move |id, ev| {
+            log.push(id, describe(&ev));
+            match ev {
+                Event::AddrResolved => id.resolve_route().unwrap(),
+                Event::RouteResolved => id
+                    .connect(&ConnectOptions {
+                        private_data: b"x".to_vec(),
+                        ..ConnectOptions::default()
+                    })
+                    .unwrap(),
+                // RoCE without a QP: the REP comes as a response, the RTU on establish.
+                Event::ConnectResponse { .. } => id.establish().unwrap(),
+                _ => {}
+            }
+            Flow::Continue
+        });
+        id.resolve_addr(Some(ip(src)), addr(dst, 27906)).unwrap();
+        id
+    };
+    let roce = mk(3, 1);
+    let iwarp = mk(4, 2);
+    log.wait_n("established", 4);
+    let mut seen = devs.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![Some(ip(1)), Some(ip(2))]);
+    // The iWARP request carries the private data exactly; RoCE's is the padded REQ area.
+    assert_eq!(log.count("request x"), 1);
+    assert_eq!(roce.state(), State::Established);
+    assert_eq!(iwarp.state(), State::Established);
+    assert!(matches!(roce.send(b"no"), Err(Error::InvalidArgument(_))));
+    iwarp.send(b"yes").unwrap();
+    roce.destroy().unwrap();
+    iwarp.destroy().unwrap();
+    l.destroy().unwrap();
+    server.shutdown();
+    cl.shutdown();
+}
+
+#[test]
+fn device_removal_with_established_connections() {
+    let f = iw_fabric(&[2]);
+    let server = iw_fabric(&[1]);
+    let log = Log::new();
+    let removed = Arc::new(AtomicUsize::new(0));
+    let r2 = removed.clone();
+    let l = listener(&server, addr(1, 27907), &log, move |id, ev| match ev {
+        Event::ConnectRequest { .. } => {
+            id.accept(&AcceptOptions::default()).unwrap();
+            Flow::Continue
+        }
+        Event::DeviceRemoval => {
+            r2.fetch_add(1, Ordering::SeqCst);
+            Flow::Destroy
+        }
+        _ => Flow::Continue,
+    });
+    let clients: Vec<CmId> = (0..3)
+        .map(|_| client(&f, addr(1, 27907), b"r", &log, cont))
+        .collect();
+    log.wait_n("established", 6);
+    let removal = server.remove_device(ip(1)).unwrap();
+    removal.wait(T).expect("every id on the device destroyed");
+    // The listener and the three children, once each.
+    assert_eq!(removed.load(Ordering::SeqCst), 4);
+    assert_eq!(log.count("device_removal"), 4);
+    // The children were destroyed established: their streams were reset.
+    log.wait_n("disconnected", 3);
+    assert_eq!(l.state(), State::Destroying);
+    for c in clients {
+        c.destroy().unwrap();
+    }
+    assert_clean(&f);
+    assert_clean(&server);
+    f.shutdown();
+    server.shutdown();
+}
+
+// ---------------------------------------------------------------------------------------
+// The races of the issue.
+
+/// The peer's FIN (DISCONNECT, then CLOSE) arrives between `accept()` and the delivery of
+/// ESTABLISHED: the child still sees ESTABLISHED first, then one DISCONNECTED.
+#[test]
+fn close_between_accept_and_established() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let gate = Gate::new();
+    let g2 = gate.clone();
+    let child = Arc::new(Mutex::new(None));
+    let c2 = child.clone();
+    let l = listener(&f, addr(1, 27908), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            id.accept(&AcceptOptions::default()).unwrap();
+            *c2.lock().unwrap() = Some(id.clone());
+            g2.wait();
+        }
+        Flow::Continue
+    });
+    let c = client(&f, addr(1, 27908), b"a", &log, cont);
+    log.wait_n("established", 1);
+    c.disconnect().unwrap();
+    // The server's FIN came back: its Cep saw ours, DISCONNECT and CLOSE are routed.
+    log.wait_n("disconnected", 1);
+    let s = child.lock().unwrap().clone().unwrap();
+    assert!(eventually(T, || s.state() == State::Disconnect));
+    assert_eq!(log.of(s.key()), ["request a"]);
+    gate.open();
+    log.wait_n("disconnected", 2);
+    assert_eq!(
+        log.of(s.key()),
+        ["request a", "established", "disconnected"]
+    );
+    for id in [c, s, l] {
+        id.destroy().unwrap();
+    }
+    assert_clean(&f);
+    f.shutdown();
+}
+
+/// The initiator gives up while the request waits for the user: CLOSE before `accept()`.
+/// The child gets one DISCONNECTED and `accept` fails cleanly.
+#[test]
+fn close_before_accept() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let gate = Gate::new();
+    let g2 = gate.clone();
+    let child = Arc::new(Mutex::new(None));
+    let c2 = child.clone();
+    let accepted = Arc::new(Mutex::new(None));
+    let a2 = accepted.clone();
+    let l = listener(&f, addr(1, 27909), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            *c2.lock().unwrap() = Some(id.clone());
+            g2.wait();
+            *a2.lock().unwrap() = Some(id.accept(&AcceptOptions::default()));
+        }
+        Flow::Continue
+    });
+    let c = client(&f, addr(1, 27909), b"b", &log, cont);
+    assert!(eventually(T, || child.lock().unwrap().is_some()));
+    // Destroying the connecting client resets its stream.
+    c.destroy().unwrap();
+    let s = child.lock().unwrap().clone().unwrap();
+    assert!(eventually(T, || s.state() == State::Disconnect));
+    gate.open();
+    log.wait_n("disconnected", 1);
+    assert_eq!(
+        *accepted.lock().unwrap(),
+        Some(Err(Error::InvalidState(State::Disconnect)))
+    );
+    assert_eq!(log.of(s.key()), ["request b", "disconnected"]);
+    s.destroy().unwrap();
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+/// Linux's iwcm use-after-free (aee2424246f9, CVE-2025-38211): destroy while provider
+/// events (ESTABLISHED, DISCONNECT, CLOSE) are queued for the id. They are discarded, no
+/// callback runs after destroy returned, and the context is dropped once.
+#[test]
+fn destroy_with_passive_events_queued() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let gate = Gate::new();
+    let g2 = gate.clone();
+    let child = Arc::new(Mutex::new(None));
+    let c2 = child.clone();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let d2 = drops.clone();
+    let l = listener(&f, addr(1, 27910), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            id.set_context(Tracked(d2.clone()));
+            id.accept(&AcceptOptions::default()).unwrap();
+            *c2.lock().unwrap() = Some(id.clone());
+            g2.wait();
+        }
+        Flow::Continue
+    });
+    let c = client(&f, addr(1, 27910), b"c", &log, cont);
+    log.wait_n("established", 1);
+    c.disconnect().unwrap();
+    log.wait_n("disconnected", 1);
+    let s = child.lock().unwrap().clone().unwrap();
+    assert!(eventually(T, || s.state() == State::Disconnect));
+    // ESTABLISHED and DISCONNECTED wait behind the blocked callback.
+    let h = s.begin_destroy();
+    gate.open();
+    assert!(h.wait_for(T));
+    let after = log.of(s.key());
+    assert_eq!(after, ["request c"]);
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        log.of(s.key()),
+        after,
+        "a callback ran after destroy completed"
+    );
+    c.destroy().unwrap();
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+/// The same on the active side: CONNECT_REPLY (→ ESTABLISHED) and CLOSE queued behind a
+/// blocked callback when destroy comes.
+#[test]
+fn destroy_with_active_events_queued() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27911), &log, |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            id.accept(&AcceptOptions::default()).unwrap();
+        }
+        if let Event::Established { .. } = ev {
+            // Reset at once: the client gets its CONNECT_REPLY and CLOSE back to back.
+            return Flow::Destroy;
+        }
+        Flow::Continue
+    });
+    let gate = Gate::new();
+    let g2 = gate.clone();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let c = client(&f, addr(1, 27911), b"d", &log, move |_, ev| {
+        if let Event::RouteResolved = ev {
+            // connect() already ran (the client helper does it before this hook).
+            g2.wait();
+        }
+        Flow::Continue
+    });
+    c.set_context(Tracked(drops.clone()));
+    // The server's child saw ESTABLISHED and reset the stream.
+    log.wait_n("established", 1);
+    assert!(eventually(T, || c.state() == State::Disconnect));
+    let h = c.begin_destroy();
+    gate.open();
+    assert!(h.wait_for(T));
+    assert_eq!(log.of(c.key()), ["addr_resolved", "route_resolved"]);
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+/// The last reference to an id goes inside its own callback (the user keeps no handle and
+/// returns `Flow::Destroy`, or destroys from the callback): the teardown runs after the
+/// callback, once, and frees everything (CVE-2025-38211's shape: never free under a running
+/// event).
+#[test]
+fn last_reference_dropped_in_callback() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27912), &log, |id, ev| match ev {
+        Event::ConnectRequest { .. } => {
+            id.accept(&AcceptOptions::default()).unwrap();
+            Flow::Continue
+        }
+        Event::Established { .. } => {
+            id.disconnect().unwrap();
+            Flow::Continue
+        }
+        // The child's last handle is the callback's.
+        Event::Disconnected => Flow::Destroy,
+        _ => Flow::Continue,
+    });
+    let drops = Arc::new(AtomicUsize::new(0));
+    let deferred = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..2 {
+        let d = deferred.clone();
+        let c = client(&f, addr(1, 27912), b"e", &log, move |id, ev| {
+            if let Event::Disconnected = ev {
+                if i == 0 {
+                    return Flow::Destroy;
+                }
+                d.lock().unwrap().push(id.destroy());
+            }
+            Flow::Continue
+        });
+        c.set_context(Tracked(drops.clone()));
+        drop(c);
+    }
+    log.wait_n("disconnected", 4);
+    assert!(eventually(T, || drops.load(Ordering::SeqCst) == 2));
+    assert_eq!(*deferred.lock().unwrap(), [Ok(DestroyOutcome::Deferred)]);
+    l.destroy().unwrap();
+    assert_clean(&f);
+    f.shutdown();
+}
+
+/// Connect requests racing the listener's destroy: one delivered and blocked in its
+/// callback, one queued behind it when the listener goes (rejected, never seen), one after
+/// the listener is gone (TCP refused).
+#[test]
+fn connect_request_while_listener_destroyed() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let gate = Gate::new();
+    let g2 = gate.clone();
+    let l = listener(&f, addr(1, 27913), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            g2.wait();
+            id.accept(&AcceptOptions::default()).unwrap();
+        }
+        Flow::Continue
+    });
+    let c1 = client(&f, addr(1, 27913), b"one", &log, cont);
+    log.wait_n("request one", 1);
+    // Ids now: listener, c1, its child. The second request's child makes 5 with c2.
+    let c2 = client(&f, addr(1, 27913), b"two", &log, cont);
+    assert!(eventually(T, || f.live_ids() == 5));
+    let h = l.begin_destroy();
+    gate.open();
+    assert!(h.wait_for(T));
+    log.wait_n("rejected 28 ", 1);
+    assert_eq!(c2.state(), State::Disconnect);
+    assert_eq!(
+        log.count("request two"),
+        0,
+        "a request was delivered after its listener died"
+    );
+    // The request delivered before the destroy stands.
+    log.wait_n("established", 2);
+    let c3 = client(&f, addr(1, 27913), b"three", &log, cont);
+    log.wait_n(
+        &format!("rejected {} ", RejReason::InvalidServiceId.raw()),
+        1,
+    );
+    for c in [c1, c2, c3] {
+        c.destroy().unwrap();
+    }
+    f.shutdown();
+}
+
+#[test]
+fn udp_port_space_is_refused_on_iwarp() {
+    let f = iw_fabric(&[1, 2]);
+    let id = f.create_id(PortSpace::Udp, |_, _| Flow::Continue);
+    id.bind(addr(1, 27914)).unwrap();
+    assert!(matches!(id.listen(0), Err(Error::InvalidArgument(_))));
+    id.destroy().unwrap();
+    f.shutdown();
+}
