@@ -375,7 +375,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         let mut threads = lock(&sh.threads);
         let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut *threads)
             .into_iter()
-            .partition(|t| t.is_finished());
+            .partition(std::thread::JoinHandle::is_finished);
         *threads = live;
         drop(threads);
         for t in done {

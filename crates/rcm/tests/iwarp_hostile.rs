@@ -1,0 +1,167 @@
+//! Hostile TCP peers against an rcm iWARP listener: garbage instead of MPA, a wrong key, a
+//! bad revision, oversized private-data lengths, slowloris senders and idle connections. Each
+//! is closed (by the frame check or siw's 5 s MPA-request timer), none reaches the user as a
+//! connect request, nothing leaks, and a legitimate client connects while they are at it.
+//! TCP ports 27971 (listener) and 27979 (RoCE UDP, unused).
+#![cfg(not(loom))]
+
+mod common;
+
+use common::{eventually, ip};
+use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, Flow, PortSpace};
+use rcm_wire::mpa::MpaFrame;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PORT: u16 = 27971;
+
+/// Waits until the peer closed `s` (FIN or RST); returns how long that took.
+fn closed_within(mut s: TcpStream, limit: Duration) -> Option<Duration> {
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(200))).ok()?;
+    let mut buf = [0u8; 512];
+    while t0.elapsed() < limit {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(t0.elapsed()),
+            // Whatever rcm answers (a reject or a Terminate) before it closes is fine.
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return Some(t0.elapsed()),
+        }
+    }
+    None
+}
+
+fn dial() -> TcpStream {
+    TcpStream::connect(SocketAddr::new(ip(1), PORT)).expect("TCP connect to the listener")
+}
+
+#[test]
+fn hostile_mpa_peers_are_closed_and_a_real_client_still_connects() {
+    let f = Fabric::new(common::config(27979));
+    f.add_iwarp_device(ip(1)).expect("iWARP device 1");
+    f.add_iwarp_device(ip(2)).expect("iWARP device 2");
+    let requests = Arc::new(AtomicUsize::new(0));
+    let r = requests.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            r.fetch_add(1, Ordering::SeqCst);
+            if id.accept(&AcceptOptions::default()).is_err() {
+                return Flow::Destroy;
+            }
+        }
+        if matches!(ev, Event::Disconnected) {
+            return Flow::Destroy;
+        }
+        Flow::Continue
+    });
+    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
+    l.listen(64).expect("listen");
+    let base = f.engine_ceps();
+
+    let valid = MpaFrame::request_v1(b"hello".to_vec())
+        .to_vec()
+        .expect("an MPA request");
+    // 1. Garbage instead of MPA.
+    let mut g = dial();
+    g.write_all(&[0x5a; 100]).expect("write");
+    // 2. A wrong key.
+    let mut k = dial();
+    let mut bad_key = valid.clone();
+    bad_key[0] ^= 0x20;
+    k.write_all(&bad_key).expect("write");
+    // 3. A revision nobody speaks.
+    let mut v = dial();
+    let mut bad_rev = valid.clone();
+    bad_rev[17] = 7;
+    v.write_all(&bad_rev).expect("write");
+    // 4. Private-data lengths over Linux's 256: 300, and the 16-bit maximum.
+    let mut big = Vec::new();
+    for len in [300u16, u16::MAX] {
+        let mut s = dial();
+        let mut hdr = valid[..20].to_vec();
+        hdr[18..20].copy_from_slice(&len.to_be_bytes());
+        s.write_all(&hdr).expect("write");
+        big.push(s);
+    }
+    // 5. A slowloris: a valid request, one byte every 400 ms (it would take 10 s).
+    let slow = dial();
+    let mut slow_w = slow.try_clone().expect("clone");
+    let drip = valid.clone();
+    let dripper = std::thread::spawn(move || {
+        for b in drip {
+            if slow_w.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(400));
+        }
+    });
+    // 6. Connections that never say anything.
+    let idle: Vec<TcpStream> = (0..100).map(|_| dial()).collect();
+
+    // Meanwhile a real client connects, through the same listener.
+    let ch = EventChannel::new();
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    c.resolve_addr(Some(ip(2)), SocketAddr::new(ip(1), PORT))
+        .expect("resolve");
+    let next = |ch: &EventChannel| {
+        let mut e = ch.get_event(Some(common::T)).expect("an event");
+        e.take().expect("event")
+    };
+    assert!(matches!(next(&ch), Event::AddrResolved));
+    c.resolve_route().expect("route");
+    assert!(matches!(next(&ch), Event::RouteResolved));
+    c.connect(&ConnectOptions {
+        private_data: b"legit".to_vec(),
+        ..ConnectOptions::default()
+    })
+    .expect("connect");
+    assert!(
+        matches!(next(&ch), Event::Established { .. }),
+        "the real client is served during the attack"
+    );
+
+    // Bad frames are closed at once (well before the request timer).
+    for (what, s) in [("garbage", g), ("wrong key", k), ("bad revision", v)] {
+        let t = closed_within(s, Duration::from_secs(3));
+        assert!(t.is_some(), "{what}: still open after 3 s");
+    }
+    for (s, len) in big.into_iter().zip([300, 65535]) {
+        let t = closed_within(s, Duration::from_secs(3));
+        assert!(
+            t.is_some(),
+            "private-data length {len}: still open after 3 s"
+        );
+    }
+    // The slowloris and the idle ones by siw's 5 s MPA-request timer (plus the poll lag).
+    let t = closed_within(slow, Duration::from_secs(9));
+    assert!(t.is_some(), "slowloris: still open after 9 s");
+    let _ = dripper.join();
+    let mut open = 0;
+    for s in idle {
+        if closed_within(s, Duration::from_secs(9)).is_none() {
+            open += 1;
+        }
+    }
+    assert_eq!(open, 0, "idle connections left open");
+
+    // Only the legitimate connection was ever a connect request.
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+    c.disconnect().expect("disconnect");
+    assert!(matches!(next(&ch), Event::Disconnected));
+    drop(c.destroy());
+    assert!(
+        eventually(common::T, || f.engine_ceps() <= base),
+        "streams left: {} (baseline {base})",
+        f.engine_ceps()
+    );
+    drop(l.destroy());
+    f.shutdown();
+}
