@@ -31,7 +31,9 @@ enum Cmd {
     ///
     /// Exit status: 0 exactly when every connection was established and disconnected cleanly
     /// (with --reject: rejected as asked); 1 otherwise, with the event and reason printed; 2 on
-    /// bad usage.
+    /// bad usage. A server counts an accepted connection whose client never confirmed it (REP
+    /// timeout; IBTA allows it under loss, when the client's RTUs are lost) as "unconfirmed",
+    /// printed but not a failure: the client's own report says whether it connected.
     Ping(PingArgs),
     /// Race create, connect, accept, reject, disconnect, destroy, non-blocking destroy and
     /// device removal from several threads against one in-process fabric, checking the
@@ -296,6 +298,12 @@ fn ping(a: &PingArgs) -> ExitCode {
             "rcm ping: {}: {} of {} established, {} disconnected, {} rejected, private data matched {} time(s)",
             r.role, r.established, r.connections, r.disconnected, r.rejected, r.private_data_ok
         );
+        if r.unconfirmed > 0 {
+            println!(
+                "rcm ping: {}: {} accepted connection(s) never confirmed by the client (REP timeout; possible under loss, not an error)",
+                r.role, r.unconfirmed
+            );
+        }
         if a.transport == "iwarp" {
             println!(
                 "rcm ping: messages over the iWARP stream matched {} of {}",

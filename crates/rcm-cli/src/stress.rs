@@ -113,6 +113,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         min_timewait: Duration::ZERO,
         dispatcher_threads: 2,
         seed: Some(o.seed),
+        ..FabricConfig::default()
     };
     let (fabric, client, primary, removable) = if let Some(p) = &o.daemon {
         let c = rcm_ucm::Client::connect(p).map_err(|e| format!("daemon {}: {e}", p.display()))?;

@@ -27,6 +27,10 @@ pub struct FabricConfig {
     pub seed: Option<u64>,
     /// Shortest timewait (the path's ACK timeout is used when longer).
     pub min_timewait: Duration,
+    /// Most accepted connections per RoCEv2 device waiting for their RTU; past it the
+    /// oldest are given up as REP timeouts (bounds what a spoofed REQ flood can hold; see
+    /// `rcm_proto::ib::EndpointConfig::max_half_open`).
+    pub max_half_open: usize,
 }
 
 impl Default for FabricConfig {
@@ -37,6 +41,7 @@ impl Default for FabricConfig {
             dispatcher_threads: 2,
             seed: None,
             min_timewait: Duration::ZERO,
+            max_half_open: 1 << 16,
         }
     }
 }
@@ -268,6 +273,7 @@ impl Fabric {
         );
         cfg.retry = self.0.cfg.retry;
         cfg.min_timewait = self.0.cfg.min_timewait;
+        cfg.max_half_open = self.0.cfg.max_half_open;
         let _listens = sync::lock(&self.0.listen_lock);
         let dev = match iwarp {
             Some(icfg) => DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg))?,

@@ -204,7 +204,10 @@ impl<E: Send + 'static> Slot<E> {
         // target, inner, channel queue.
         let target = sync::lock(&self.target);
         let mut g = sync::lock(&self.inner);
-        if g.phase != Phase::Live || (removal && g.removal_queued) || target.is_none() {
+        // Nothing follows a DeviceRemoval: an engine event routed just before the removal
+        // (checked against the id's state, then pushed after the removal was queued) is
+        // discarded here, where the order is decided.
+        if g.phase != Phase::Live || g.removal_queued || target.is_none() {
             drop(g);
             drop(target);
             (self.discard)(ev);

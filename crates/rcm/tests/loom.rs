@@ -816,3 +816,53 @@ fn m9_channel_migrate_vs_push() {
         rec.finish(2);
     });
 }
+
+/// 10. An event pushed concurrently with a removal (an engine event routed just before the
+///     device went) is delivered before the `DeviceRemoval` or not at all: nothing follows
+///     the removal, on a callback slot and on a channel.
+#[test]
+fn m10_nothing_after_removal() {
+    model("10 push x push_removal (callback)", None, || {
+        let rec = Rec::new();
+        let after = Arc::new(AtomicBool::new(false));
+        let (a2, r2) = (after.clone(), rec.clone());
+        let s = slot(&rec, move |ev| {
+            match ev.kind {
+                Kind::Removal => a2.store(true, SeqCst),
+                Kind::Normal(_) => r2.check(!a2.load(SeqCst), "an event after DeviceRemoval"),
+            }
+            Flow::Continue
+        });
+        let a = {
+            let (s, rec) = (s.clone(), rec.clone());
+            thread::spawn(move || s.push(ev(&rec, Kind::Normal(1))))
+        };
+        s.push_removal(ev(&rec, Kind::Removal));
+        a.join().unwrap();
+        assert_eq!(s.destroy(true), Ok(DestroyOutcome::Done));
+        assert_eq!(rec.removals.load(SeqCst), 1);
+        rec.finish(2);
+    });
+    model("10 push x push_removal (channel)", None, || {
+        let rec = Rec::new();
+        let ch = Channel::new();
+        let s = channel_slot(&rec, &ch);
+        let a = {
+            let (s, rec) = (s.clone(), rec.clone());
+            thread::spawn(move || s.push(ev(&rec, Kind::Normal(1))))
+        };
+        s.push_removal(ev(&rec, Kind::Removal));
+        a.join().unwrap();
+        let mut kinds = Vec::new();
+        while let Some((h, e)) = ch.try_take() {
+            kinds.push(e.kind);
+            discard(e);
+            h.ack();
+        }
+        let removal_at = kinds.iter().position(|k| *k == Kind::Removal);
+        assert_eq!(removal_at, Some(kinds.len() - 1), "order taken: {kinds:?}");
+        assert_eq!(s.destroy(true), Ok(DestroyOutcome::Done));
+        // Every event was taken (and counted here) or discarded by the slot, once.
+        assert_eq!(rec.discarded.load(SeqCst), 2);
+    });
+}
