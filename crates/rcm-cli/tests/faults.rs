@@ -2788,13 +2788,13 @@ fn forged_rej_and_dreq_from_a_third_host() {
 fn req_flood_with_a_legitimate_client() {
     const T: &str = "req_flood_with_a_legitimate_client";
     const FLOOD: u64 = 100_000;
+    const HALF_OPEN: u64 = 10_000;
     let net = Net::new(T, 3);
     let (a, b, c) = (
         net.ip(A).to_string(),
         net.ip(B).to_string(),
         net.ip(C).to_string(),
     );
-    const HALF_OPEN: u64 = 10_000;
     let mut srv = net.agent(A, &format!("retry=1000/4000/8000,half_open={HALF_OPEN}"));
     srv.cmd(&format!("dev {a}"));
     srv.cmd(&format!("listen s {a} {PORT} 256 accept"));
