@@ -243,6 +243,10 @@ struct PingArgs {
     /// Private data to send and expect back.
     #[arg(long, default_value = "rcm ping")]
     private_data: String,
+    /// iWARP: do not exchange a message over each connection (the CM only; for peers such
+    /// as `ucmatose -C 0`, and through a daemon).
+    #[arg(long)]
+    no_messages: bool,
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
@@ -283,6 +287,7 @@ fn ping(a: &PingArgs) -> ExitCode {
         timeout: std::time::Duration::from_secs(a.timeout),
         daemon: a.daemon.clone(),
         iwarp: a.transport == "iwarp",
+        messages: !a.no_messages,
     };
     let r = match ping::run(&o, !a.json) {
         Ok(r) => r,
@@ -304,7 +309,7 @@ fn ping(a: &PingArgs) -> ExitCode {
                 r.role, r.unconfirmed
             );
         }
-        if a.transport == "iwarp" {
+        if a.transport == "iwarp" && !a.no_messages {
             println!(
                 "rcm ping: messages over the iWARP stream matched {} of {}",
                 r.messages_ok, r.messages_expected

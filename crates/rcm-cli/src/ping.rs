@@ -41,6 +41,9 @@ pub struct PingOpts {
     pub daemon: Option<std::path::PathBuf>,
     /// iWARP devices (MPA over TCP) instead of RoCEv2, with a message exchange.
     pub iwarp: bool,
+    /// iWARP: exchange one message each way over each connection (off: the CM only, as
+    /// against `ucmatose -C 0`).
+    pub messages: bool,
 }
 
 /// How long either side waits for the other's message once established.
@@ -204,7 +207,7 @@ fn server_loop(
                 if log {
                     println!("rcm ping: server: established with {:?}", id.peer_addr());
                 }
-                if o.iwarp {
+                if o.iwarp && o.messages {
                     r.messages_expected += 1;
                     let pd = &o.private_data;
                     exchange(&id, &pong_message(pd), &ping_message(pd), "server", r, log);
@@ -359,10 +362,12 @@ fn client_loop(
                         r.errors
                             .push(format!("client {i}: reply private data differs"));
                     }
-                    r.messages_expected += 1;
-                    let pd = &o.private_data;
-                    let who = format!("client {i}");
-                    exchange(&id, &ping_message(pd), &pong_message(pd), &who, r, log);
+                    if o.messages {
+                        r.messages_expected += 1;
+                        let pd = &o.private_data;
+                        let who = format!("client {i}");
+                        exchange(&id, &ping_message(pd), &pong_message(pd), &who, r, log);
+                    }
                 }
                 if ud(o.ps) {
                     if pd_matches(private_data, &o.private_data) {
@@ -419,8 +424,11 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         if ud(o.ps) {
             return Err("iWARP carries only the TCP port space (--ps tcp)".into());
         }
-        if o.daemon.is_some() {
-            return Err("--transport iwarp: messages are not carried through the daemon".into());
+        if o.daemon.is_some() && o.messages {
+            return Err(
+                "--transport iwarp: messages are not carried through the daemon (add --no-messages)"
+                    .into(),
+            );
         }
         if o.private_data.len() > rcm::IWARP_PRIVATE_DATA_MAX {
             return Err(format!(

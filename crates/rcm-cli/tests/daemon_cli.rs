@@ -332,6 +332,20 @@ fn iwarp_daemon_serves_ping_and_bench() {
     let (code, _, err) = rcm(&["ping", "--daemon", p, "--transport", "iwarp"]);
     assert_eq!(code, 2);
     assert!(err.contains("not carried through the daemon"), "{err}");
+    // The CM alone goes through it.
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--daemon",
+        p,
+        "--transport",
+        "iwarp",
+        "--no-messages",
+        "-c",
+        "3",
+        "-p",
+        "7652",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
     sigterm(&d);
     assert_eq!(wait_exit(&mut d), 0);
 }

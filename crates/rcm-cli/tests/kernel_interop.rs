@@ -81,16 +81,23 @@ fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
 /// The `rcm` binary itself against the kernel: `rcm ping` both ways, rejects both ways
 /// (reasons 8 and 28), and the kernel's cmtime client with 50 connections in flight against
 /// `rcm bench --listen` (tests/interop/rcm-roce.sh).
-#[test]
-fn rcm_tools_interoperate_with_the_linux_kernel() {
-    let Some(top) = preflight() else { return };
+/// Runs one rcm scenario in the VM; returns its verdict lines after checking they all passed.
+fn run_scenario(
+    top: &std::path::Path,
+    name: &str,
+    scenario: &str,
+    rdma: &str,
+    verdicts_expected: usize,
+) {
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
-    let out = target.join("interop/rcm");
+    let out = target.join("interop").join(name);
     let _ = std::fs::remove_dir_all(&out);
     let status = Command::new(top.join("tests/interop/run-rcm.sh"))
         .arg(env!("CARGO_BIN_EXE_rcm"))
         .arg(&out)
+        .arg(top.join("tests/interop").join(scenario))
+        .arg(rdma)
         .status()
         .expect("run tests/interop/run-rcm.sh");
     let console = std::fs::read_to_string(out.join("console.log")).unwrap_or_default();
@@ -100,6 +107,20 @@ fn rcm_tools_interoperate_with_the_linux_kernel() {
         .collect();
     println!("{}", verdicts.join("\n"));
     assert!(status.success(), "interop failed:\n{}", verdicts.join("\n"));
-    assert_eq!(verdicts.len(), 18, "every check ran");
+    assert_eq!(verdicts.len(), verdicts_expected, "every check ran");
     assert!(verdicts.iter().all(|v| v.ends_with(" 0")));
+}
+
+#[test]
+fn rcm_tools_interoperate_with_the_linux_kernel() {
+    let Some(top) = preflight() else { return };
+    run_scenario(&top, "rcm", "rcm-roce.sh", "rxe", 18);
+}
+
+/// rcm's iWARP devices (plain TCP) against the kernel's siw0: `rcm ping --transport iwarp`
+/// both ways with the kernel's ucmatose, and a reject (tests/interop/rcm-iwarp.sh).
+#[test]
+fn rcm_iwarp_interoperates_with_linux_siw() {
+    let Some(top) = preflight() else { return };
+    run_scenario(&top, "rcm-iwarp", "rcm-iwarp.sh", "siw", 6);
 }
