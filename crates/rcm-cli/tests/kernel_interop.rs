@@ -118,9 +118,35 @@ fn rcm_tools_interoperate_with_the_linux_kernel() {
 }
 
 /// rcm's iWARP devices (plain TCP) against the kernel's siw0: `rcm ping --transport iwarp`
-/// both ways with the kernel's ucmatose, and a reject (tests/interop/rcm-iwarp.sh).
+/// both ways with the kernel's ucmatose, a reject, and MPA revision 1 both ways
+/// (tests/interop/rcm-iwarp.sh).
 #[test]
 fn rcm_iwarp_interoperates_with_linux_siw() {
     let Some(top) = preflight() else { return };
-    run_scenario(&top, "rcm-iwarp", "rcm-iwarp.sh", "siw", 6);
+    run_scenario(&top, "rcm-iwarp", "rcm-iwarp.sh", "siw", 10);
+}
+
+/// Connection-setup rates inside the VM, same emulated CPU: the kernel's cmtime against
+/// itself over rxe0, `rcm bench` against itself, and the kernel's cmtime client against
+/// `rcm bench --listen` (tests/interop/rates.sh). Prints the rates and the ratio; asserts
+/// only that every tool succeeded (a rate is measured, not asserted).
+#[test]
+fn connection_rates_side_by_side_in_the_vm() {
+    let Some(top) = preflight() else { return };
+    run_scenario(&top, "rates", "rates.sh", "rxe", 3);
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
+    let console =
+        std::fs::read_to_string(target.join("interop/rates/console.log")).unwrap_or_default();
+    let rate = |name: &str| -> Option<f64> {
+        console
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("rate {name} ")))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let (kk, rr, kr) = (rate("kernel-kernel"), rate("rcm-rcm"), rate("kernel-rcm"));
+    println!("rates in the VM (conn/s, connect step, 100 in flight): kernel<->kernel {kk:?}, rcm<->rcm {rr:?}, kernel->rcm {kr:?}");
+    if let (Some(k), Some(r)) = (kk, rr) {
+        println!("rcm/kernel = {:.2}x", r / k);
+    }
 }
