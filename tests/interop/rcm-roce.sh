@@ -64,15 +64,38 @@ step "7: UD (SIDR): rcm ping --ps udp against the kernel's udaddy, both ways"
 cap_start s7 veth0
 bg usrv udaddy -b $INIT_IP -c 1 -C 0
 sleep 1
-in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -c 1 --private-data "" --timeout 30; verdict rcm-sidr-active $?
+in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -c 1 --messages 0 --private-data "" --timeout 30; verdict rcm-sidr-active $?
 wait_job usrv 30; verdict udaddy-server $?
 stop usrv
-bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --private-data "" --timeout 30
+bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --messages 0 --private-data "" --timeout 30
 sleep 1
 udaddy -s $PEER_IP -c 1 -C 0; verdict udaddy-client $?
 wait_job uapp 30; verdict rcm-sidr-passive $?
 stop uapp
 cap_stop s7
+
+step "7b: UD datagrams: SIDR, then 5 UD SENDs each way between rcm and the kernel's udaddy"
+# udaddy (-C 5 -S 100) sends SEND-with-immediate (its QPN) and waits for as many receives,
+# polling forever: it exits 0 only once rxe accepted 5 of rcm's UD packets.
+cap_start s7b veth0
+bg usrv udaddy -b $INIT_IP -c 1 -C 5 -S 100
+sleep 1
+in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -c 1 --messages 5 --size 100 --private-data "" --timeout 30; verdict rcm-ud-active $?
+wait_job usrv 30; verdict udaddy-server-ud $?
+stop usrv
+bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --messages 5 --private-data "" --timeout 40
+sleep 1
+timeout 30 udaddy -s $PEER_IP -c 1 -C 5 -S 100; verdict udaddy-client-ud $?
+wait_job uapp 30; verdict rcm-ud-passive $?
+stop uapp
+cap_stop s7b
+# rcm's UD SENDs on the wire: 10 (5 per run), every ICRC correct over the real IP header.
+rcm decode $HARNESS_OUT/s7b.pcap > /tmp/s7b.txt; r=$?
+n=$(grep -cE "$PEER_IP:[0-9]+ +> +$INIT_IP:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" /tmp/s7b.txt)
+k=$(grep -cE "$INIT_IP:[0-9]+ +> +$PEER_IP:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s7b.txt)
+echo "rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
+grep UD_SEND /tmp/s7b.txt | head -4
+[ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire $?
 
 step "8: rcm daemon owns the peer's CM port; rcm ping --daemon connects to the kernel's ucmatose"
 cap_start s8 veth0

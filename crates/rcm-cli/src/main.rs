@@ -31,9 +31,9 @@ enum Cmd {
     ///
     /// Exit status: 0 exactly when every connection was established and disconnected cleanly
     /// (with --reject: rejected as asked); 1 otherwise, with the event and reason printed; 2 on
-    /// bad usage. A server counts an accepted connection whose client never confirmed it (REP
-    /// timeout; IBTA allows it under loss, when the client's RTUs are lost) as "unconfirmed",
-    /// printed but not a failure: the client's own report says whether it connected.
+    /// bad usage. A server reports an accepted connection its client never confirmed (REP
+    /// timeout: the peer went away, or under loss all its RTUs were lost, which IBTA allows)
+    /// as "unconfirmed", apart from the errors; the run still exits 1.
     Ping(PingArgs),
     /// Race create, connect, accept, reject, disconnect, destroy, non-blocking destroy and
     /// device removal from several threads against one in-process fabric, checking the
@@ -243,10 +243,18 @@ struct PingArgs {
     /// Private data to send and expect back.
     #[arg(long, default_value = "rcm ping")]
     private_data: String,
-    /// iWARP: do not exchange a message over each connection (the CM only; for peers such
-    /// as `ucmatose -C 0`, and through a daemon).
-    #[arg(long)]
+    /// Messages per connection: iWARP, exchanged each way over the stream (default 1);
+    /// `--ps udp`, UD datagrams the client sends and the server answers, as udaddy's `-C`
+    /// (default 10; through a daemon 0). 0 = the CM only (for `ucmatose -C 0`,
+    /// `udaddy -C 0`).
+    #[arg(short = 'C', long, value_name = "N")]
+    messages: Option<usize>,
+    /// The same as `--messages 0`.
+    #[arg(long, conflicts_with = "messages")]
     no_messages: bool,
+    /// `--ps udp`: bytes per UD datagram, as udaddy's `-S`.
+    #[arg(short = 'S', long, default_value_t = rcm_cli::ping::UD_DEFAULT_SIZE)]
+    size: usize,
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
@@ -287,7 +295,19 @@ fn ping(a: &PingArgs) -> ExitCode {
         timeout: std::time::Duration::from_secs(a.timeout),
         daemon: a.daemon.clone(),
         iwarp: a.transport == "iwarp",
-        messages: !a.no_messages,
+        messages: match (a.no_messages, a.messages) {
+            (true, _) => 0,
+            (false, Some(n)) => n,
+            (false, None) if ps == rcm::PortSpace::Udp && a.transport == "roce" => {
+                if a.daemon.is_some() {
+                    0
+                } else {
+                    ping::UD_DEFAULT_MESSAGES
+                }
+            }
+            (false, None) => 1,
+        },
+        size: a.size,
     };
     let r = match ping::run(&o, !a.json) {
         Ok(r) => r,
@@ -305,14 +325,22 @@ fn ping(a: &PingArgs) -> ExitCode {
         );
         if r.unconfirmed > 0 {
             println!(
-                "rcm ping: {}: {} accepted connection(s) never confirmed by the client (REP timeout; possible under loss, not an error)",
+                "rcm ping: {}: {} accepted connection(s) never confirmed by the client (REP timeout: the client went away, or all its RTUs were lost)",
                 r.role, r.unconfirmed
             );
         }
-        if a.transport == "iwarp" && !a.no_messages {
+        if a.transport == "iwarp" && o.messages > 0 {
             println!(
                 "rcm ping: messages over the iWARP stream matched {} of {}",
                 r.messages_ok, r.messages_expected
+            );
+        } else if ps == rcm::PortSpace::Udp && o.messages > 0 {
+            println!(
+                "rcm ping: UD datagrams received {} of {} ({} checked byte for byte, {} from a peer not in rcm's format)",
+                r.messages_ok + r.messages_unverified,
+                r.messages_expected,
+                r.messages_ok,
+                r.messages_unverified
             );
         }
         for e in &r.errors {

@@ -3,8 +3,20 @@
 //! `ucmatose -C 0` does), so rcm interoperates with the kernel's tools in both roles.
 //!
 //! Over iWARP (`iwarp`) each established connection also carries one real message each way
-//! before the server disconnects: the client sends "ping " + the private data as an RDMAP
-//! Send, the server "pong " + the private data, and each side checks what it got.
+//! (or `messages` of them) before the server disconnects: the client sends "ping " + the
+//! private data as an RDMAP Send, the server "pong " + the private data, and each side checks
+//! what it got.
+//!
+//! With `--ps udp` (SIDR) each resolved service also carries UD datagrams, as rdma-core's
+//! `udaddy` does (`-C` messages of `-S` bytes, defaults 10 and 100): the client sends
+//! `messages` UD SENDs with immediate data (its QPN, which `udaddy`'s server answers to) and
+//! waits for as many replies; the server receives them and answers each one to the QPN in
+//! its immediate data (or its DETH source QP), with rdma_cm's Q_Key. rcm's message is
+//! "ping <seq> " + the private data, zero-padded to the size; rcm's answer is the same bytes
+//! with "pong" in front instead of "ping", and each side checks those byte for byte. A
+//! kernel peer's payloads are counted but cannot be checked: `udaddy`'s client sends an
+//! uninitialised buffer, and its server answers with its receive buffer (the 40-byte GRH rxe
+//! writes, then the start of the last message received).
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace,
@@ -41,10 +53,18 @@ pub struct PingOpts {
     pub daemon: Option<std::path::PathBuf>,
     /// iWARP devices (MPA over TCP) instead of RoCEv2, with a message exchange.
     pub iwarp: bool,
-    /// iWARP: exchange one message each way over each connection (off: the CM only, as
-    /// against `ucmatose -C 0`).
-    pub messages: bool,
+    /// Messages per connection and side: iWARP, messages exchanged over the stream (1 by
+    /// default; 0: the CM only, as against `ucmatose -C 0`); UD, datagrams the client sends
+    /// and the server answers (udaddy's `-C`; 0: SIDR only, as against `udaddy -C 0`).
+    pub messages: usize,
+    /// UD: bytes per datagram (udaddy's `-S`).
+    pub size: usize,
 }
+
+/// udaddy's defaults: `-C 10`, `-S 100`.
+pub const UD_DEFAULT_MESSAGES: usize = 10;
+/// udaddy's default message size.
+pub const UD_DEFAULT_SIZE: usize = 100;
 
 /// How long either side waits for the other's message once established.
 const MESSAGE_WAIT: Duration = Duration::from_secs(10);
@@ -84,6 +104,144 @@ fn exchange(id: &CmId, send: &[u8], want: &[u8], who: &str, r: &mut PingReport, 
     }
 }
 
+/// rcm's UD message number `seq`: "ping <seq> " + the private data, zero-padded (or cut) to
+/// `size` bytes.
+fn ud_message(seq: usize, pd: &[u8], size: usize) -> Vec<u8> {
+    let mut m = [format!("ping {seq} ").as_bytes(), pd].concat();
+    m.resize(size, 0);
+    m
+}
+
+/// The sequence number of an rcm UD message or answer ("ping <seq> " / "pong <seq> "), if
+/// the payload has that shape.
+fn ud_seq(payload: &[u8], word: &str) -> Option<usize> {
+    let rest = payload.strip_prefix(word.as_bytes())?.strip_prefix(b" ")?;
+    let end = rest.iter().position(|&b| b == b' ')?;
+    std::str::from_utf8(&rest[..end]).ok()?.parse().ok()
+}
+
+/// The answer to a UD message: rcm's "ping" becomes "pong"; anything else is echoed (its
+/// length kept: the peer's receive buffers are as long as what it sends).
+fn ud_answer(payload: &[u8]) -> Vec<u8> {
+    match payload.strip_prefix(b"ping") {
+        Some(rest) => [b"pong".as_slice(), rest].concat(),
+        None => payload.to_vec(),
+    }
+}
+
+/// The server's side of a UD service: receives `o.messages` datagrams on the accepted child
+/// and answers each (as `udaddy`'s server does, to the QPN in the immediate data).
+fn ud_serve(id: &CmId, o: &PingOpts, r: &mut PingReport, log: bool) {
+    let Some(qpn) = id.qp_num() else {
+        r.errors
+            .push("server: the accepted UD id has no QPN".into());
+        return;
+    };
+    r.messages_expected += o.messages;
+    // From the accept (a `-c 0` server has no overall deadline).
+    let end = Instant::now() + MESSAGE_WAIT;
+    let (mut ok, mut unverified) = (0usize, 0usize);
+    for k in 0..o.messages {
+        let left = end.saturating_duration_since(Instant::now());
+        let Some(m) = id.recv_ud(left) else {
+            r.errors.push(format!(
+                "server: received {k} of {} UD datagrams from {:?}",
+                o.messages,
+                id.peer_addr()
+            ));
+            break;
+        };
+        match ud_seq(&m.payload, "ping") {
+            Some(seq) if m.payload == ud_message(seq, &o.private_data, m.payload.len()) => {
+                ok += 1;
+            }
+            Some(seq) => r.errors.push(format!(
+                "server: UD message {seq} differs: {:02x?}",
+                m.payload
+            )),
+            None => unverified += 1,
+        }
+        let to = rcm::UdParam {
+            qpn: m.imm.unwrap_or(m.src_qpn) & 0xFF_FFFF,
+            qkey: rcm_wire::cma::RDMA_UDP_QKEY,
+        };
+        if let Err(e) = id.send_ud_with_imm(m.src, to, qpn, &ud_answer(&m.payload)) {
+            r.errors.push(format!("server: UD answer: {e}"));
+        }
+    }
+    r.messages_ok += ok;
+    r.messages_unverified += unverified;
+    if log {
+        println!(
+            "rcm ping: server: UD datagrams from {:?}: {} received ({ok} rcm's, checked; \
+             {unverified} not in rcm's format, not checked), each answered",
+            id.peer_addr(),
+            ok + unverified
+        );
+    }
+}
+
+/// The client's side: sends `o.messages` datagrams to the resolved service and receives as
+/// many answers.
+fn ud_exchange(
+    id: &CmId,
+    (dst, ud): (IpAddr, rcm::UdParam),
+    o: &PingOpts,
+    who: &str,
+    r: &mut PingReport,
+    deadline: Instant,
+    log: bool,
+) {
+    let Some(qpn) = id.qp_num() else {
+        r.errors.push(format!("{who}: the UD id has no QPN"));
+        return;
+    };
+    r.messages_expected += o.messages;
+    let mut want: HashMap<usize, Vec<u8>> = HashMap::new();
+    for seq in 0..o.messages {
+        let m = ud_message(seq, &o.private_data, o.size);
+        // udaddy sends its QPN as immediate data; its server answers to that QPN.
+        if let Err(e) = id.send_ud_with_imm(dst, ud, qpn, &m) {
+            r.errors.push(format!("{who}: UD send {seq}: {e}"));
+            return;
+        }
+        want.insert(seq, ud_answer(&m));
+    }
+    let end = deadline.min(Instant::now() + MESSAGE_WAIT);
+    let (mut ok, mut unverified) = (0usize, 0usize);
+    for k in 0..o.messages {
+        let left = end.saturating_duration_since(Instant::now());
+        let Some(m) = id.recv_ud(left) else {
+            r.errors
+                .push(format!("{who}: received {k} of {} UD answers", o.messages));
+            break;
+        };
+        match ud_seq(&m.payload, "pong") {
+            Some(seq) if want.get(&seq) == Some(&m.payload) => {
+                want.remove(&seq);
+                ok += 1;
+            }
+            Some(seq) => r.errors.push(format!(
+                "{who}: UD answer {seq} differs: {:02x?}",
+                m.payload
+            )),
+            None => unverified += 1,
+        }
+    }
+    r.messages_ok += ok;
+    r.messages_unverified += unverified;
+    if log {
+        println!(
+            "rcm ping: {who}: sent {} UD datagrams of {} bytes to QPN {:#x}; {} answers \
+             received ({ok} rcm's, checked; {unverified} not in rcm's format, not checked)",
+            o.messages,
+            o.size,
+            ud.qpn,
+            ok + unverified
+        );
+    }
+}
+
 /// What happened.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct PingReport {
@@ -98,14 +256,17 @@ pub struct PingReport {
     /// Disconnected cleanly.
     pub disconnected: usize,
     /// Server: accepted connections the client never confirmed (the REP timed out). Under
-    /// loss IBTA allows it: the client may hold the connection (its RTUs were lost) and end
-    /// it later; the client's report says whether it connected. Not an error.
+    /// loss IBTA allows it (the client may even hold the connection, its RTUs lost, and end
+    /// it later), so it is reported apart from the errors; the run still fails, as not every
+    /// connection was established here.
     pub unconfirmed: usize,
     /// Private-data checks that matched byte for byte.
     pub private_data_ok: usize,
-    /// iWARP: messages received over the stream that matched byte for byte.
+    /// Messages received (iWARP: over the stream; UD: datagrams) that matched byte for byte.
     pub messages_ok: usize,
-    /// iWARP: messages expected (one per connection and side).
+    /// UD: datagrams received that are not in rcm's format (a kernel peer's), so not checked.
+    pub messages_unverified: usize,
+    /// Messages expected (per connection and side: iWARP `messages`, UD `messages`).
     pub messages_expected: usize,
     /// Everything that went wrong, with the event and reason.
     pub errors: Vec<String>,
@@ -120,9 +281,9 @@ impl PingReport {
         if reject {
             self.rejected == self.connections
         } else {
-            self.established + self.unconfirmed == self.connections
-                && self.disconnected == self.established
-                && self.messages_ok == self.messages_expected
+            self.established == self.connections
+                && self.disconnected == self.connections
+                && self.messages_ok + self.messages_unverified == self.messages_expected
         }
     }
 }
@@ -196,6 +357,9 @@ fn server_loop(
                     release = true;
                 } else if ud(o.ps) {
                     r.established += 1;
+                    if o.messages > 0 {
+                        ud_serve(&id, o, r, log);
+                    }
                     r.disconnected += 1;
                     finished += 1;
                     release = true;
@@ -207,10 +371,12 @@ fn server_loop(
                 if log {
                     println!("rcm ping: server: established with {:?}", id.peer_addr());
                 }
-                if o.iwarp && o.messages {
-                    r.messages_expected += 1;
+                if o.iwarp {
                     let pd = &o.private_data;
-                    exchange(&id, &pong_message(pd), &ping_message(pd), "server", r, log);
+                    for _ in 0..o.messages {
+                        r.messages_expected += 1;
+                        exchange(&id, &pong_message(pd), &ping_message(pd), "server", r, log);
+                    }
                 }
                 if let Err(err) = id.disconnect() {
                     r.errors.push(format!("server: disconnect: {err}"));
@@ -362,10 +528,10 @@ fn client_loop(
                         r.errors
                             .push(format!("client {i}: reply private data differs"));
                     }
-                    if o.messages {
+                    let pd = &o.private_data;
+                    let who = format!("client {i}");
+                    for _ in 0..o.messages {
                         r.messages_expected += 1;
-                        let pd = &o.private_data;
-                        let who = format!("client {i}");
                         exchange(&id, &ping_message(pd), &pong_message(pd), &who, r, log);
                     }
                 }
@@ -375,6 +541,10 @@ fn client_loop(
                     } else {
                         r.errors
                             .push(format!("client {i}: SIDR_REP private data differs"));
+                    }
+                    if let (Some(u), true) = (udp, o.messages > 0) {
+                        let who = format!("client {i}");
+                        ud_exchange(&id, (dst.ip(), *u), o, &who, r, deadline, log);
                     }
                     r.disconnected += 1;
                     finished += 1;
@@ -424,7 +594,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         if ud(o.ps) {
             return Err("iWARP carries only the TCP port space (--ps tcp)".into());
         }
-        if o.daemon.is_some() && o.messages {
+        if o.daemon.is_some() && o.messages > 0 {
             return Err(
                 "--transport iwarp: messages are not carried through the daemon (add --no-messages)"
                     .into(),
@@ -442,6 +612,20 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             "--private-data is {} bytes; a REQ carries at most 56 user bytes",
             o.private_data.len()
         ));
+    } else if ud(o.ps) && o.messages > 0 {
+        if o.daemon.is_some() {
+            return Err(
+                "--ps udp: UD datagrams are not carried through the daemon (add --messages 0)"
+                    .into(),
+            );
+        }
+        if o.size == 0 || o.size > rcm::UD_MAX_PAYLOAD {
+            return Err(format!(
+                "--size {}: a UD datagram carries 1 to {} bytes",
+                o.size,
+                rcm::UD_MAX_PAYLOAD
+            ));
+        }
     }
     let cfg = FabricConfig {
         udp_port: o.udp_port,
@@ -558,6 +742,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             r.errors.extend(sr.errors);
             r.private_data_ok += sr.private_data_ok;
             r.messages_ok += sr.messages_ok;
+            r.messages_unverified += sr.messages_unverified;
             r.messages_expected += sr.messages_expected;
         }
     }

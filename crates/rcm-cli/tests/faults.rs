@@ -2156,8 +2156,9 @@ fn link_cut_mid_handshake_cli_default_deadline() {
     let sout = srv.stdout();
     assert!(
         !sst.success()
-            && sout.contains("Unreachable(RepTimeout)")
-            && sout.contains("0 of 1 established"),
+            && sout.contains("never confirmed the connection (REP timeout)")
+            && sout.contains("0 of 1 established")
+            && sout.contains("1 accepted connection(s) never confirmed"),
         "{}",
         srv.output()
     );
@@ -3314,9 +3315,9 @@ fn serve_forever_servers_release_finished_connections() {
 /// loss each way, 5 ms ± 2 ms): every connection is established, its private data checked,
 /// and disconnected; both processes exit 0.
 ///
-/// Under 10 % loss a server's REP retries can all go unanswered (the client's RTUs lost):
-/// the server then reports the connection as unconfirmed (REP timeout, which IBTA allows), not
-/// as an error; the client, which had it up, ends it itself. Both exit 0.
+/// Under 10 % loss a server's REP retries can all go unanswered (the client's RTUs lost): the
+/// server then reports that connection as unconfirmed (REP timeout, which IBTA allows), apart
+/// from the errors, and exits 1 for it; the client, which had it up, ends it itself.
 #[test]
 fn lossy_link_1000_connections_rcm_ping() {
     const T: &str = "lossy_link_1000_connections_rcm_ping";
@@ -3392,13 +3393,25 @@ fn lossy_link_1000_connections_rcm_ping() {
         .wait(Duration::from_secs(60))
         .is_some_and(|s| s.success());
     let out = srv.output();
+    let unconfirmed = out.matches("never confirmed the connection").count();
     figure(
         T,
         &format!(
-            "rcm ping server across 10 % loss: exit ok {ok}, {} accepted connection(s) never confirmed (REP timeout)",
-            out.matches("never confirmed the connection").count()
+            "rcm ping server across 10 % loss: exit ok {ok}, {unconfirmed} accepted connection(s) never confirmed (REP timeout)"
         ),
     );
-    assert!(ok, "the rcm ping server\n{out}");
+    // Every connection the server accepted was established and disconnected, except those
+    // whose client never confirmed them: all REP retries (or all RTU answers) lost, which
+    // IBTA allows; the server reports them apart and exits 1 for them, and nothing else.
+    let summary = format!(
+        "rcm ping: server: {} of 1000 established, {} disconnected",
+        1000 - unconfirmed,
+        1000 - unconfirmed
+    );
+    assert!(
+        (ok && unconfirmed == 0)
+            || (!ok && unconfirmed > 0 && out.contains(&summary) && !out.contains("error:")),
+        "the rcm ping server\n{out}"
+    );
     assert_icrc_clean(&net.report());
 }

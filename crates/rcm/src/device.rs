@@ -7,7 +7,7 @@
 use crate::id::IdInner;
 use crate::sync;
 use rcm_proto::ib::{CepHandle, CmEvent, Endpoint, Transmit};
-use rcm_wire::roce::{self, GsiDatagram, IpForIcrc};
+use rcm_wire::roce::{self, Bth, Deth, GsiDatagram, IpForIcrc, Opcode, RocePacket};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -32,8 +32,18 @@ struct Pending {
 pub struct DeviceStats {
     /// Datagrams received.
     pub rx: AtomicU64,
-    /// Datagrams that were not RoCEv2 GSI MADs.
+    /// Datagrams that were neither RoCEv2 GSI MADs nor UD SENDs (garbage).
     pub rx_bad: AtomicU64,
+    /// UD SENDs queued to a UD id.
+    pub ud_delivered: AtomicU64,
+    /// UD SENDs to a QPN no live UD id of this device receives on.
+    pub ud_no_qp: AtomicU64,
+    /// UD SENDs whose Q_Key was not the id's.
+    pub ud_bad_qkey: AtomicU64,
+    /// UD SENDs dropped because the id's receive queue was full.
+    pub ud_queue_full: AtomicU64,
+    /// UD SENDs sent.
+    pub ud_sent: AtomicU64,
     /// Datagrams sent.
     pub tx: AtomicU64,
     /// Send errors.
@@ -51,6 +61,9 @@ pub(crate) struct DeviceInner {
     pub ceps: Mutex<HashMap<CepHandle, Weak<IdInner>>>,
     /// Engine listeners by service ID.
     pub listens: Mutex<HashMap<u64, ServiceListen>>,
+    /// UD ids receiving datagrams, by their QPN (registered by a UD `connect`/`accept`,
+    /// removed at teardown).
+    pub ud_qps: Mutex<HashMap<u32, Weak<IdInner>>>,
     pub removed: AtomicBool,
     stop: AtomicBool,
     wake_at: Mutex<Option<Instant>>,
@@ -79,6 +92,7 @@ impl DeviceInner {
             engine: Mutex::new(engine),
             ceps: Mutex::new(HashMap::new()),
             listens: Mutex::new(HashMap::new()),
+            ud_qps: Mutex::new(HashMap::new()),
             removed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
@@ -111,6 +125,7 @@ impl DeviceInner {
             engine: Mutex::new(engine),
             ceps: Mutex::new(HashMap::new()),
             listens: Mutex::new(HashMap::new()),
+            ud_qps: Mutex::new(HashMap::new()),
             removed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
@@ -250,18 +265,21 @@ impl DeviceInner {
         }
     }
 
-    /// Feeds a batch of received datagrams to the engine under one lock.
+    /// Feeds a batch of received datagrams to the engine under one lock; then queues the UD
+    /// SENDs among them to their ids (outside the engine lock).
     fn handle_batch(self: &Arc<Self>, batch: &[(SocketAddr, Vec<u8>)]) {
         let mut bad = 0;
+        let mut ud = Vec::new();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
                 if buf.len() == 1 && from.ip() == self.ip {
                     continue; // our own wake-up
                 }
-                match GsiDatagram::parse(buf) {
-                    // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
-                    Ok(g) => ep.handle_datagram(now, from.ip(), g.mad),
-                    Err(_) => bad += 1,
+                // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
+                match classify(buf) {
+                    Rx::Gsi(g) => ep.handle_datagram(now, from.ip(), g.mad),
+                    Rx::Ud(d) => ud.push((from.ip(), d)),
+                    Rx::Bad => bad += 1,
                 }
             }
         });
@@ -269,6 +287,59 @@ impl DeviceInner {
             .rx
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
         self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
+        for (src, d) in ud {
+            self.deliver_ud(src, d);
+        }
+    }
+
+    /// Queues one UD SEND to the id receiving on its destination QPN, or counts why not.
+    fn deliver_ud(&self, src: IpAddr, d: UdDatagram) {
+        let id = sync::lock(&self.ud_qps)
+            .get(&d.dest_qp)
+            .and_then(Weak::upgrade);
+        match id {
+            Some(id) => crate::id::deliver_ud(&id, src, d, &self.stats),
+            None => {
+                self.stats.ud_no_qp.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Sends one RoCEv2 UD SEND Only (with immediate data when `imm` is set: opcode 0x65,
+    /// ImmDt after the DETH) to `dst`'s device port, its ICRC computed for the IPv4 header a
+    /// Linux unconnected `IP_PMTUDISC_DO` socket sends (ID 0, DF).
+    pub(crate) fn send_ud(
+        &self,
+        dst: IpAddr,
+        bth: &Bth,
+        deth: &Deth,
+        imm: Option<u32>,
+        payload: &[u8],
+    ) -> crate::Result<()> {
+        let sock = self.socket().ok_or(crate::Error::DeviceRemoved)?;
+        let ip = match (self.ip, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
+            (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
+            _ => return Err(crate::Error::AddrNotAvailable(dst)),
+        };
+        let pkt = match imm {
+            Some(i) => {
+                let body = [i.to_be_bytes().as_slice(), payload].concat();
+                roce::emit_ud(&ip, self.port, bth, deth, &body)
+            }
+            None => roce::emit_ud(&ip, self.port, bth, deth, payload),
+        };
+        match sock.send_to(&pkt, SocketAddr::new(dst, self.port)) {
+            Ok(_) => {
+                self.stats.tx.fetch_add(1, Ordering::Relaxed);
+                self.stats.ud_sent.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.stats.tx_errors.fetch_add(1, Ordering::Relaxed);
+                Err(e.into())
+            }
+        }
     }
 
     /// Stops the I/O thread (after removal completed, or at fabric shutdown).
@@ -309,7 +380,8 @@ impl DeviceInner {
 }
 
 fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
-    let mut buf = [0u8; 4096];
+    // The largest UD message (an IB MTU of 4096) with its headers fits whole.
+    let mut buf = vec![0u8; RX_BUF];
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -357,3 +429,55 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
 
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
+
+/// Receive buffer: more than a UD SEND of the largest IB MTU (4096) with BTH, DETH, ImmDt,
+/// pad and ICRC; a longer datagram is truncated by the socket and then fails to parse.
+const RX_BUF: usize = 8192;
+
+/// A UD SEND Only (with or without immediate data) to a QP other than QP1.
+pub(crate) struct UdDatagram {
+    pub dest_qp: u32,
+    pub qkey: u32,
+    pub src_qp: u32,
+    pub imm: Option<u32>,
+    pub payload: Vec<u8>,
+}
+
+/// What a received datagram is.
+enum Rx<'a> {
+    Gsi(GsiDatagram<'a>),
+    Ud(UdDatagram),
+    Bad,
+}
+
+/// Sorts a datagram: a CM MAD for QP1, a UD SEND for a UD QP, or garbage. Never panics.
+fn classify(buf: &[u8]) -> Rx<'_> {
+    let Ok(p) = RocePacket::parse(buf) else {
+        return Rx::Bad;
+    };
+    if p.bth.dest_qp == roce::GSI_QPN {
+        return GsiDatagram::parse(buf).map_or(Rx::Bad, Rx::Gsi);
+    }
+    // The default partition (full or limited membership), as rxe's P_Key check.
+    if p.bth.pkey & 0x7FFF != 0x7FFF {
+        return Rx::Bad;
+    }
+    let imm = match p.bth.opcode {
+        Opcode::UD_SEND_ONLY => None,
+        Opcode::UD_SEND_ONLY_IMM => match p.ext_headers.get(roce::DETH_LEN..roce::DETH_LEN + 4) {
+            Some(&[a, b, c, d]) => Some(u32::from_be_bytes([a, b, c, d])),
+            _ => return Rx::Bad,
+        },
+        _ => return Rx::Bad,
+    };
+    let (Some(deth), Some(payload)) = (p.deth, p.payload) else {
+        return Rx::Bad;
+    };
+    Rx::Ud(UdDatagram {
+        dest_qp: p.bth.dest_qp,
+        qkey: deth.qkey,
+        src_qp: deth.src_qp,
+        imm,
+        payload: payload.to_vec(),
+    })
+}

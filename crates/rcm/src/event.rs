@@ -29,6 +29,28 @@ pub struct UdParam {
     pub qkey: u32,
 }
 
+/// A UD datagram received for a UD id (see [`CmId::recv_ud`]): a RoCEv2 UD SEND Only, with or
+/// without immediate data, whose destination QPN is the id's and whose Q_Key is rdma_cm's
+/// (`RDMA_UDP_QKEY`, 0x01234567).
+///
+/// Its ICRC was **not** verified: a UDP socket cannot see the IPv4 Identification field the
+/// ICRC covers (rxe sends nonzero IDs), so the datagram is accepted as the UDP layer gives it.
+///
+/// [`CmId::recv_ud`]: crate::CmId::recv_ud
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UdMessage {
+    /// The sender's IP address.
+    pub src: std::net::IpAddr,
+    /// The sender's QPN (the DETH source QP).
+    pub src_qpn: u32,
+    /// The immediate data (BTH opcode 0x65, UD SEND Only with Immediate), as the 32-bit value
+    /// carried big-endian on the wire; `None` for a plain SEND Only (0x64). rdma-core's
+    /// `udaddy` puts its own QPN here and its server answers to the QPN it finds here.
+    pub imm: Option<u32>,
+    /// The payload (pad bytes removed).
+    pub payload: Vec<u8>,
+}
+
 /// Why a connection attempt failed without a REJ from the peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unreachable {

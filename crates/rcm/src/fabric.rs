@@ -374,6 +374,46 @@ impl Device {
     pub fn engine_stats(&self) -> rcm_proto::ib::Stats {
         self.0.engine_stats().0
     }
+
+    /// The UD data path's counters (see [`CmId::send_ud`] and [`CmId::recv_ud`]).
+    ///
+    /// [`CmId::send_ud`]: crate::CmId::send_ud
+    /// [`CmId::recv_ud`]: crate::CmId::recv_ud
+    pub fn ud_stats(&self) -> UdStats {
+        let s = &self.0.stats;
+        let r = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        UdStats {
+            sent: r(&s.ud_sent),
+            delivered: r(&s.ud_delivered),
+            no_qp: r(&s.ud_no_qp),
+            bad_qkey: r(&s.ud_bad_qkey),
+            queue_full: r(&s.ud_queue_full),
+            garbage: r(&s.rx_bad),
+        }
+    }
+}
+
+/// Counters of a RoCEv2 device's UD data path ([`Device::ud_stats`]). Every received
+/// datagram that is not a CM MAD for QP1 ends in exactly one of `delivered`, `no_qp`,
+/// `bad_qkey`, `queue_full` or `garbage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UdStats {
+    /// UD SENDs sent from this device.
+    pub sent: u64,
+    /// UD SENDs queued to a UD id's receive queue.
+    pub delivered: u64,
+    /// UD SENDs dropped: no UD id of this device receives on the destination QPN (none
+    /// registered, destroyed, or not connecting or established).
+    pub no_qp: u64,
+    /// UD SENDs dropped: the DETH Q_Key was not the id's (`RDMA_UDP_QKEY`).
+    pub bad_qkey: u64,
+    /// UD SENDs dropped: the id's receive queue was full ([`UD_RECV_QUEUE`]).
+    ///
+    /// [`UD_RECV_QUEUE`]: crate::UD_RECV_QUEUE
+    pub queue_full: u64,
+    /// Datagrams that were neither a CM MAD nor a UD SEND (garbage, truncated, other
+    /// opcodes, another partition), dropped.
+    pub garbage: u64,
 }
 
 /// A device removal in progress.

@@ -5,7 +5,7 @@
 //! engine lock is never held while events are routed, callbacks run or teardowns happen.
 
 use crate::device::{DeviceInner, ServiceListen};
-use crate::event::{ConnParam, Event, UdParam, Unreachable};
+use crate::event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
 use crate::iwarp::{ConnKey, IwEvent};
 use crate::remote::{IdInfo, Op, RemoteId, Reply, Sink};
@@ -231,7 +231,21 @@ pub(crate) struct IdInner {
     /// iWARP: Send messages received and not yet taken (`recv_message`).
     inbox: Mutex<std::collections::VecDeque<Vec<u8>>>,
     inbox_cv: std::sync::Condvar,
+    /// UD: datagrams received for this id's QPN and not yet taken (`recv_ud`), at most
+    /// [`UD_RECV_QUEUE`].
+    ud_inbox: Mutex<std::collections::VecDeque<UdMessage>>,
+    ud_cv: std::sync::Condvar,
+    /// UD: the PSN of the next UD SEND.
+    ud_psn: std::sync::atomic::AtomicU32,
 }
+
+/// The largest payload of one UD datagram ([`CmId::send_ud`]): the largest IB MTU. The path
+/// MTU may be smaller (rxe on a 1500-byte link: 1024), and the peer drops what exceeds it.
+pub const UD_MAX_PAYLOAD: usize = 4096;
+
+/// How many received UD datagrams a UD id keeps until taken ([`CmId::recv_ud`]); beyond
+/// that, new ones are dropped and counted ([`crate::UdStats::queue_full`]).
+pub const UD_RECV_QUEUE: usize = 1024;
 
 /// An rdma_cm communication identifier. Cloning gives another handle to the same id; the id
 /// lives until destroyed (dropping handles does not destroy it).
@@ -418,6 +432,9 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         remote: std::sync::OnceLock::new(),
         inbox: Mutex::new(std::collections::VecDeque::new()),
         inbox_cv: std::sync::Condvar::new(),
+        ud_inbox: Mutex::new(std::collections::VecDeque::new()),
+        ud_cv: std::sync::Condvar::new(),
+        ud_psn: std::sync::atomic::AtomicU32::new(0),
     });
     let td = inner.clone();
     inner.slot.set_teardown(Box::new(move || teardown(&td)));
@@ -939,7 +956,9 @@ impl CmId {
     }
 
     /// Connects (`rdma_connect`): a REQ (RC) or SIDR_REQ (UD) with rdma_cm's header.
-    /// RouteResolved → Connect.
+    /// RouteResolved → Connect. A UD id receives datagrams on its QPN from here on
+    /// ([`CmId::recv_ud`]); a QPN another live UD id of the device receives on is refused
+    /// ([`Error::QpBusy`]).
     pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Connect(opts.clone())) {
             return r.map(drop);
@@ -977,10 +996,25 @@ impl CmId {
             (dst, dev, qpn, g.path, pd)
         };
         // Connect before the REQ can leave: a reply routed during the engine call must find
-        // the id connecting. A failure below puts the state back.
+        // the id connecting. A failure below puts the state back. A UD id receives datagrams
+        // on its QPN from here on (its ESTABLISHED may be handled before this call returns).
         {
             let mut g = sync::lock(&self.0.st);
             g.state = State::Connect;
+            if is_ud(self.0.ps) {
+                g.conn.local_qpn = qpn;
+            }
+        }
+        if is_ud(self.0.ps) {
+            if let Err(e) = register_ud(&dev, qpn, &self.0) {
+                let mut g = sync::lock(&self.0.st);
+                if g.state == State::Connect {
+                    g.state = State::RouteResolved;
+                }
+                g.conn.local_qpn = 0;
+                Self::unclaim_qp(&g);
+                return Err(e);
+            }
         }
         let sid = cma::service_id(self.0.ps, dst.port());
         let weak = Arc::downgrade(&self.0);
@@ -1018,6 +1052,7 @@ impl CmId {
             Ok(h) if g.state == State::Destroying || g.removed => {
                 // Destroyed meanwhile: the teardown did not see this endpoint; end it here.
                 drop(g);
+                unregister_ud(&dev, qpn, &self.0);
                 sync::lock(&dev.ceps).remove(&h);
                 dev.with_engine(|ep, now| {
                     let _ = ep.destroy(now, h);
@@ -1037,13 +1072,19 @@ impl CmId {
                 if g.state == State::Connect {
                     g.state = State::RouteResolved;
                 }
+                g.conn.local_qpn = 0;
                 Self::unclaim_qp(&g);
+                drop(g);
+                unregister_ud(&dev, qpn, &self.0);
                 Err(e.into())
             }
         }
     }
 
     /// Accepts a connect request (`rdma_accept`) on the child id: REP (RC) or SIDR_REP (UD).
+    /// A UD child receives datagrams on its QPN before the SIDR_REP leaves
+    /// ([`CmId::recv_ud`]); a QPN another live UD id of the device receives on is refused
+    /// ([`Error::QpBusy`]).
     pub fn accept(&self, opts: &AcceptOptions) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Accept(opts.clone())) {
             return r.map(drop);
@@ -1065,6 +1106,16 @@ impl CmId {
             (dev, cep, qpn)
         };
         let psn = rand::random::<u32>() & 0xFF_FFFF;
+        if is_ud(self.0.ps) {
+            // Receive on the QPN before the SIDR_REP announces it: the peer may send at once.
+            sync::lock(&self.0.st).conn.local_qpn = qpn;
+            if let Err(e) = register_ud(&dev, qpn, &self.0) {
+                let mut g = sync::lock(&self.0.st);
+                g.conn.local_qpn = 0;
+                Self::unclaim_qp(&g);
+                return Err(e);
+            }
+        }
         let r = if is_ud(self.0.ps) {
             let p = SidrReplyParams {
                 status: SidrStatus::Success,
@@ -1098,6 +1149,11 @@ impl CmId {
             }
             Err(e) => {
                 Self::unclaim_qp(&g);
+                if is_ud(self.0.ps) {
+                    g.conn.local_qpn = 0;
+                    drop(g);
+                    unregister_ud(&dev, qpn, &self.0);
+                }
                 Err(e.into())
             }
         }
@@ -1386,7 +1442,7 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
-    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener, iwk) = {
+    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener, iwk, ud_qpn) = {
         let mut g = sync::lock(&inner.st);
         g.state = State::Destroying;
         (
@@ -1400,6 +1456,7 @@ fn teardown(inner: &Arc<IdInner>) {
             g.wildcard,
             g.listener.clone(),
             g.iw.take(),
+            Some(g.conn.local_qpn).filter(|&q| q != 0 && is_ud(inner.ps)),
         )
     };
     // A child leaves its listener's list (the list must not grow with every connection).
@@ -1410,6 +1467,13 @@ fn teardown(inner: &Arc<IdInner>) {
         iw_destroy(dev, key);
     }
     sync::lock(&inner.inbox).clear();
+    // UD: no datagram is queued to this id from here on (`deliver_ud` checks liveness under
+    // the queue's lock, and the slot stopped being live before this teardown began).
+    if let (Some(dev), Some(q)) = (&dev, ud_qpn) {
+        unregister_ud(dev, q, inner);
+    }
+    sync::lock(&inner.ud_inbox).clear();
+    inner.ud_cv.notify_all();
     if let (Some(dev), Some(cep)) = (&dev, cep) {
         sync::lock(&dev.ceps).remove(&cep);
         dev.with_engine(|ep, now| {
@@ -2330,4 +2394,229 @@ fn on_iw_connect_request(
         param,
         ud: false,
     });
+}
+
+// ---------------------------------------------------------------------------------------
+// UD: a minimal datagram path on the RoCEv2 device's socket (SIDR resolves where to send;
+// these calls send and receive UD SEND Only packets with BTH, DETH and ICRC).
+
+impl CmId {
+    /// The QP number this id announced: the one its `connect` or `accept` used (an attached
+    /// QP's, `qpn` of the options, or a fresh soft QPN). A UD id receives datagrams on it and
+    /// sends with it as the DETH source QP. `None` before `connect`/`accept` (and on a
+    /// provider's id).
+    pub fn qp_num(&self) -> Option<u32> {
+        if self.0.remote.get().is_some() {
+            return None;
+        }
+        let q = sync::lock(&self.0.st).conn.local_qpn;
+        (q != 0).then_some(q)
+    }
+
+    /// Sends one UD datagram (`ibv_post_send` of a UD SEND on the id's QP, in rcm's own
+    /// minimal data path): a RoCEv2 UD SEND Only (BTH opcode 0x64, P_Key 0xFFFF, `ud.qpn` as
+    /// destination QP, a PSN counting up per id), a DETH with `ud.qkey` and this id's QPN
+    /// ([`CmId::qp_num`]) as source QP, the payload, pad and a correct ICRC, from the id's
+    /// device socket to `dst`'s RoCEv2 port. The ICRC assumes the IPv4 header Linux writes for
+    /// that socket (ID 0, DF: the socket is unconnected with `IP_PMTUDISC_DO`), which rxe
+    /// verifies and accepts.
+    ///
+    /// The id must be a UD id ([`PortSpace::Udp`] or `Ipoib`) on a RoCEv2 device, in
+    /// [`State::Established`]: the client after its `Established { ud: Some(..) }` (whose
+    /// [`UdParam`] is what to pass here), the server after `accept`. `payload` is at most
+    /// [`UD_MAX_PAYLOAD`] bytes (and should fit the path MTU); `ud.qpn` must be a 24-bit QPN
+    /// other than QP0/QP1. UD is unreliable: success means the datagram left the socket.
+    /// Not available on a provider's (daemon's) id.
+    pub fn send_ud(&self, dst: IpAddr, ud: UdParam, payload: &[u8]) -> Result<()> {
+        self.ud_send(dst, ud, None, payload)
+    }
+
+    /// Like [`CmId::send_ud`], as a UD SEND Only with Immediate (opcode 0x65): `imm` goes in
+    /// the ImmDt header (big-endian on the wire, as `htobe32` gives it to `ibv_post_send`).
+    /// rdma-core's `udaddy` sends its own QPN this way, and its server answers to the QPN in
+    /// the immediate data: pass [`CmId::qp_num`] to be answered by it.
+    pub fn send_ud_with_imm(
+        &self,
+        dst: IpAddr,
+        ud: UdParam,
+        imm: u32,
+        payload: &[u8],
+    ) -> Result<()> {
+        self.ud_send(dst, ud, Some(imm), payload)
+    }
+
+    fn ud_send(&self, dst: IpAddr, ud: UdParam, imm: Option<u32>, payload: &[u8]) -> Result<()> {
+        if self.0.remote.get().is_some() {
+            return Err(Error::InvalidArgument(
+                "UD datagrams are not carried through a provider".into(),
+            ));
+        }
+        if !is_ud(self.0.ps) {
+            return Err(Error::InvalidArgument(
+                "UD datagrams need a UD (PortSpace::Udp) id".into(),
+            ));
+        }
+        if payload.len() > UD_MAX_PAYLOAD {
+            return Err(Error::InvalidArgument(
+                format!(
+                    "UD payload of {} bytes; at most {UD_MAX_PAYLOAD}",
+                    payload.len()
+                )
+                .into(),
+            ));
+        }
+        if ud.qpn <= rcm_wire::roce::GSI_QPN || ud.qpn > 0xFF_FFFF {
+            return Err(Error::InvalidArgument(
+                format!("destination QPN {:#x}: not a 24-bit UD QPN", ud.qpn).into(),
+            ));
+        }
+        let (dev, src_qp) = {
+            let g = self.usable()?;
+            if g.state != State::Established {
+                return Err(Error::InvalidState(g.state));
+            }
+            let Some(dev) = g.device.clone().filter(|d| !d.is_iwarp()) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            if g.conn.local_qpn == 0 {
+                return Err(Error::InvalidState(g.state));
+            }
+            (dev, g.conn.local_qpn)
+        };
+        let psn = self
+            .0
+            .ud_psn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            & 0xFF_FFFF;
+        let bth = rcm_wire::roce::Bth {
+            opcode: if imm.is_some() {
+                rcm_wire::roce::Opcode::UD_SEND_ONLY_IMM
+            } else {
+                rcm_wire::roce::Opcode::UD_SEND_ONLY
+            },
+            dest_qp: ud.qpn,
+            ..rcm_wire::roce::Bth::gsi(psn)
+        };
+        let deth = rcm_wire::roce::Deth {
+            qkey: ud.qkey,
+            reserved: 0,
+            src_qp,
+        };
+        dev.send_ud(dst, &bth, &deth, imm, payload)
+    }
+
+    /// The next UD datagram received for this id, waiting up to `timeout`.
+    ///
+    /// A UD id receives from its `connect` or `accept` until it is destroyed (or its device
+    /// removed, or the SIDR failed): the device queues to it every UD SEND Only (with or
+    /// without immediate data) whose destination QPN is [`CmId::qp_num`] and whose DETH
+    /// Q_Key is rdma_cm's `RDMA_UDP_QKEY` (0x01234567); others are dropped and counted
+    /// ([`crate::Device::ud_stats`]). At most [`UD_RECV_QUEUE`] wait to be taken; more are
+    /// dropped. The ICRC of a received datagram is not verified (a UDP socket cannot see the
+    /// IPv4 ID it covers). Datagrams are not events: they need no ack and do not hold the
+    /// id; after destroy this returns `None`.
+    pub fn recv_ud(&self, timeout: std::time::Duration) -> Option<UdMessage> {
+        if self.0.remote.get().is_some() {
+            return None;
+        }
+        let end = std::time::Instant::now() + timeout;
+        let mut q = sync::lock(&self.0.ud_inbox);
+        loop {
+            if !self.0.slot.is_live() {
+                return None;
+            }
+            if let Some(m) = q.pop_front() {
+                return Some(m);
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            q = sync::wait_timeout(&self.0.ud_cv, q, left);
+        }
+    }
+
+    /// The next UD datagram already received, if any (see [`CmId::recv_ud`]).
+    pub fn try_recv_ud(&self) -> Option<UdMessage> {
+        if !self.0.slot.is_live() {
+            return None;
+        }
+        sync::lock(&self.0.ud_inbox).pop_front()
+    }
+}
+
+/// Makes `id` the receiver of UD datagrams to `qpn` on `dev`. A QPN another live UD id of
+/// the device receives on is refused (two UD QPs cannot share a number).
+fn register_ud(dev: &Arc<DeviceInner>, qpn: u32, id: &Arc<IdInner>) -> Result<()> {
+    {
+        let mut m = sync::lock(&dev.ud_qps);
+        if let Some(other) = m.get(&qpn).and_then(Weak::upgrade) {
+            if !Arc::ptr_eq(&other, id) && other.slot.is_live() {
+                return Err(Error::QpBusy(
+                    format!("QPN {qpn:#x} already receives UD datagrams on this device").into(),
+                ));
+            }
+        }
+        m.insert(qpn, Arc::downgrade(id));
+    }
+    // Destroyed meanwhile: its teardown may have looked before the entry existed.
+    if !id.slot.is_live() {
+        unregister_ud(dev, qpn, id);
+        return Err(Error::Destroyed);
+    }
+    Ok(())
+}
+
+/// Removes `id`'s registration for `qpn` (another id's stays).
+fn unregister_ud(dev: &Arc<DeviceInner>, qpn: u32, id: &IdInner) {
+    let mut m = sync::lock(&dev.ud_qps);
+    let mine = m
+        .get(&qpn)
+        .is_some_and(|w| w.strong_count() == 0 || std::ptr::eq(w.as_ptr(), id));
+    if mine {
+        m.remove(&qpn);
+    }
+}
+
+/// Queues a UD datagram to the id registered for its destination QPN, or counts in `stats`
+/// why not. A queued datagram is counted before it becomes visible to `recv_ud`.
+pub(crate) fn deliver_ud(
+    id: &Arc<IdInner>,
+    src: IpAddr,
+    d: crate::device::UdDatagram,
+    stats: &crate::device::DeviceStats,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let receiving = {
+        let g = sync::lock(&id.st);
+        !g.removed && matches!(g.state, State::Connect | State::Established)
+    };
+    if !receiving {
+        stats.ud_no_qp.fetch_add(1, Relaxed);
+        return;
+    }
+    if d.qkey != cma::RDMA_UDP_QKEY {
+        stats.ud_bad_qkey.fetch_add(1, Relaxed);
+        return;
+    }
+    let mut q = sync::lock(&id.ud_inbox);
+    // Checked under the queue's lock: the teardown clears the queue after the slot stopped
+    // being live, so nothing queued here can outlive the id.
+    if !id.slot.is_live() {
+        stats.ud_no_qp.fetch_add(1, Relaxed);
+        return;
+    }
+    if q.len() >= UD_RECV_QUEUE {
+        stats.ud_queue_full.fetch_add(1, Relaxed);
+        return;
+    }
+    stats.ud_delivered.fetch_add(1, Relaxed);
+    q.push_back(UdMessage {
+        src,
+        src_qpn: d.src_qp,
+        imm: d.imm,
+        payload: d.payload,
+    });
+    drop(q);
+    id.ud_cv.notify_all();
 }

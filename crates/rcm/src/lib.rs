@@ -8,6 +8,12 @@
 //! disconnect and QP attribute hand-off. Events reach the user either through a handler
 //! (one call at a time per id, in order, returning [`Flow`]) or an [`EventChannel`].
 //!
+//! UD ids ([`PortSpace::Udp`]) also have a minimal data path on the RoCEv2 device's socket:
+//! after SIDR ([`Event::Established`] with a [`UdParam`] on the client, `accept` on the
+//! server) [`CmId::send_ud`] sends RoCEv2 UD SEND Only datagrams (BTH, DETH, correct ICRC)
+//! that a kernel rxe QP receives, and [`CmId::recv_ud`] takes the ones sent to the id's QPN
+//! with rdma_cm's Q_Key ([`UdMessage`]; the ICRC of received datagrams is not verified).
+//!
 //! The lifecycle guarantees (see [`CmId::destroy`], [`CmId::begin_destroy`],
 //! [`Fabric::remove_device`]):
 //! 1. Callbacks for one id never run concurrently and arrive in order.
@@ -52,13 +58,13 @@ mod sys;
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]
-pub use event::{ConnParam, Event, UdParam, Unreachable};
+pub use event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 #[cfg(not(loom))]
-pub use fabric::{Device, Fabric, FabricConfig, Removal};
+pub use fabric::{Device, Fabric, FabricConfig, Removal, UdStats};
 #[cfg(not(loom))]
 pub use id::{
     any_addr, AcceptOptions, ChannelEvent, CmId, ConnectOptions, DestroyHandle, EventChannel,
-    Handler, QpAttr, QpState, State, IWARP_PRIVATE_DATA_MAX,
+    Handler, QpAttr, QpState, State, IWARP_PRIVATE_DATA_MAX, UD_MAX_PAYLOAD, UD_RECV_QUEUE,
 };
 #[cfg(not(loom))]
 pub use ports::EPHEMERAL;
