@@ -36,10 +36,10 @@ siw_param mpa_version 1
 cap_start w4 veth0 tcp
 bg srv ucmatose -b $INIT_IP -p 7471 -c 2 -C 0
 sleep 1
-in_peer rcm ping --transport iwarp --no-messages --connect $INIT_IP --bind $PEER_IP -c 2 --private-data "" --timeout 40; verdict rcm-iwarp-active-mpa-v1 $?
+in_peer rcm ping --transport iwarp --mpa-version 1 --no-messages --connect $INIT_IP --bind $PEER_IP -c 2 --private-data "" --timeout 40; verdict rcm-iwarp-active-mpa-v1 $?
 wait_job srv 40; verdict ucmatose-siw-server-mpa-v1 $?
 stop srv
-bg_peer app rcm ping --transport iwarp --no-messages --listen --bind $PEER_IP -c 2 --private-data "" --timeout 40
+bg_peer app rcm ping --transport iwarp --mpa-version 1 --no-messages --listen --bind $PEER_IP -c 2 --private-data "" --timeout 40
 sleep 1
 ucmatose -s $PEER_IP -p 7471 -c 2 -C 0; verdict ucmatose-siw-client-mpa-v1 $?
 wait_job app 40; verdict rcm-iwarp-passive-mpa-v1 $?

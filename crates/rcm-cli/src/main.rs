@@ -255,6 +255,10 @@ struct PingArgs {
     /// `--ps udp`: bytes per UD datagram, as udaddy's `-S`.
     #[arg(short = 'S', long, default_value_t = rcm_cli::ping::UD_DEFAULT_SIZE)]
     size: usize,
+    /// iWARP: MPA revision of this side (2: RFC 6581 with IRD/ORD; 1: RFC 5044 only, for
+    /// initiating and answering).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    mpa_version: u8,
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
@@ -308,6 +312,7 @@ fn ping(a: &PingArgs) -> ExitCode {
             (false, None) => 1,
         },
         size: a.size,
+        mpa_version: a.mpa_version,
     };
     let r = match ping::run(&o, !a.json) {
         Ok(r) => r,

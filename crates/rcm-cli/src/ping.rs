@@ -59,6 +59,9 @@ pub struct PingOpts {
     pub messages: usize,
     /// UD: bytes per datagram (udaddy's `-S`).
     pub size: usize,
+    /// iWARP: the MPA revision this side's devices speak (2, or 1: RFC 5044 only, initiating
+    /// and answering with revision 1).
+    pub mpa_version: u8,
 }
 
 /// udaddy's defaults: `-C 10`, `-S 100`.
@@ -649,7 +652,13 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             Some(d) if d.contains(&ip) => Ok(()),
             Some(d) => Err(format!("the daemon has no device on {ip} (it has {d:?})")),
             None if o.iwarp => fabric
-                .add_iwarp_device(ip)
+                .add_iwarp_device_with(
+                    ip,
+                    rcm_proto::iw::CepConfig {
+                        max_revision: o.mpa_version,
+                        ..rcm_proto::iw::CepConfig::default()
+                    },
+                )
                 .map(drop)
                 .map_err(|e| format!("iWARP device on {ip}: {e}")),
             None => fabric

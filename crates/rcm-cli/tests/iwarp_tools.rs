@@ -240,3 +240,28 @@ fn ping_iwarp_usage_errors() {
     assert_eq!(code, 2);
     assert!(err.contains("at most 252"), "{err}");
 }
+
+#[test]
+fn ping_iwarp_mpa_revision_1_and_its_usage_error() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--mpa-version",
+        "1",
+        "-c",
+        "2",
+        "-p",
+        "28030",
+        "--udp-port",
+        "28031",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 2);
+    assert_eq!(v["messages_ok"], v["messages_expected"]);
+    let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--mpa-version", "3"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("mpa-version"), "{err}");
+}

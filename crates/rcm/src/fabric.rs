@@ -233,7 +233,8 @@ impl Fabric {
 
     /// Adds an iWARP device: the rdma_cm port is the TCP port, as with Linux's siw. A
     /// listener on port P listens on TCP `ip:P`; a connect opens TCP to `dst:P` from an
-    /// ephemeral port of `ip` and runs MPA (revision 2, no CRC, no markers) over it. No
+    /// ephemeral port of `ip` and runs MPA (revision 2, or 1 when `cfg.max_revision` is 1,
+    /// which then also caps what the device answers; no CRC, no markers) over it. No
     /// socket is opened until something listens or connects. The same [`CmId`] API works on
     /// it (differences: no UD port spaces, private data up to 252 bytes, see the methods),
     /// and wildcard listeners start listening on it at once.

@@ -2030,7 +2030,15 @@ impl CmId {
             .iw
             .as_ref()
             .map_or(128, |i| i.cfg.max_ird.min(i.cfg.max_ord));
+        // A device configured for revision 1 (an RFC 5044-only peer, or siw's mpa_version=1)
+        // also initiates with it.
+        let version = if dev.iw.as_ref().is_some_and(|i| i.cfg.max_revision < 2) {
+            iw::MpaVersion::V1
+        } else {
+            iw::MpaVersion::V2
+        };
         let p = iw::ConnectParams {
+            version,
             ird: u16::from(opts.responder_resources).min(max),
             ord: u16::from(opts.initiator_depth).min(max),
             private_data: opts.private_data.clone(),
