@@ -45,4 +45,11 @@ ucmatose -s $PEER_IP -p 7471 -c 2 -C 0; verdict ucmatose-siw-client-mpa-v1 $?
 wait_job app 40; verdict rcm-iwarp-passive-mpa-v1 $?
 stop app; cap_stop w4
 siw_param mpa_version 2
+if [ "$FAIL" != 0 ]; then
+  echo "--- siw parameters and counters"
+  for f in /sys/module/siw/parameters/* /sys/class/infiniband/siw0/ports/1/counters/* \
+           /sys/class/infiniband/siw0/ports/1/hw_counters/*; do
+    [ -r "$f" ] && echo "$f = $(cat $f)"
+  done
+fi
 exit $FAIL

@@ -24,7 +24,7 @@ stop app; cap_stop s2
 
 step "3: rejects"
 cap_start s3 veth0
-bg_peer app rcm ping --listen --bind $PEER_IP -c 1 --reject --private-data "" --timeout 30
+bg_peer app rcm ping --listen --bind $PEER_IP -c 1 --reject --private-data "" --reject-data "rcm says no" --timeout 30
 sleep 1
 ucmatose -s $PEER_IP -p 7999 -c 1 -C 0 > /tmp/rej8.log 2>&1
 grep -q "RDMA_CM_EVENT_REJECTED, error: 8" /tmp/rej8.log; verdict kernel-sees-reject-8 $?
@@ -38,6 +38,8 @@ in_peer rcm ping --connect $INIT_IP --bind $PEER_IP -p 7999 -c 1 --timeout 20 > 
 grep -q "rejected, reason 8" /tmp/norcv.log; verdict rcm-sees-reject-8 $?
 cat /tmp/norcv.log
 cap_stop s3
+# The consumer reject carried rcm's private data ("rcm says no") on the wire.
+rcm decode -v $HARNESS_OUT/s3.pcap | grep -q 'private_data = 72636d2073617973206e6f'; verdict rej-carries-private-data $?
 
 step "4: kernel cmtime client (50 connections in flight) against rcm bench --listen"
 cap_start s4 veth0
@@ -119,4 +121,11 @@ for f in /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/dreq /sys/class/infini
   n=$(cat "$f"); echo "$f = $n"; [ "$n" = 0 ] || r=1
 done
 verdict no-stray-dreq-retries $r
+if [ "$FAIL" != 0 ]; then
+  echo "--- rdma counters (rxe0)"
+  for f in /sys/class/infiniband/rxe0/ports/1/counters/* /sys/class/infiniband/rxe0/ports/1/hw_counters/* \
+           /sys/class/infiniband/rxe0/ports/1/cm_rx_msgs/* /sys/class/infiniband/rxe0/ports/1/cm_tx_msgs/*; do
+    [ -r "$f" ] && echo "$f = $(cat $f)"
+  done
+fi
 exit $FAIL

@@ -16,7 +16,15 @@ for cap in "$out"/*.pcap; do
     "$rcm" decode "$cap" > "${cap%.pcap}.txt" || { echo "interop: bad packets in $cap" >&2; rc=1; }
 done
 if [ "$rc" != 0 ]; then
+    # What failed, with the kernel tools' output and counters (both in the console log) and
+    # rcm's decode of every capture.
     echo "interop: failed (rc=$rc); console: $out/console.log" >&2
+    tail -n 200 "$out/console.log" >&2 || true
+    for txt in "$out"/*.txt; do
+        [ -f "$txt" ] || continue
+        echo "--- rcm decode of ${txt%.txt}.pcap" >&2
+        cat "$txt" >&2
+    done
     exit 1
 fi
 echo "interop: ok"

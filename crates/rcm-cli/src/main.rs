@@ -240,6 +240,10 @@ struct PingArgs {
     /// Server: reject every request (with the private data) instead of accepting.
     #[arg(long)]
     reject: bool,
+    /// Private data of the rejects (server: sent; client: expected), when it differs from
+    /// --private-data.
+    #[arg(long, value_name = "TEXT")]
+    reject_data: Option<String>,
     /// Private data to send and expect back.
     #[arg(long, default_value = "rcm ping")]
     private_data: String,
@@ -294,6 +298,7 @@ fn ping(a: &PingArgs) -> ExitCode {
         count: a.count,
         ps,
         reject: a.reject,
+        reject_data: a.reject_data.as_ref().map(|d| d.as_bytes().to_vec()),
         private_data: a.private_data.as_bytes().to_vec(),
         udp_port: a.udp_port,
         timeout: std::time::Duration::from_secs(a.timeout),

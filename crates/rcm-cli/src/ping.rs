@@ -45,6 +45,9 @@ pub struct PingOpts {
     pub reject: bool,
     /// Private data sent (and expected back).
     pub private_data: Vec<u8>,
+    /// Private data of rejects (sent by a `--reject` server, expected by the client);
+    /// `None`: `private_data`.
+    pub reject_data: Option<Vec<u8>>,
     /// UDP port of the RoCEv2 devices.
     pub udp_port: u16,
     /// Overall time limit.
@@ -291,6 +294,11 @@ impl PingReport {
     }
 }
 
+/// The private data of a reject.
+fn reject_pd(o: &PingOpts) -> &[u8] {
+    o.reject_data.as_deref().unwrap_or(&o.private_data)
+}
+
 fn pd_matches(got: &[u8], want: &[u8]) -> bool {
     // The wire carries no length: the area is zero-padded past what was sent.
     got.len() >= want.len()
@@ -345,7 +353,7 @@ fn server_loop(
                     ));
                 }
                 if o.reject {
-                    if let Err(err) = id.reject(&o.private_data) {
+                    if let Err(err) = id.reject(reject_pd(o)) {
                         r.errors.push(format!("server: reject: {err}"));
                     }
                     r.rejected += 1;
@@ -569,7 +577,7 @@ fn client_loop(
                         "client {i}: rejected, reason {} ({reason:?})",
                         reason.raw()
                     ));
-                } else if pd_matches(private_data, &o.private_data) {
+                } else if pd_matches(private_data, reject_pd(o)) {
                     r.private_data_ok += 1;
                 }
                 if log {

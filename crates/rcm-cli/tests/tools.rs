@@ -230,3 +230,26 @@ fn help_texts_name_every_option() {
         }
     }
 }
+
+#[test]
+fn ping_reject_data_is_sent_and_checked() {
+    // Both roles in one process: the server rejects with its own private data, the client
+    // checks it byte for byte.
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--reject",
+        "--reject-data",
+        "rcm says no",
+        "-c",
+        "2",
+        "--udp-port",
+        "26793",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["rejected"], 2);
+    // Server: 2 requests with the connect data; client: 2 rejects with the reject data.
+    assert_eq!(v["private_data_ok"], 4);
+    assert_eq!(v["errors"].as_array().map(Vec::len), Some(0));
+}
