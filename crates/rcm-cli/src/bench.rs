@@ -340,9 +340,11 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             let i = chunk_start + k;
             connect.begin(i);
             latency.begin(i);
+            // A fresh soft QPN each (not a fixed range): a second run against the same
+            // long-lived server would otherwise reuse QPNs still in timewait there and be
+            // rejected as stale connections (IBTA 12.9.8.3.1), as happened through a daemon.
             let opts = ConnectOptions {
                 private_data: b"rcm bench connect".to_vec(),
-                qpn: Some(1000 + i as u32),
                 ..ConnectOptions::default()
             };
             if let Err(e) = id.connect(&opts) {
@@ -413,7 +415,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                 }
             }
         }
-        let mut skip: Vec<bool> = early.clone();
+        // Connections that failed to connect have nothing to establish either.
+        let mut skip: Vec<bool> = early.iter().zip(&failed).map(|(e, f)| *e || *f).collect();
         wait(
             &ch,
             &index,

@@ -143,6 +143,22 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["established"], 300);
     assert_eq!(v["errors"], 0);
+    // A second run on the same daemon, whose devices still hold the first run's timewait:
+    // fresh QPNs, so no stale-connection rejects (found by running exactly this by hand).
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--daemon",
+        p,
+        "-c",
+        "100",
+        "--serial",
+        "--json",
+        "--timeout",
+        "20",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 100);
 
     let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7"]);
     assert_eq!(code, 0, "{out}\n{err}");
