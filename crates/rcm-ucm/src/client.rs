@@ -22,6 +22,8 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
 
 /// Event credit granted to the daemon at a time.
 const WINDOW: u32 = 4096;
+/// How long a caller polls for its reply before sleeping.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// Largest frame accepted from the daemon.
 const MAX_FRAME: usize = 1 << 20;
 
@@ -175,6 +177,19 @@ impl Inner {
         if let Err(e) = self.send(&cmd.encode(seq)) {
             lock(&self.pending).remove(&seq);
             return Err(e);
+        }
+        // A reply usually comes within tens of microseconds: look for it briefly before
+        // sleeping, since waking a sleeping thread costs about as much again.
+        let spin_until = std::time::Instant::now() + SPIN;
+        loop {
+            match rx.try_recv() {
+                Ok(r) => return r.map_err(WireError::into_cm),
+                Err(mpsc::TryRecvError::Disconnected) => return Err(Error::DeviceRemoved),
+                Err(mpsc::TryRecvError::Empty) if std::time::Instant::now() < spin_until => {
+                    std::hint::spin_loop();
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+            }
         }
         match rx.recv() {
             Ok(r) => r.map_err(WireError::into_cm),
