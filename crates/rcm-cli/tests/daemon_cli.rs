@@ -7,17 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn rcm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(args)
-        .output()
-        .expect("run rcm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+
+use common::rcm;
 
 fn sock(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("rcm-cli-d-{}-{name}.sock", std::process::id()))

@@ -5,17 +5,9 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-fn rcm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(args)
-        .output()
-        .expect("run rcm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+
+use common::rcm;
 
 #[test]
 fn bench_iwarp_local_runs_every_cmtime_step() {

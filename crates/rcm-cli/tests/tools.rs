@@ -3,17 +3,9 @@
 
 use std::process::Command;
 
-fn rcm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(args)
-        .output()
-        .expect("run rcm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+
+use common::rcm;
 
 #[test]
 fn bench_json_reports_every_connection_and_the_table() {

@@ -10,17 +10,9 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
 
-fn rcm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(args)
-        .output()
-        .expect("run rcm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+
+use common::rcm;
 
 fn spawn(args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_rcm"))
