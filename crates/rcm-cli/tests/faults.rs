@@ -1686,6 +1686,7 @@ mod agent {
                 Some(("half_open", v)) => {
                     fc.max_half_open = v.parse().unwrap_or(fc.max_half_open);
                 }
+                Some(("icrc", v)) => fc.verify_icrc = v == "1",
                 _ => {}
             }
         }
@@ -3139,20 +3140,15 @@ fn malformed_packets_are_dropped() {
     );
 }
 
-/// A REQ whose ICRC is wrong (the switch verifies it against the real IP header) is dropped:
-/// the same REQ with a correct ICRC is accepted, as a control.
-///
-/// Known limitation, so ignored in CI: a device receives on a plain UDP socket, which never
-/// sees the IPv4 Identification field the ICRC covers, so the ICRC is not checked on receive
-/// (rxe and other stacks send nonzero IDs). Run with `--ignored` to see it fail until the
-/// receive path reads the IP header (IP_PKTINFO is not enough; needs a raw or packet socket).
+/// A REQ whose ICRC is wrong (the switch verifies it against the real IP header) is dropped
+/// by a server with ICRC verification on (`FabricConfig::verify_icrc`: a raw socket shows the
+/// IP header the ICRC covers); the same REQ with a correct ICRC is accepted, as a control.
 #[test]
-#[ignore = "the ICRC cannot be verified from a UDP socket (the IPv4 ID is not visible)"]
 fn bad_icrc_is_dropped() {
     const T: &str = "bad_icrc_is_dropped";
     let net = Net::new(T, 3);
     let (a, c) = (net.ip(A), net.ip(C));
-    let mut srv = net.agent(A, "");
+    let mut srv = net.agent(A, "icrc=1");
     srv.cmd(&format!("dev {a}"));
     srv.cmd(&format!("listen s {a} {PORT} 0 accept"));
     let mut evil = net.agent(C, "");

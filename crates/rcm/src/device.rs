@@ -34,6 +34,8 @@ pub struct DeviceStats {
     pub rx: AtomicU64,
     /// Datagrams that were neither RoCEv2 GSI MADs nor UD SENDs (garbage).
     pub rx_bad: AtomicU64,
+    /// Datagrams dropped because their ICRC was wrong (only counted with ICRC verification).
+    pub rx_bad_icrc: AtomicU64,
     /// UD SENDs queued to a UD id.
     pub ud_delivered: AtomicU64,
     /// UD SENDs to a QPN no live UD id of this device receives on.
@@ -77,7 +79,17 @@ pub(crate) struct DeviceInner {
 }
 
 impl DeviceInner {
-    pub(crate) fn open(ip: IpAddr, port: u16, engine: Endpoint) -> crate::Result<Arc<Self>> {
+    pub(crate) fn open(
+        ip: IpAddr,
+        port: u16,
+        engine: Endpoint,
+        verify_icrc: bool,
+    ) -> crate::Result<Arc<Self>> {
+        let raw = if verify_icrc {
+            Some(raw_receiver(ip)?)
+        } else {
+            None
+        };
         let sock = UdpSocket::bind(SocketAddr::new(ip, port))?;
         if ip.is_ipv4() {
             crate::sys::pmtudisc_do(&sock)?;
@@ -105,7 +117,10 @@ impl DeviceInner {
         let weak = Arc::downgrade(&dev);
         let h = std::thread::Builder::new()
             .name(format!("rcm-dev-{ip}"))
-            .spawn(move || io_loop(&weak, &io_sock))
+            .spawn(move || match raw {
+                Some(raw) => raw_io_loop(&weak, &io_sock, &raw),
+                None => io_loop(&weak, &io_sock),
+            })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&dev.thread) = Some(h);
         Ok(dev)
@@ -425,6 +440,128 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
             }
         }
     }
+}
+
+/// A raw IPv4 socket that receives every UDP datagram to `ip` with its IP header, so that
+/// the ICRC, which covers the IPv4 Identification, TTL-masked header and all, can be checked
+/// (a UDP socket never shows the header). Needs CAP_NET_RAW.
+fn raw_receiver(ip: IpAddr) -> crate::Result<socket2::Socket> {
+    if !ip.is_ipv4() {
+        return Err(crate::Error::InvalidArgument(
+            "ICRC verification needs an IPv4 device (a raw IPv6 socket gives no IP header)".into(),
+        ));
+    }
+    let s = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::UDP),
+    )
+    .map_err(|e| crate::Error::Io(format!("ICRC verification needs a raw socket: {e}")))?;
+    s.bind(&SocketAddr::new(ip, 0).into())?;
+    let _ = s.set_recv_buffer_size(16 << 20);
+    Ok(s)
+}
+
+/// Splits a raw IPv4 packet into (IP header, UDP datagram) when it is a UDP datagram for
+/// `ip:port`; `None` otherwise. Never panics.
+fn udp_for(pkt: &[u8], ip: IpAddr, port: u16) -> Option<(&[u8], &[u8], SocketAddr)> {
+    let first = *pkt.first()?;
+    let ihl = usize::from(first & 0x0F) * 4;
+    if first >> 4 != 4 || ihl < 20 || *pkt.get(9)? != 17 {
+        return None;
+    }
+    let dst = IpAddr::from([*pkt.get(16)?, *pkt.get(17)?, *pkt.get(18)?, *pkt.get(19)?]);
+    if dst != ip {
+        return None;
+    }
+    let src = IpAddr::from([pkt[12], pkt[13], pkt[14], pkt[15]]);
+    let total = usize::from(u16::from_be_bytes([*pkt.get(2)?, *pkt.get(3)?])).min(pkt.len());
+    let udp = pkt.get(ihl..total)?;
+    let sport = u16::from_be_bytes([*udp.first()?, *udp.get(1)?]);
+    let dport = u16::from_be_bytes([*udp.get(2)?, *udp.get(3)?]);
+    if dport != port || udp.len() < 8 {
+        return None;
+    }
+    Some((pkt.get(..ihl)?, udp, SocketAddr::new(src, sport)))
+}
+
+/// The receive loop with ICRC verification: datagrams come from the raw socket with their IP
+/// header; those whose ICRC is wrong are counted and dropped, the rest go to the engine as
+/// from the UDP socket. The UDP socket still owns the port (and sends); what it receives is
+/// the same traffic again and is discarded.
+fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket) {
+    use std::io::Read;
+    let mut buf = vec![0u8; RX_BUF + 64];
+    let mut sink = vec![0u8; RX_BUF];
+    let _ = sock.set_nonblocking(true);
+    loop {
+        let Some(d) = dev.upgrade() else { return };
+        if d.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let next = d.with_engine(|ep, now| {
+            ep.handle_timeout(now);
+            ep.poll_timeout()
+        });
+        let now = Instant::now();
+        let wait = next.map_or(Duration::from_millis(500), |t| {
+            t.saturating_duration_since(now)
+        });
+        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(500));
+        *sync::lock(&d.wake_at) = Some(now + wait);
+        let _ = raw.set_read_timeout(Some(wait));
+        let (ip, port) = (d.ip, d.port);
+        drop(d);
+        let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
+        let mut reader = raw;
+        while batch.len() < BATCH {
+            let Ok(n) = reader.read(&mut buf) else { break };
+            let Some((hdr, udp, from)) = buf.get(..n).and_then(|p| udp_for(p, ip, port)) else {
+                if batch.is_empty() {
+                    continue;
+                }
+                break;
+            };
+            let Some(d) = dev.upgrade() else { return };
+            if from == SocketAddr::new(ip, port) {
+                // The device's own wake-up datagram (see `wake`), not traffic.
+            } else if udp.len() < 8 + roce::BTH_LEN + roce::ICRC_LEN {
+                d.stats.rx.fetch_add(1, Ordering::Relaxed);
+                d.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
+            } else if verify(hdr, udp, port).is_err() {
+                d.stats.rx.fetch_add(1, Ordering::Relaxed);
+                d.stats.rx_bad_icrc.fetch_add(1, Ordering::Relaxed);
+            } else if let Some(payload) = udp.get(8..) {
+                batch.push((from, payload.to_vec()));
+            }
+            let _ = raw.set_nonblocking(true);
+        }
+        let _ = raw.set_nonblocking(false);
+        // The UDP socket's copies of the same datagrams.
+        while sock.recv_from(&mut sink).is_ok() {}
+        if batch.is_empty() {
+            continue;
+        }
+        let Some(d) = dev.upgrade() else { return };
+        if d.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        d.handle_batch(&batch);
+    }
+}
+
+/// Checks a datagram's ICRC against its real IP and UDP headers. The device's UDP port plays
+/// the role of 4791 (a test fabric on another port computes its ICRCs as if on 4791, as it
+/// sends them), so it is read as 4791 here.
+fn verify(hdr: &[u8], udp: &[u8], port: u16) -> rcm_wire::Result<()> {
+    if port == roce::ROCE_V2_UDP_PORT {
+        return roce::verify_icrc(hdr, udp);
+    }
+    let mut u = udp.to_vec();
+    if let Some(p) = u.get_mut(2..4) {
+        p.copy_from_slice(&roce::ROCE_V2_UDP_PORT.to_be_bytes());
+    }
+    roce::verify_icrc(hdr, &u)
 }
 
 /// Datagrams handled under one engine lock.

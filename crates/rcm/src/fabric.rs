@@ -31,6 +31,11 @@ pub struct FabricConfig {
     /// oldest are given up as REP timeouts (bounds what a spoofed REQ flood can hold; see
     /// `rcm_proto::ib::EndpointConfig::max_half_open`).
     pub max_half_open: usize,
+    /// Verify the ICRC of every received RoCEv2 datagram (IPv4 devices): datagrams are read
+    /// from a raw socket, which shows the IP header the ICRC covers, and a wrong ICRC is
+    /// dropped and counted ([`Device::icrc_drops`]). Needs CAP_NET_RAW; off by default, when
+    /// a UDP socket is used and the ICRC is accepted unverified.
+    pub verify_icrc: bool,
 }
 
 impl Default for FabricConfig {
@@ -42,6 +47,7 @@ impl Default for FabricConfig {
             seed: None,
             min_timewait: Duration::ZERO,
             max_half_open: 1 << 16,
+            verify_icrc: false,
         }
     }
 }
@@ -278,7 +284,12 @@ impl Fabric {
         let _listens = sync::lock(&self.0.listen_lock);
         let dev = match iwarp {
             Some(icfg) => DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg))?,
-            None => DeviceInner::open(ip, self.0.cfg.udp_port, Endpoint::new(cfg))?,
+            None => DeviceInner::open(
+                ip,
+                self.0.cfg.udp_port,
+                Endpoint::new(cfg),
+                self.0.cfg.verify_icrc,
+            )?,
         };
         sync::lock(&self.0.devices).push(dev.clone());
         crate::id::on_device_added(&self.0, &dev);
@@ -374,6 +385,11 @@ impl Device {
     /// The engine's counters.
     pub fn engine_stats(&self) -> rcm_proto::ib::Stats {
         self.0.engine_stats().0
+    }
+
+    /// Datagrams dropped for a wrong ICRC (with [`FabricConfig::verify_icrc`]; 0 without).
+    pub fn icrc_drops(&self) -> u64 {
+        self.0.stats.rx_bad_icrc.load(Ordering::Relaxed)
     }
 
     /// The UD data path's counters (see [`CmId::send_ud`] and [`CmId::recv_ud`]).
