@@ -1293,6 +1293,9 @@ mod agent {
         frag: Option<UdpSocket>,
         sock_rx: Arc<Mutex<BTreeMap<&'static str, u64>>>,
         flood: Arc<Flood>,
+        /// Hostile TCP streams (`tcp`): kind → milliseconds until the peer closed each one
+        /// (`None`: still open when the stream gave up after 20 s).
+        tcp: Arc<Mutex<BTreeMap<String, Vec<Option<u64>>>>>,
     }
 
     fn vm(field: &str) -> u64 {
@@ -1608,6 +1611,23 @@ mod agent {
                     });
                     Ok(json!({}))
                 }
+                "tcp" => {
+                    // A hostile iWARP peer: connect to DST:PORT, behave as KIND, and time
+                    // how long until the listener closes the stream.
+                    let dst: Ipv4Addr = arg(&w, 1, "destination")?;
+                    let port: u16 = arg(&w, 2, "port")?;
+                    let kind = (*w.get(3).ok_or("missing kind")?).to_string();
+                    let count: usize = arg(&w, 4, "count")?;
+                    for _ in 0..count {
+                        let (kind, out) = (kind.clone(), self.tcp.clone());
+                        std::thread::spawn(move || {
+                            let r = hostile_tcp(dst, port, &kind);
+                            lock(&out).entry(kind).or_default().push(r);
+                        });
+                    }
+                    Ok(json!({ "started": count }))
+                }
+                "tcpstat" => Ok(json!(*lock(&self.tcp))),
                 "stats" => Ok(self.stats()),
                 "quit" => Ok(json!({})),
                 other => Err(format!("unknown command {other:?}")),
@@ -1665,6 +1685,52 @@ mod agent {
         }
     }
 
+    /// One hostile stream (see the `tcp` command): `Some(ms)` until the peer closed it.
+    fn hostile_tcp(dst: Ipv4Addr, port: u16, kind: &str) -> Option<u64> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect((dst, port)).ok()?;
+        let t0 = Instant::now();
+        // An MPA revision-1 Request header ("MPA ID Req Frame", flags, rev, length).
+        let mut req = b"MPA ID Req Frame".to_vec();
+        req.extend_from_slice(&[0, 1, 0, 0]);
+        match kind {
+            "garbage" => {
+                let _ = s.write_all(&[0x5a; 64]);
+            }
+            "bigpd" => {
+                req[18..20].copy_from_slice(&u16::MAX.to_be_bytes());
+                let _ = s.write_all(&req);
+            }
+            "slow" => {
+                let mut w = s.try_clone().ok()?;
+                std::thread::spawn(move || {
+                    for b in req {
+                        if w.write_all(&[b]).is_err() {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                });
+            }
+            _ => {} // idle: say nothing
+        }
+        let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut buf = [0u8; 512];
+        while t0.elapsed() < Duration::from_secs(20) {
+            match s.read(&mut buf) {
+                Ok(0) => return Some(ms(t0.elapsed())),
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return Some(ms(t0.elapsed())),
+            }
+        }
+        None
+    }
+
     pub fn main(cfg: &str) -> ! {
         let mut fc = FabricConfig::default();
         for kv in cfg.split(',').filter(|s| !s.is_empty()) {
@@ -1698,6 +1764,7 @@ mod agent {
             frag: None,
             sock_rx: Arc::default(),
             flood: Arc::default(),
+            tcp: Arc::default(),
         };
         let stdin = std::io::stdin();
         for line in stdin.lock().lines() {
@@ -3410,4 +3477,135 @@ fn lossy_link_1000_connections_rcm_ping() {
         "the rcm ping server\n{out}"
     );
     assert_icrc_clean(&net.report());
+}
+
+/// iWARP hostile input across the network: against `rcm ping --transport iwarp --listen` on
+/// host A, host C opens streams that send garbage instead of MPA, an MPA Request announcing
+/// 65,535 bytes of private data, a slowloris Request (one byte every 500 ms), and streams that
+/// never say anything. Every one is closed (bad frames at once, the others by the 5 s MPA
+/// request timer), and a legitimate client on host B connects and exchanges its private data
+/// and a message meanwhile.
+#[test]
+fn iwarp_hostile_peers_and_a_legitimate_client() {
+    const T: &str = "iwarp_hostile_peers_and_a_legitimate_client";
+    let net = Net::new(T, 3);
+    let (a, b) = (net.ip(A).to_string(), net.ip(B).to_string());
+    let mut srv = net.rcm(
+        A,
+        &[
+            "ping",
+            "--transport",
+            "iwarp",
+            "--listen",
+            "--bind",
+            &a,
+            "-c",
+            "2",
+            "--timeout",
+            "60",
+        ],
+    );
+    srv.wait_output("listening on", Duration::from_secs(20));
+    let mut evil = net.agent(C, "");
+    let kinds = [("garbage", 5u64), ("bigpd", 5), ("slow", 3), ("idle", 20)];
+    for (kind, count) in kinds {
+        evil.cmd(&format!("tcp {a} 7471 {kind} {count}"));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let client = || {
+        net.rcm(
+            B,
+            &[
+                "ping",
+                "--transport",
+                "iwarp",
+                "--connect",
+                &a,
+                "--bind",
+                &b,
+                "-c",
+                "1",
+                "--json",
+                "--timeout",
+                "30",
+            ],
+        )
+    };
+    let mut cli = client();
+    let st = cli.wait(Duration::from_secs(40));
+    let took = t0.elapsed();
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "the legitimate client failed during the attack\n{}",
+        cli.output()
+    );
+    let r: Value = serde_json::from_str(&cli.stdout()).unwrap_or(Value::Null);
+    assert_eq!(n(&r, "/established"), 1);
+    assert_eq!(n(&r, "/messages_ok"), 1);
+    let (s, _) = wait_for(
+        "every hostile stream to end",
+        Duration::from_secs(30),
+        || {
+            let s = evil.cmd("tcpstat");
+            let done: u64 = kinds
+                .iter()
+                .map(|(k, _)| s[*k].as_array().map_or(0, |v| v.len() as u64))
+                .sum();
+            if done == kinds.iter().map(|(_, c)| c).sum::<u64>() {
+                Ok(s)
+            } else {
+                Err(format!("{s}"))
+            }
+        },
+    );
+    let worst = |k: &str| -> Option<u64> {
+        s[k].as_array().and_then(|v| {
+            v.iter()
+                .map(Value::as_u64)
+                .collect::<Option<Vec<u64>>>()
+                .and_then(|v| v.into_iter().max())
+        })
+    };
+    figure(
+        T,
+        &format!(
+            "legitimate client connected and exchanged a message in {:.2} s; hostile streams closed after (worst, ms): garbage {:?}, 65535-byte private data {:?}, slowloris {:?}, idle {:?}",
+            took.as_secs_f64(),
+            worst("garbage"),
+            worst("bigpd"),
+            worst("slow"),
+            worst("idle")
+        ),
+    );
+    for k in ["garbage", "bigpd"] {
+        assert!(
+            worst(k).is_some_and(|w| w < 3000),
+            "{k}: not every stream was closed at once: {}",
+            s[k]
+        );
+    }
+    let best = |k: &str| -> Option<u64> {
+        s[k].as_array()
+            .and_then(|v| v.iter().filter_map(Value::as_u64).min())
+    };
+    for k in ["slow", "idle"] {
+        assert!(
+            best(k).is_some_and(|b| b >= 4000) && worst(k).is_some_and(|w| w < 9000),
+            "{k}: not every stream was closed by the 5 s MPA request timer: {}",
+            s[k]
+        );
+    }
+    // The listener still serves after the attack.
+    let mut cli = client();
+    assert!(
+        cli.wait(Duration::from_secs(40))
+            .is_some_and(|s| s.success()),
+        "a client after the attack failed\n{}",
+        cli.output()
+    );
+    let ok = srv
+        .wait(Duration::from_secs(30))
+        .is_some_and(|s| s.success());
+    assert!(ok, "the rcm ping server\n{}", srv.output());
 }
