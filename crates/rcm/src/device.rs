@@ -514,13 +514,18 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
         drop(d);
         let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
         let mut reader = raw;
-        while batch.len() < BATCH {
+        // The first read waits (up to the next deadline); then the socket goes non-blocking
+        // (once, not per packet) and what is queued is taken, up to a bound that also counts
+        // the raw socket's other UDP traffic to this address, so timers are never starved.
+        let mut reads = 0;
+        while batch.len() < BATCH && reads < 4 * BATCH {
             let Ok(n) = reader.read(&mut buf) else { break };
+            if reads == 0 {
+                let _ = raw.set_nonblocking(true);
+            }
+            reads += 1;
             let Some((hdr, udp, from)) = buf.get(..n).and_then(|p| udp_for(p, ip, port)) else {
-                if batch.is_empty() {
-                    continue;
-                }
-                break;
+                continue;
             };
             let Some(d) = dev.upgrade() else { return };
             if from == SocketAddr::new(ip, port) {
@@ -534,9 +539,10 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
             } else if let Some(payload) = udp.get(8..) {
                 batch.push((from, payload.to_vec()));
             }
-            let _ = raw.set_nonblocking(true);
         }
-        let _ = raw.set_nonblocking(false);
+        if reads > 0 {
+            let _ = raw.set_nonblocking(false);
+        }
         // The UDP socket's copies of the same datagrams.
         while sock.recv_from(&mut sink).is_ok() {}
         if batch.is_empty() {

@@ -165,3 +165,47 @@ fn hostile_mpa_peers_are_closed_and_a_real_client_still_connects() {
     drop(l.destroy());
     f.shutdown();
 }
+
+/// A device configured for MPA revision 1 initiates with it: the Request on the wire (read by
+/// a plain TCP listener standing in for the peer) has revision 1 and no enhanced header, and
+/// a default device's Request has revision 2. TCP port 27972.
+#[test]
+fn mpa_revision_of_the_request_follows_the_device() {
+    for (rev, expect) in [(1u8, 1u8), (2, 2)] {
+        let peer = std::net::TcpListener::bind(SocketAddr::new(ip(1), 27972)).expect("listener");
+        let f = Fabric::new(common::config(27979));
+        f.add_iwarp_device_with(
+            ip(2),
+            rcm_proto::iw::CepConfig {
+                max_revision: rev,
+                ..rcm_proto::iw::CepConfig::default()
+            },
+        )
+        .expect("iWARP device");
+        let ch = EventChannel::new();
+        let c = f.create_id_on(PortSpace::Tcp, &ch);
+        c.resolve_addr(Some(ip(2)), SocketAddr::new(ip(1), 27972))
+            .expect("resolve");
+        assert!(matches!(
+            ch.get_event(Some(common::T)).and_then(|mut e| e.take()),
+            Some(Event::AddrResolved)
+        ));
+        c.resolve_route().expect("route");
+        assert!(matches!(
+            ch.get_event(Some(common::T)).and_then(|mut e| e.take()),
+            Some(Event::RouteResolved)
+        ));
+        c.connect(&ConnectOptions::default()).expect("connect");
+        let (mut s, _) = peer.accept().expect("the TCP connect");
+        s.set_read_timeout(Some(common::T)).expect("timeout");
+        let mut hdr = [0u8; 20];
+        s.read_exact(&mut hdr).expect("an MPA Request");
+        assert_eq!(&hdr[..16], b"MPA ID Req Frame");
+        assert_eq!(hdr[17], expect, "revision of the Request");
+        // Revision 2 carries the enhanced (IRD/ORD) words: 4 bytes of private-data length.
+        let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]);
+        assert_eq!(pd_len, if expect == 2 { 4 } else { 0 });
+        drop(c.destroy());
+        f.shutdown();
+    }
+}
