@@ -1852,45 +1852,48 @@ fn live_exchange(port: u16, req_pd: &[u8], rep_pd: &[u8], ping: &[u8], pong: &[u
     c.resolve_addr(Some(client_ip), SocketAddr::new(server_ip, port))
         .expect("resolve_addr");
 
+    // Events from the two sides race (the client may be ESTABLISHED before the server's
+    // callback has reported the request), so each wait first looks at what already arrived.
     let mut server = None;
-    let mut seen = Vec::new();
-    let wait = |what: &str, seen: &mut Vec<String>, server: &mut Option<CmId>| -> Vec<u8> {
-        let end = Instant::now() + T;
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            let (w, id, data) = rx
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("live: no {what:?} within {T:?}; saw {seen:?}"));
-            seen.push(w.to_owned());
-            if id.is_some() {
-                *server = id;
+    let mut seen: Vec<(String, Vec<u8>)> = Vec::new();
+    let wait =
+        |what: &str, seen: &mut Vec<(String, Vec<u8>)>, server: &mut Option<CmId>| -> Vec<u8> {
+            if let Some((_, data)) = seen.iter().find(|(w, _)| w == what) {
+                return data.clone();
             }
-            assert_ne!(
-                w,
-                "client other",
-                "live: {}",
-                String::from_utf8_lossy(&data)
-            );
-            if w == what {
-                return data;
+            let end = Instant::now() + T;
+            loop {
+                let left = end.saturating_duration_since(Instant::now());
+                let (w, id, data) = rx.recv_timeout(left).unwrap_or_else(|_| {
+                    let names: Vec<&str> = seen.iter().map(|(w, _)| w.as_str()).collect();
+                    panic!("live: no {what:?} within {T:?}; saw {names:?}")
+                });
+                seen.push((w.to_owned(), data.clone()));
+                if id.is_some() {
+                    *server = id;
+                }
+                assert_ne!(
+                    w,
+                    "client other",
+                    "live: {}",
+                    String::from_utf8_lossy(&data)
+                );
+                if w == what {
+                    return data;
+                }
             }
-        }
-    };
+        };
     assert_eq!(wait("request", &mut seen, &mut server), req_pd);
     assert_eq!(wait("client established", &mut seen, &mut server), rep_pd);
     let s = server.clone().expect("server id");
-    if !seen.iter().any(|w| w == "server established") {
-        wait("server established", &mut seen, &mut server);
-    }
+    wait("server established", &mut seen, &mut server);
     c.send(ping).expect("client send");
     assert_eq!(s.recv_message(T).as_deref(), Some(ping));
     s.send(pong).expect("server send");
     assert_eq!(c.recv_message(T).as_deref(), Some(pong));
     c.disconnect().expect("disconnect");
     for w in ["client disconnected", "server disconnected"] {
-        if !seen.iter().any(|x| x == w) {
-            wait(w, &mut seen, &mut server);
-        }
+        wait(w, &mut seen, &mut server);
     }
     for id in [c, s, l] {
         let _ = id.destroy();
