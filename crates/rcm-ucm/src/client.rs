@@ -2,22 +2,27 @@
 //! [`rcm::Fabric`] whose ids live in the daemon; the application code is the same as with
 //! in-process devices.
 //!
-//! One connection is one daemon session. A reader thread answers pending calls and feeds
-//! events to the ids' sinks; callbacks run on the fabric's own dispatcher threads, so they
-//! may make blocking calls. Losing the daemon is a device removal for every id.
+//! One connection is one daemon session. A reader thread feeds its events to the ids' sinks;
+//! callbacks run on the fabric's own dispatcher threads, so they may make blocking calls.
+//! Calls go on *command channels*: further connections attached to the session, each used
+//! by one calling thread at a time, which writes its command and reads the reply itself (a
+//! reply then wakes one thread, not the reader and then the caller). When no channel can be
+//! had, a call goes on the session's connection and the reader hands the reply over. Losing
+//! the daemon is a device removal for every id.
 
 use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
+use crate::spin::{SpinRead, CHANNEL_SPIN};
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
 use rcm::{Error, Event, Fabric, FabricConfig, PortSpace};
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::IpAddr;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
 
 /// Event credit granted to the daemon at a time.
@@ -26,6 +31,8 @@ const WINDOW: u32 = 4096;
 const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// Largest frame accepted from the daemon.
 const MAX_FRAME: usize = 1 << 20;
+/// Command channels a client opens at most (the daemon allows `daemon::MAX_CHANNELS`).
+const CHANNELS: usize = 8;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -42,6 +49,13 @@ struct Inner {
     token: u64,
     limits: Limits,
     stream: UnixStream,
+    path: PathBuf,
+    /// Command channels not in use.
+    idle: Mutex<Vec<BufReader<SpinRead>>>,
+    /// Command channels open (idle or in use).
+    channels: AtomicUsize,
+    /// Set when the daemon refused a channel: calls use the session's connection.
+    no_channels: AtomicBool,
 }
 
 /// A session with a daemon; a [`Provider`] for [`Fabric::with_provider`].
@@ -67,7 +81,7 @@ pub fn daemon_from_env() -> Option<std::path::PathBuf> {
         .map(Into::into)
 }
 
-fn read_frame(s: &mut UnixStream, body: &mut Vec<u8>) -> std::io::Result<Header> {
+fn read_frame(s: &mut impl Read, body: &mut Vec<u8>) -> std::io::Result<Header> {
     let mut hb = [0u8; 12];
     s.read_exact(&mut hb)?;
     let h = Header::parse(&hb)
@@ -114,6 +128,10 @@ impl Client {
             token,
             limits,
             stream: s.try_clone()?,
+            path: path.to_owned(),
+            idle: Mutex::new(Vec::new()),
+            channels: AtomicUsize::new(0),
+            no_channels: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -163,7 +181,84 @@ impl Inner {
             .map_err(|_| Error::DeviceRemoved)
     }
 
+    /// An idle command channel, or a new one while fewer than [`CHANNELS`] are open.
+    fn channel(&self) -> Option<BufReader<SpinRead>> {
+        if let Some(c) = lock(&self.idle).pop() {
+            return Some(c);
+        }
+        if self.no_channels.load(Ordering::Relaxed)
+            || self.channels.fetch_add(1, Ordering::SeqCst) >= CHANNELS
+        {
+            self.channels.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        match self.attach() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::debug!(error = %e, "no command channel; calls share the session's connection");
+                self.no_channels.store(true, Ordering::Relaxed);
+                self.channels.fetch_sub(1, Ordering::SeqCst);
+                None
+            }
+        }
+    }
+
+    fn attach(&self) -> rcm::Result<BufReader<SpinRead>> {
+        let mut s = UnixStream::connect(&self.path)?;
+        s.write_all(
+            &Command::Attach {
+                min: proto::VERSION,
+                max: proto::VERSION,
+                token: self.token,
+            }
+            .encode(1),
+        )?;
+        let mut r = BufReader::with_capacity(4096, SpinRead::new(s, CHANNEL_SPIN));
+        let mut body = Vec::new();
+        let h = read_frame(&mut r, &mut body)?;
+        match decode_message(h.kind, &body) {
+            Ok(Message::Ok(_)) => Ok(r),
+            Ok(Message::Err(e)) => Err(e.into_cm()),
+            _ => Err(Error::Remote("unexpected answer to Attach".into())),
+        }
+    }
+
+    /// One call on a command channel: write, then read the reply on the same connection.
+    fn call_on(&self, mut ch: BufReader<SpinRead>, cmd: &Command) -> rcm::Result<Answer> {
+        let seq = self.next_seq();
+        let mut body = Vec::new();
+        let r = ch
+            .get_mut()
+            .stream
+            .write_all(&cmd.encode(seq))
+            .and_then(|()| loop {
+                let h = read_frame(&mut ch, &mut body)?;
+                if h.seq == seq {
+                    break Ok(h);
+                }
+            });
+        let Ok(h) = r else {
+            // The daemon is gone or closed the session; the reader sees it too.
+            self.channels.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::DeviceRemoved);
+        };
+        let answer = match decode_message(h.kind, &body) {
+            Ok(Message::Ok(a)) => Ok(a),
+            Ok(Message::Err(e)) => Err(e.into_cm()),
+            Ok(_) => Err(Error::Remote("unexpected answer to a command".into())),
+            Err(e) => Err(Error::Remote(format!("bad answer from the daemon: {e}"))),
+        };
+        lock(&self.idle).push(ch);
+        answer
+    }
+
     fn request(&self, cmd: &Command) -> rcm::Result<Answer> {
+        if !self.alive.load(Ordering::SeqCst) {
+            return Err(Error::DeviceRemoved);
+        }
+        if let Some(ch) = self.channel() {
+            return self.call_on(ch, cmd);
+        }
         let seq = self.next_seq();
         let (tx, rx) = mpsc::sync_channel(1);
         {
@@ -243,9 +338,18 @@ impl RemoteId for Handle {
             return;
         };
         lock(&c.sinks).remove(&self.handle);
-        // Fire and forget: the reply (seq 0 is never waited for) is ignored. The daemon
-        // finishes the destroy in order with this session's other commands.
-        let _ = c.send(&Command::DestroyId(self.handle).encode(0));
+        let cmd = Command::DestroyId(self.handle);
+        // On a channel the destroy is done when this returns, so the client's next call
+        // (say, a create at the id limit) comes after it. Without one: fire and forget on
+        // the session's connection (seq 0 is never waited for), where the daemon finishes it
+        // in order with the commands that follow there.
+        if c.alive.load(Ordering::SeqCst) {
+            if let Some(ch) = c.channel() {
+                let _ = c.call_on(ch, &cmd);
+                return;
+            }
+        }
+        let _ = c.send(&cmd.encode(0));
     }
 }
 

@@ -7,15 +7,23 @@
 //! through a per-id cell; that cell is what `migrate_id` switches, under the cell's lock,
 //! so an event is queued either entirely before or entirely after a migration.
 //!
-//! Lock order: an id's cell, then session tables (lower `order` first), then session output
-//! queues (same order). Nothing that can wait for a callback (destroy) runs under any of them.
+//! A session may also have command channels: further connections, attached by its token,
+//! whose commands act on the session (protocol §2.1). Each connection has its own reader.
+//!
+//! Lock order: an id's cell, then session tables (lower `order` first), then a session's
+//! wire, then session output queues (same order). The wire is only ever *tried* by an rcm
+//! callback thread, never waited for. Nothing that can wait for a callback (destroy) runs
+//! under any of them.
 
 use crate::proto::{
     self, decode_command, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
+use crate::spin::SpinRead;
 use rcm::remote::{Limit, Reply};
 use rcm::{CmId, Event, Fabric, FabricConfig, Flow};
+use rustix::io::Errno;
+use rustix::net::{send, SendFlags};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::IpAddr;
@@ -50,6 +58,9 @@ pub struct DaemonConfig {
     pub limits: Limits,
     /// Permissions of the socket file (0o660 by default: owner and group).
     pub mode: u32,
+    /// Command channels one session may have open at once ([`MAX_CHANNELS`] by default;
+    /// 0 refuses them all, and clients then make every call on the session's connection).
+    pub max_channels: usize,
 }
 
 impl DaemonConfig {
@@ -65,6 +76,7 @@ impl DaemonConfig {
             },
             limits: Limits::default(),
             mode: 0o660,
+            max_channels: MAX_CHANNELS,
         }
     }
 }
@@ -98,6 +110,7 @@ pub struct Daemon {
 struct Shared {
     fabric: Fabric,
     limits: Limits,
+    max_channels: usize,
     socket: PathBuf,
     stopping: AtomicBool,
     next_order: AtomicU64,
@@ -147,6 +160,15 @@ struct Out {
     credit: u64,
     unread_requests: u32,
     closed: bool,
+    /// The wire has a backlog for the writer thread to send.
+    backlog: bool,
+}
+
+/// The session's socket for writing, and the bytes of a cut batch that must go out before
+/// anything else.
+struct Wire {
+    stream: UnixStream,
+    backlog: Vec<u8>,
 }
 
 struct Session {
@@ -158,11 +180,32 @@ struct Session {
     stream: UnixStream,
     /// Replies (written by the reader) and event batches (by the writer) go out whole
     /// under this lock. A client that stops reading blocks only its own session.
-    wire: Mutex<UnixStream>,
+    wire: Mutex<Wire>,
     dropped_events: AtomicU64,
     refused_requests: AtomicU64,
     commands: AtomicU64,
+    /// Held across `create_id`, so a client's creations are serialised even when they come
+    /// on several command channels.
+    creating: Mutex<()>,
+    /// The command channels attached to this session (§2.1), by their connection's order:
+    /// shut down when it closes.
+    channels: Mutex<HashMap<u64, UnixStream>>,
 }
+
+/// A command channel's hold on its session; leaves the session's list when dropped.
+struct Channel {
+    target: Arc<Session>,
+    order: u64,
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        lock(&self.target.channels).remove(&self.order);
+    }
+}
+
+/// Command channels one session may have open at once.
+pub const MAX_CHANNELS: usize = 16;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -196,6 +239,7 @@ impl Daemon {
             fabric: fabric_cfg,
             limits,
             mode,
+            max_channels,
         } = cfg;
         if binds.is_empty() {
             return Err(DaemonError::NoBinds);
@@ -228,6 +272,7 @@ impl Daemon {
         let shared = Arc::new(Shared {
             fabric,
             limits,
+            max_channels,
             socket,
             stopping: AtomicBool::new(false),
             next_order: AtomicU64::new(1),
@@ -260,6 +305,14 @@ impl Daemon {
     /// Open sessions.
     pub fn sessions(&self) -> usize {
         lock(&self.shared.sessions).len()
+    }
+
+    /// Command channels attached to open sessions.
+    pub fn channels(&self) -> usize {
+        lock(&self.shared.sessions)
+            .values()
+            .map(|s| lock(&s.channels).len())
+            .sum()
     }
 
     /// Ids held by all sessions.
@@ -364,10 +417,15 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         out: Mutex::new(Out::default()),
         out_cond: Condvar::new(),
         stream,
-        wire: Mutex::new(wire),
+        wire: Mutex::new(Wire {
+            stream: wire,
+            backlog: Vec::new(),
+        }),
         dropped_events: AtomicU64::new(0),
         refused_requests: AtomicU64::new(0),
         commands: AtomicU64::new(0),
+        creating: Mutex::new(()),
+        channels: Mutex::new(HashMap::new()),
     });
     lock(&sh.sessions).insert(order, s.clone());
     // Join the threads of sessions that ended, so a long-lived daemon keeps no handles.
@@ -401,6 +459,24 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Moves up to a batch of queued events that the client has credit for into `buf`.
+fn take_batch(out: &mut Out, buf: &mut Vec<u8>) {
+    let mut n = 0;
+    while out.credit > 0 && n < EVENT_BATCH {
+        let Some(q) = out.events.pop_front() else {
+            break;
+        };
+        if q.listener.is_some() {
+            out.unread_requests = out.unread_requests.saturating_sub(1);
+        }
+        buf.extend_from_slice(&q.frame);
+        out.credit -= 1;
+        n += 1;
+    }
+}
+
+/// Writes what `flush_now` could not, and the events it left queued. Events are taken from
+/// the queue only under the wire lock, so they go out in queue order whoever writes them.
 fn writer_loop(s: &Session) {
     let mut buf = Vec::with_capacity(64 * 1024);
     loop {
@@ -410,7 +486,7 @@ fn writer_loop(s: &Session) {
                 if out.closed {
                     return;
                 }
-                if out.credit > 0 && !out.events.is_empty() {
+                if out.backlog || (out.credit > 0 && !out.events.is_empty()) {
                     break;
                 }
                 out = s
@@ -418,24 +494,65 @@ fn writer_loop(s: &Session) {
                     .wait(out)
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            buf.clear();
-            let mut n = 0;
-            while out.credit > 0 && n < EVENT_BATCH {
-                let Some(q) = out.events.pop_front() else {
-                    break;
-                };
-                if q.listener.is_some() {
-                    out.unread_requests = out.unread_requests.saturating_sub(1);
-                }
-                buf.extend_from_slice(&q.frame);
-                out.credit -= 1;
-                n += 1;
-            }
         }
-        if lock(&s.wire).write_all(&buf).is_err() {
+        let mut w = lock(&s.wire);
+        let backlog = std::mem::take(&mut w.backlog);
+        buf.clear();
+        {
+            let mut out = lock(&s.out);
+            out.backlog = false;
+            take_batch(&mut out, &mut buf);
+        }
+        if w.stream.write_all(&backlog).is_err() || w.stream.write_all(&buf).is_err() {
+            drop(w);
             fail(s);
             return;
         }
+    }
+}
+
+/// Sends the queued events the client has credit for from the calling thread (an rcm
+/// callback thread), without blocking: an event then costs no wake-up of the writer. What
+/// the socket does not take at once is left to the writer thread, as is everything while
+/// another thread is writing.
+fn flush_now(s: &Session) {
+    let mut w = match s.wire.try_lock() {
+        Ok(w) => w,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            s.out_cond.notify_all();
+            return;
+        }
+    };
+    if !w.backlog.is_empty() {
+        s.out_cond.notify_all();
+        return;
+    }
+    let mut buf = Vec::new();
+    {
+        let mut out = lock(&s.out);
+        if out.closed {
+            return;
+        }
+        take_batch(&mut out, &mut buf);
+    }
+    if buf.is_empty() {
+        return;
+    }
+    let sent = match send(&w.stream, &buf, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+        Ok(n) => n,
+        Err(Errno::AGAIN | Errno::INTR) => 0,
+        Err(_) => {
+            drop(w);
+            fail(s);
+            return;
+        }
+    };
+    if sent < buf.len() {
+        // The rest of a frame may be cut: nothing else may be written before it.
+        w.backlog = buf.split_off(sent);
+        lock(&s.out).backlog = true;
+        s.out_cond.notify_all();
     }
 }
 
@@ -449,15 +566,23 @@ fn fail(s: &Session) {
 fn push_reply(s: &Session, frame: &[u8]) {
     // Written at once by the reader: a reply costs no thread hop. A client that does not
     // read its replies blocks here, stalling only its own session.
-    if lock(&s.wire).write_all(frame).is_err() {
+    let mut w = lock(&s.wire);
+    let backlog = std::mem::take(&mut w.backlog);
+    if w.stream.write_all(&backlog).is_err() || w.stream.write_all(frame).is_err() {
+        drop(w);
         fail(s);
     }
 }
 
-fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
+fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
+    // Buffered: a client that pipelines commands has them read in one system call.
+    let mut stream =
+        std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(stream, Duration::ZERO));
     let max = sh.limits.max_message as usize;
     let mut body = Vec::new();
     let mut hello = false;
+    // For a command channel: the session it serves. Replies still go to this connection.
+    let mut target: Option<Channel> = None;
     loop {
         let mut hb = [0u8; 12];
         if stream.read_exact(&mut hb).is_err() {
@@ -492,7 +617,11 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
         if stream.read_exact(&mut body).is_err() {
             return;
         }
-        s.commands.fetch_add(1, Ordering::Relaxed);
+        target
+            .as_ref()
+            .map_or(&**s, |c| &*c.target)
+            .commands
+            .fetch_add(1, Ordering::Relaxed);
         let cmd = match decode_command(h.kind, &body) {
             Ok(c) => c,
             Err(e) => {
@@ -527,13 +656,32 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
                     ))))
                 }
             }
-            (Command::Hello { .. }, true) => Some(Message::Err(WireError::Handshake(
-                "the session is already open".into(),
-            ))),
+            (Command::Attach { min, max, token }, false) => {
+                match attach(sh, s, *min, *max, *token) {
+                    Ok(t) => {
+                        hello = true;
+                        target = Some(t);
+                        // The client waits on this channel for each answer and sends its next
+                        // command right after: worth polling for.
+                        stream.get_mut().spin = crate::spin::CHANNEL_SPIN;
+                        Some(Message::Ok(Answer::Reply(Reply::Done)))
+                    }
+                    Err(e) => Some(Message::Err(e)),
+                }
+            }
+            (Command::Hello { .. } | Command::Attach { .. }, true) => Some(Message::Err(
+                WireError::Handshake("the session is already open".into()),
+            )),
+            (Command::GetEvent(_), true) if target.is_some() => {
+                Some(Message::Err(WireError::BadMessage(
+                    "GET_EVENT on a command channel: events flow on the session's own connection"
+                        .into(),
+                )))
+            }
             (_, false) => Some(Message::Err(WireError::Handshake(
                 "send Hello first".into(),
             ))),
-            (_, true) => serve(sh, s, cmd),
+            (_, true) => serve(sh, target.as_ref().map_or(s, |c| &c.target), cmd),
         };
         if let Some(m) = reply {
             push_reply(s, &m.encode(h.seq));
@@ -544,14 +692,16 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, mut stream: UnixStream) {
 /// Carries out one command of an open session. `None`: no reply (GetEvent).
 fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
     let r: Result<Answer, WireError> = match cmd {
-        Command::Hello { .. } => Err(WireError::Handshake("unexpected Hello".into())),
+        Command::Hello { .. } | Command::Attach { .. } => {
+            Err(WireError::Handshake("unexpected Hello".into()))
+        }
         Command::CreateId(ps) => create_id(sh, s, ps),
         Command::DestroyId(h) => destroy_id(s, h).map(|()| Answer::Reply(Reply::Done)),
         Command::GetEvent(n) => {
             let mut out = lock(&s.out);
             out.credit = out.credit.saturating_add(u64::from(n));
             drop(out);
-            s.out_cond.notify_all();
+            flush_now(s);
             return None;
         }
         Command::MigrateId { token, handle } => migrate_id(sh, s, token, handle),
@@ -584,7 +734,51 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
     })
 }
 
+/// Makes connection `s` a command channel of the session holding `token`.
+fn attach(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    min: u16,
+    max: u16,
+    token: u64,
+) -> Result<Channel, WireError> {
+    if !(min <= proto::VERSION && proto::VERSION <= max) {
+        return Err(WireError::Handshake(format!(
+            "versions {min}..={max} requested; this daemon speaks {}",
+            proto::VERSION
+        )));
+    }
+    let t = lock(&sh.tokens)
+        .get(&token)
+        .and_then(Weak::upgrade)
+        .ok_or(WireError::NoSuchSession)?;
+    // Registered under the table lock that close_session sets `closed` under, so a channel
+    // is either refused or shut down with its session.
+    let table = lock(&t.table);
+    if table.closed {
+        return Err(WireError::NoSuchSession);
+    }
+    let mut ch = lock(&t.channels);
+    if ch.len() >= sh.max_channels {
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Channels)));
+    }
+    let stream = s
+        .stream
+        .try_clone()
+        .map_err(|e| WireError::BadMessage(e.to_string()))?;
+    ch.insert(s.order, stream);
+    drop(ch);
+    drop(table);
+    // A channel is not a session of its own: it holds nothing and is not counted.
+    lock(&sh.sessions).remove(&s.order);
+    Ok(Channel {
+        target: t,
+        order: s.order,
+    })
+}
+
 fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<Answer, WireError> {
+    let _serial = lock(&s.creating);
     if lock(&s.table).ids.len() >= sh.limits.max_ids as usize {
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
@@ -655,7 +849,8 @@ fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
         frame,
     });
     drop(out);
-    sess.out_cond.notify_all();
+    drop(own);
+    flush_now(&sess);
     Flow::Continue
 }
 
@@ -713,7 +908,8 @@ fn on_connect_request(
     out.unread_requests += 1;
     drop(out);
     drop(t);
-    sess.out_cond.notify_all();
+    drop(own);
+    flush_now(&sess);
     Flow::Continue
 }
 
@@ -861,6 +1057,9 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
     }
     s.out_cond.notify_all();
     let _ = s.stream.shutdown(std::net::Shutdown::Both);
+    for (_, c) in lock(&s.channels).drain() {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
     for (_, cell) in &ids {
         *lock(&cell.owner) = None;
     }

@@ -25,6 +25,7 @@ pub mod client;
 pub mod daemon;
 pub mod proto;
 pub mod raw;
+mod spin;
 
 pub use client::{daemon_from_env, fabric, fabric_with, Client};
-pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport};
+pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport, MAX_CHANNELS};

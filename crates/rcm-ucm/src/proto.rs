@@ -42,6 +42,8 @@ pub mod kind {
     pub const DEVICES: u16 = 0x06;
     /// Session counters.
     pub const STATS: u16 = 0x07;
+    /// Opens a command channel of an existing session (§2.1 of the protocol document).
+    pub const ATTACH: u16 = 0x08;
     /// `set_option(REUSEADDR)`.
     pub const SET_REUSEADDR: u16 = 0x10;
     /// `bind`.
@@ -207,6 +209,16 @@ pub enum Command {
     Devices,
     /// This session's counters.
     Stats,
+    /// Instead of `Hello`: makes this connection a command channel of the session whose
+    /// token this is. A channel carries commands and their replies, never events.
+    Attach {
+        /// Oldest version the client speaks.
+        min: u16,
+        /// Newest.
+        max: u16,
+        /// The session's token (from its `HelloOk`).
+        token: u64,
+    },
     /// An operation on an id.
     Call(u32, Op),
 }
@@ -595,6 +607,7 @@ fn limit_code(l: Limit) -> u8 {
         Limit::UnreadRequests => 3,
         Limit::MessageSize => 4,
         Limit::PendingCommands => 5,
+        Limit::Channels => 6,
     }
 }
 
@@ -665,6 +678,13 @@ impl Command {
             }
             Command::Devices => w = W::frame(kind::DEVICES, seq),
             Command::Stats => w = W::frame(kind::STATS, seq),
+            Command::Attach { min, max, token } => {
+                w = W::frame(kind::ATTACH, seq);
+                w.u32(MAGIC);
+                w.u16(*min);
+                w.u16(*max);
+                w.u64(*token);
+            }
             Command::Call(h, op) => {
                 w = W::frame(op_kind(op), seq);
                 w.u32(*h);
@@ -1015,6 +1035,7 @@ impl<'a> R<'a> {
                 3 => Limit::UnreadRequests,
                 4 => Limit::MessageSize,
                 5 => Limit::PendingCommands,
+                6 => Limit::Channels,
                 _ => return Err(ProtoError::BadValue("limit")),
             }),
             15 => Error::Remote(self.str()?),
@@ -1097,6 +1118,16 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
         },
         kind::DEVICES => Command::Devices,
         kind::STATS => Command::Stats,
+        kind::ATTACH => {
+            if r.u32()? != MAGIC {
+                return Err(ProtoError::BadValue("magic"));
+            }
+            Command::Attach {
+                min: r.u16()?,
+                max: r.u16()?,
+                token: r.u64()?,
+            }
+        }
         k @ kind::SET_REUSEADDR..=kind::QUERY => {
             let h = r.u32()?;
             let op = match k {

@@ -239,6 +239,11 @@ fn command(
         },
         6 => Command::Devices,
         7 => Command::Stats,
+        8 => Command::Attach {
+            min: rng.gen_range(0..3),
+            max: rng.gen_range(0..3),
+            token: token(rng),
+        },
         _ => {
             let h = handle(rng);
             Command::Call(h, op(rng, addr))

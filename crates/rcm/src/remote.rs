@@ -94,6 +94,8 @@ pub enum Limit {
     MessageSize,
     /// Commands waiting to be answered.
     PendingCommands,
+    /// Command channels open to one client's session.
+    Channels,
 }
 
 impl std::fmt::Display for Limit {
@@ -104,6 +106,7 @@ impl std::fmt::Display for Limit {
             Limit::UnreadRequests => "unread connect requests per client",
             Limit::MessageSize => "bytes per message",
             Limit::PendingCommands => "pending commands per client",
+            Limit::Channels => "command channels per client",
         })
     }
 }

@@ -1,0 +1,314 @@
+//! Command channels (protocol §2.1): extra connections attached to a session by its token,
+//! on which a client's threads make their calls. The rules of `ATTACH`, what a channel may
+//! and may not do, its limit, its life tied to the session's, and the client library's use
+//! of channels (and its fallback when the daemon refuses them).
+
+mod common;
+
+use common::*;
+use rcm::remote::{Limit, Op, Reply};
+use rcm::{Event, EventChannel, PortSpace};
+use rcm_ucm::proto::{self, Answer, Command, Limits, Message, WireError, WireEvent};
+use rcm_ucm::raw::RawSession;
+use rcm_ucm::{Daemon, MAX_CHANNELS};
+use std::time::Duration;
+
+fn attach_cmd(token: u64) -> Command {
+    Command::Attach {
+        min: proto::VERSION,
+        max: proto::VERSION,
+        token,
+    }
+}
+
+/// A connection attached to the session holding `token`.
+fn channel(d: &Daemon, token: u64) -> RawSession {
+    let mut c = RawSession::connect(d.socket()).expect("connect");
+    assert_eq!(
+        ok(&mut c, &attach_cmd(token)),
+        Answer::Reply(Reply::Done),
+        "attach"
+    );
+    c
+}
+
+fn attach_err(d: &Daemon, cmd: &Command) -> WireError {
+    let mut c = RawSession::connect(d.socket()).expect("connect");
+    err(&mut c, cmd)
+}
+
+#[test]
+fn attach_rules() {
+    let d = daemon("ch-rules", 47300, &[1]);
+    let (mut a, ta) = raw(&d);
+    // A token no session has, and a version range without ours.
+    assert_eq!(
+        attach_err(&d, &attach_cmd(ta ^ 1)),
+        WireError::NoSuchSession
+    );
+    assert!(matches!(
+        attach_err(
+            &d,
+            &Command::Attach {
+                min: 2,
+                max: 9,
+                token: ta
+            }
+        ),
+        WireError::Handshake(_)
+    ));
+    // Attach after Hello, and Hello or Attach on a channel: the session is already open.
+    assert!(matches!(
+        err(&mut a, &attach_cmd(ta)),
+        WireError::Handshake(_)
+    ));
+    let mut c = channel(&d, ta);
+    assert!(matches!(
+        err(
+            &mut c,
+            &Command::Hello {
+                min: proto::VERSION,
+                max: proto::VERSION
+            }
+        ),
+        WireError::Handshake(_)
+    ));
+    assert!(matches!(
+        err(&mut c, &attach_cmd(ta)),
+        WireError::Handshake(_)
+    ));
+    // Events flow on the session's connection only: GET_EVENT on a channel is answered
+    // (unlike on a session) with an error, and grants nothing.
+    assert!(matches!(
+        err(&mut c, &Command::GetEvent(8)),
+        WireError::BadMessage(_)
+    ));
+    assert_eq!(stats(&mut a).credit, 0);
+    // A channel is not a session: counted apart, holding nothing.
+    assert_eq!(d.sessions(), 1);
+    assert_eq!(d.channels(), 1);
+    // The same bad commands as on a session are refused the same way.
+    assert_eq!(
+        err(&mut c, &Command::Call(12345, Op::Query)),
+        WireError::NoSuchId
+    );
+    drop(c);
+    wait_until(
+        || d.channels() == 0,
+        || format!("{} channels", d.channels()),
+    );
+    assert_eq!(d.sessions(), 1);
+}
+
+#[test]
+fn a_channel_acts_on_its_sessions_ids_and_events_come_on_the_session() {
+    let d = daemon("ch-acts", 47301, &[1, 2]);
+    let (mut a, ta) = raw(&d);
+    let (mut b, _) = raw(&d);
+    let mut c = channel(&d, ta);
+    // Created on the channel, held by A: A's connection names it, B cannot.
+    let h = create(&mut c);
+    assert!(matches!(
+        ok(&mut a, &Command::Call(h, Op::Query)),
+        Answer::Reply(Reply::Info(_))
+    ));
+    assert_eq!(
+        err(&mut b, &Command::Call(h, Op::Query)),
+        WireError::NoSuchId
+    );
+    assert_eq!(stats(&mut a).ids, 1);
+    assert_eq!(stats(&mut c).ids, 1, "Stats on a channel are its session's");
+    // An operation on the channel; its event arrives on A's connection, never the channel.
+    a.send(&Command::GetEvent(16)).expect("credit");
+    ok(
+        &mut c,
+        &Command::Call(
+            h,
+            Op::ResolveAddr {
+                src: None,
+                dst: sa(2, 7000),
+            },
+        ),
+    );
+    match a.next_event().expect("event") {
+        Message::Event { handle, event } => {
+            assert_eq!(handle, h);
+            assert!(matches!(event, WireEvent::AddrResolved), "{event:?}");
+        }
+        m => panic!("{m:?}"),
+    }
+    assert_silent(&mut c, Duration::from_millis(200));
+    // A created on A's connection, destroyed on the channel.
+    let h2 = create(&mut a);
+    ok(&mut c, &Command::DestroyId(h2));
+    assert_eq!(
+        err(&mut a, &Command::Call(h2, Op::Query)),
+        WireError::NoSuchId
+    );
+    // Closing the channel leaves the session and its ids alone.
+    drop(c);
+    wait_until(
+        || d.channels() == 0,
+        || format!("{} channels", d.channels()),
+    );
+    assert!(matches!(
+        ok(&mut a, &Command::Call(h, Op::Query)),
+        Answer::Reply(Reply::Info(_))
+    ));
+    wait_ids(&d, 1, 1);
+}
+
+#[test]
+fn channels_per_session_are_limited() {
+    let d = daemon("ch-limit", 47302, &[1]);
+    let (_a, ta) = raw(&d);
+    let (_b, tb) = raw(&d);
+    let mut open: Vec<RawSession> = (0..MAX_CHANNELS).map(|_| channel(&d, ta)).collect();
+    assert_eq!(
+        attach_err(&d, &attach_cmd(ta)),
+        WireError::Cm(rcm::Error::LimitExceeded(Limit::Channels))
+    );
+    // The limit is per session: B still gets one.
+    let _other = channel(&d, tb);
+    // A channel that closes frees its place.
+    open.pop();
+    wait_until(
+        || d.channels() == MAX_CHANNELS,
+        || format!("{} channels", d.channels()),
+    );
+    open.push(channel(&d, ta));
+    for c in &mut open {
+        assert_eq!(stats(c).ids, 0);
+    }
+}
+
+#[test]
+fn channels_close_with_their_session() {
+    let d = daemon("ch-close", 47303, &[1]);
+    let (a, ta) = raw(&d);
+    let mut c1 = channel(&d, ta);
+    let mut c2 = channel(&d, ta);
+    create(&mut c1);
+    create(&mut c2);
+    wait_ids(&d, 2, 2);
+    // The session's connection goes: its ids are destroyed and its channels shut down.
+    drop(a);
+    wait_ids(&d, 0, 0);
+    for c in [&mut c1, &mut c2] {
+        match c.recv() {
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}"),
+            Ok(m) => panic!("a channel of a closed session got {m:?}"),
+        }
+    }
+    assert_eq!(d.channels(), 0);
+    // And the token no longer attaches.
+    assert_eq!(attach_err(&d, &attach_cmd(ta)), WireError::NoSuchSession);
+}
+
+#[test]
+fn the_client_library_calls_on_channels_from_many_threads() {
+    let d = daemon("ch-client", 47304, &[1, 2]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    // Eight threads at once, 50 ids each, every call checked.
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    let ch = EventChannel::new();
+                    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+                    id.bind(sa(2, 0)).expect("bind");
+                    assert_eq!(id.state(), rcm::State::AddrBound);
+                    id.destroy().expect("destroy");
+                }
+            });
+        }
+    });
+    let n = d.channels();
+    assert!((1..=8).contains(&n), "{n} channels for 8 threads");
+    wait_ids(&d, 0, 0);
+    round_trip(&d, sa(1, 7304));
+}
+
+#[test]
+fn a_destroy_is_done_when_it_returns() {
+    // One id allowed: each create right after a blocking destroy must find the place free,
+    // which holds only if the daemon carried the destroy out before the create.
+    let d = daemon_with_limits(
+        "ch-order",
+        47305,
+        &[1],
+        Limits {
+            max_ids: 1,
+            ..Limits::default()
+        },
+    );
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    for _ in 0..200 {
+        let id = f
+            .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+            .expect("create at the limit after a destroy");
+        id.destroy().expect("destroy");
+    }
+    assert!(matches!(
+        f.try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+            .map(|_| ()),
+        Ok(())
+    ));
+}
+
+#[test]
+fn without_channels_the_client_uses_the_session_connection() {
+    let mut cfg = config("ch-none", 47306, &[1, 2]);
+    cfg.max_channels = 0;
+    let d = Daemon::start(cfg).expect("daemon");
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    id.resolve_addr(None, sa(2, 7000)).expect("resolve");
+    assert!(matches!(next(&ch).event(), Event::AddrResolved));
+    assert_eq!(d.channels(), 0);
+    id.destroy().expect("destroy");
+    wait_ids(&d, 0, 0);
+    round_trip(&d, sa(1, 7306));
+}
+
+#[test]
+fn events_survive_a_full_socket_whole_and_once() {
+    // The session grants credit for everything but reads nothing while a channel makes 20,000
+    // ids resolve: their events fill the socket (cut batches go to the writer thread), and
+    // then every event must arrive whole, once, for the right id.
+    const N: usize = 20_000;
+    let d = daemon("ch-full", 47307, &[1, 2]);
+    let (mut a, ta) = raw(&d);
+    a.send(&Command::GetEvent(N as u32)).expect("credit");
+    let mut c = channel(&d, ta);
+    let mut handles = std::collections::HashSet::new();
+    for _ in 0..N {
+        let h = create(&mut c);
+        ok(
+            &mut c,
+            &Command::Call(
+                h,
+                Op::ResolveAddr {
+                    src: None,
+                    dst: sa(2, 7000),
+                },
+            ),
+        );
+        handles.insert(h);
+    }
+    for _ in 0..N {
+        match a.next_event().expect("event") {
+            Message::Event { handle, event } => {
+                assert!(matches!(event, WireEvent::AddrResolved), "{event:?}");
+                assert!(
+                    handles.remove(&handle),
+                    "event for {handle} twice or unknown"
+                );
+            }
+            m => panic!("{m:?}"),
+        }
+    }
+    assert!(handles.is_empty());
+    assert_eq!(stats(&mut a).dropped_events, 0);
+}
