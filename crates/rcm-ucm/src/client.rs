@@ -195,8 +195,12 @@ impl Inner {
         match self.attach() {
             Ok(c) => Some(c),
             Err(e) => {
-                tracing::debug!(error = %e, "no command channel; calls share the session's connection");
-                self.no_channels.store(true, Ordering::Relaxed);
+                tracing::debug!(error = %e, "no command channel; this call shares the session's connection");
+                // The daemon's refusal (its limit, or an older daemon) is for good; a socket
+                // error (say, a full accept queue) is tried again by a later call.
+                if !matches!(e, Error::Io(_)) {
+                    self.no_channels.store(true, Ordering::Relaxed);
+                }
                 self.channels.fetch_sub(1, Ordering::SeqCst);
                 None
             }
