@@ -633,8 +633,8 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
             }
         };
         let reply = match (&cmd, hello) {
-            (Command::Hello { min, max }, false) => {
-                if *min <= proto::VERSION && proto::VERSION <= *max {
+            (Command::Hello { min, max }, false) => match check_version(*min, *max) {
+                Ok(()) => {
                     hello = true;
                     let token = loop {
                         let t: u64 = rand::random();
@@ -649,13 +649,9 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                         token,
                         limits: sh.limits,
                     })
-                } else {
-                    Some(Message::Err(WireError::Handshake(format!(
-                        "versions {min}..={max} requested; this daemon speaks {}",
-                        proto::VERSION
-                    ))))
                 }
-            }
+                Err(e) => Some(Message::Err(e)),
+            },
             (Command::Attach { min, max, token }, false) => {
                 match attach(sh, s, *min, *max, *token) {
                     Ok(t) => {
@@ -734,6 +730,18 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
     })
 }
 
+/// `HELLO` and `ATTACH` both name a range of versions that must contain ours.
+fn check_version(min: u16, max: u16) -> Result<(), WireError> {
+    if min <= proto::VERSION && proto::VERSION <= max {
+        Ok(())
+    } else {
+        Err(WireError::Handshake(format!(
+            "versions {min}..={max} requested; this daemon speaks {}",
+            proto::VERSION
+        )))
+    }
+}
+
 /// Makes connection `s` a command channel of the session holding `token`.
 fn attach(
     sh: &Arc<Shared>,
@@ -742,12 +750,7 @@ fn attach(
     max: u16,
     token: u64,
 ) -> Result<Channel, WireError> {
-    if !(min <= proto::VERSION && proto::VERSION <= max) {
-        return Err(WireError::Handshake(format!(
-            "versions {min}..={max} requested; this daemon speaks {}",
-            proto::VERSION
-        )));
-    }
+    check_version(min, max)?;
     let t = lock(&sh.tokens)
         .get(&token)
         .and_then(Weak::upgrade)

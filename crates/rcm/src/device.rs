@@ -394,6 +394,23 @@ impl DeviceInner {
     }
 }
 
+/// Fires the engine's due timers and returns how long a receive loop may sleep: until the
+/// next deadline (time is the engine's to keep), at least 100 µs and at most 500 ms.
+fn run_timers(d: &Arc<DeviceInner>) -> Duration {
+    let next = d.with_engine(|ep, now| {
+        ep.handle_timeout(now);
+        ep.poll_timeout()
+    });
+    let now = Instant::now();
+    let wait = next
+        .map_or(Duration::from_millis(500), |t| {
+            t.saturating_duration_since(now)
+        })
+        .clamp(Duration::from_micros(100), Duration::from_millis(500));
+    *sync::lock(&d.wake_at) = Some(now + wait);
+    wait
+}
+
 fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
     // The largest UD message (an IB MTU of 4096) with its headers fits whole.
     let mut buf = vec![0u8; RX_BUF];
@@ -402,18 +419,7 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
         if d.stop.load(Ordering::SeqCst) {
             return;
         }
-        // Time is the engine's to keep; this loop only sleeps until its next deadline.
-        let next = d.with_engine(|ep, now| {
-            ep.handle_timeout(now);
-            ep.poll_timeout()
-        });
-        let now = Instant::now();
-        let wait = next.map_or(Duration::from_millis(500), |t| {
-            t.saturating_duration_since(now)
-        });
-        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(500));
-        *sync::lock(&d.wake_at) = Some(now + wait);
-        let _ = sock.set_read_timeout(Some(wait));
+        let _ = sock.set_read_timeout(Some(run_timers(&d)));
         drop(d);
         // Wait for the first datagram (or the next deadline), then take what else is queued,
         // up to a batch, and feed it to the engine under one lock.
@@ -499,17 +505,7 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
         if d.stop.load(Ordering::SeqCst) {
             return;
         }
-        let next = d.with_engine(|ep, now| {
-            ep.handle_timeout(now);
-            ep.poll_timeout()
-        });
-        let now = Instant::now();
-        let wait = next.map_or(Duration::from_millis(500), |t| {
-            t.saturating_duration_since(now)
-        });
-        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(500));
-        *sync::lock(&d.wake_at) = Some(now + wait);
-        let _ = raw.set_read_timeout(Some(wait));
+        let _ = raw.set_read_timeout(Some(run_timers(&d)));
         let (ip, port) = (d.ip, d.port);
         drop(d);
         let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
