@@ -1875,7 +1875,12 @@ fn lossy_link_1000_connections_bench_client() {
                 Ok(s)
             } else {
                 Err(format!(
-                    "requests {req}, ended {ended}, engine endpoints {ceps}, live ids {live}, ports {ports}"
+                    "requests {req}, ended {ended}, engine endpoints {ceps}, live ids {live}, ports {ports}; \
+                     server events {}, id states {}, device {}; client disconnect step {:.2} s",
+                    s["groups"]["s"]["ev"],
+                    s["groups"]["s"]["states"],
+                    s["dev"],
+                    bench_step_s(&r, "disconnect")
                 ))
             }
         },

@@ -273,16 +273,19 @@ fn without_channels_the_client_uses_the_session_connection() {
 }
 
 #[test]
-fn events_survive_a_full_socket_whole_and_once() {
-    // The session grants credit for everything but reads nothing while a channel makes 20,000
-    // ids resolve: their events fill the socket (cut batches go to the writer thread), and
-    // then every event must arrive whole, once, for the right id.
-    const N: usize = 20_000;
+fn events_survive_a_full_socket_whole_once_and_in_order() {
+    // The session grants credit for everything but reads nothing while a channel makes
+    // 10,000 ids resolve their address and then their route: 20,000 events fill the socket
+    // (cut batches go to the writer thread, others are sent from the callback thread), and
+    // then every event must arrive whole, once, for the right id, and each id's two events
+    // in the order they happened.
+    const N: usize = 10_000;
     let d = daemon("ch-full", 47307, &[1, 2]);
     let (mut a, ta) = raw(&d);
-    a.send(&Command::GetEvent(N as u32)).expect("credit");
+    a.send(&Command::GetEvent(2 * N as u32)).expect("credit");
     let mut c = channel(&d, ta);
-    let mut handles = std::collections::HashSet::new();
+    let mut seen: std::collections::HashMap<u32, Vec<&'static str>> =
+        std::collections::HashMap::new();
     for _ in 0..N {
         let h = create(&mut c);
         ok(
@@ -295,20 +298,40 @@ fn events_survive_a_full_socket_whole_and_once() {
                 },
             ),
         );
-        handles.insert(h);
+        seen.insert(h, Vec::new());
     }
-    for _ in 0..N {
+    let handles: Vec<u32> = seen.keys().copied().collect();
+    for &h in &handles {
+        // The route can be asked for once the address is resolved (the event is queued,
+        // unread, by then or soon after).
+        wait_until(
+            || {
+                matches!(
+                    ok(&mut c, &Command::Call(h, Op::Query)),
+                    Answer::Reply(Reply::Info(i)) if i.state == rcm::State::AddrResolved
+                )
+            },
+            || format!("id {h} never reached AddrResolved"),
+        );
+        ok(&mut c, &Command::Call(h, Op::ResolveRoute));
+    }
+    for _ in 0..2 * N {
         match a.next_event().expect("event") {
             Message::Event { handle, event } => {
-                assert!(matches!(event, WireEvent::AddrResolved), "{event:?}");
-                assert!(
-                    handles.remove(&handle),
-                    "event for {handle} twice or unknown"
-                );
+                let name = match event {
+                    WireEvent::AddrResolved => "addr",
+                    WireEvent::RouteResolved => "route",
+                    other => panic!("unexpected event {other:?} for {handle}"),
+                };
+                seen.get_mut(&handle)
+                    .unwrap_or_else(|| panic!("event for unknown handle {handle}"))
+                    .push(name);
             }
             m => panic!("{m:?}"),
         }
     }
-    assert!(handles.is_empty());
+    for (h, evs) in &seen {
+        assert_eq!(evs, &["addr", "route"], "events of id {h}");
+    }
     assert_eq!(stats(&mut a).dropped_events, 0);
 }
