@@ -67,6 +67,9 @@ pub(crate) struct DeviceInner {
     /// removed at teardown).
     pub ud_qps: Mutex<HashMap<u32, Weak<IdInner>>>,
     pub removed: AtomicBool,
+    /// Children published after a removal's walk of the id table had passed them by: they
+    /// got their `DeviceRemoval` on publication, and the removal waits for them too.
+    pub late_holders: Mutex<Vec<(u64, Arc<crate::slot::Slot<crate::Event>>)>>,
     stop: AtomicBool,
     wake_at: Mutex<Option<Instant>>,
     /// Engine events in engine order, waiting to be routed by one thread at a time.
@@ -106,6 +109,7 @@ impl DeviceInner {
             listens: Mutex::new(HashMap::new()),
             ud_qps: Mutex::new(HashMap::new()),
             removed: AtomicBool::new(false),
+            late_holders: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
             pending: Mutex::new(Pending::default()),
@@ -142,6 +146,7 @@ impl DeviceInner {
             listens: Mutex::new(HashMap::new()),
             ud_qps: Mutex::new(HashMap::new()),
             removed: AtomicBool::new(false),
+            late_holders: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
             pending: Mutex::new(Pending::default()),

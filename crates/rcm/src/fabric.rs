@@ -443,11 +443,18 @@ pub struct Removal {
 impl Removal {
     /// Ids that still hold the device (their keys).
     pub fn holding(&self) -> Vec<u64> {
-        self.holders
+        self.all_holders()
             .iter()
             .filter(|(_, s)| s.phase() != crate::slot::Phase::Destroyed)
             .map(|(k, _)| *k)
             .collect()
+    }
+
+    /// The ids the walk reached, and those published after it (see `removal_after_publish`).
+    fn all_holders(&self) -> Vec<(u64, Arc<Slot<Event>>)> {
+        let mut all = self.holders.clone();
+        all.extend(sync::lock(&self.dev.late_holders).iter().cloned());
+        all
     }
 
     /// Waits up to `timeout` for every id on the device to be destroyed; then stops the
@@ -455,11 +462,20 @@ impl Removal {
     /// running; wait again).
     pub fn wait(&self, timeout: Duration) -> Result<(), Vec<u64>> {
         let end = std::time::Instant::now() + timeout;
-        for (_, s) in &self.holders {
-            let left = end.saturating_duration_since(std::time::Instant::now());
-            if !s.wait_destroyed_for(left) {
-                return Err(self.holding());
+        // Late holders only ever join the end of the list: wait until it stops growing.
+        let mut done = 0;
+        loop {
+            let all = self.all_holders();
+            if done == all.len() {
+                break;
             }
+            for (_, s) in &all[done..] {
+                let left = end.saturating_duration_since(std::time::Instant::now());
+                if !s.wait_destroyed_for(left) {
+                    return Err(self.holding());
+                }
+            }
+            done = all.len();
         }
         self.dev.shutdown();
         if let Some(f) = self.fabric.upgrade() {

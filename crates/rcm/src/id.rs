@@ -448,6 +448,27 @@ fn publish(id: &CmId) {
     sync::lock(&id.0.fabric.ids).insert(id.0.key, Arc::downgrade(&id.0));
 }
 
+/// A child checks that its device is not being removed before it joins its listener, and
+/// is published (put in the id table) after. A removal that starts in between walks the
+/// table without it, so the child checks again once published: if the device is going and
+/// the walk did not reach it, it gets its `DeviceRemoval` here (after its request, so the
+/// application sees both), and the removal waits for it too. Both sides decide under the
+/// child's state lock, and the walk skips ids already marked, so it gets exactly one.
+fn removal_after_publish(child: &CmId, dev: &Arc<DeviceInner>) {
+    if !dev.removed.load(std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    let mut g = sync::lock(&child.0.st);
+    if g.removed || !child.0.slot.is_live() {
+        return;
+    }
+    g.removed = true;
+    g.state = State::DeviceRemoval;
+    drop(g);
+    sync::lock(&dev.late_holders).push((child.0.key, child.0.slot.clone()));
+    child.0.slot.push_removal(Event::DeviceRemoval);
+}
+
 impl Fabric {
     /// Creates an id whose events go to `handler` (one call at a time per id, in order).
     ///
@@ -1701,6 +1722,7 @@ pub(crate) fn on_connect_request(
         param,
         ud,
     });
+    removal_after_publish(&child, dev);
 }
 
 impl IdInner {
@@ -1941,7 +1963,10 @@ pub(crate) fn on_device_removed(
             }
             continue;
         }
-        if !g.device.as_ref().is_some_and(|d| Arc::ptr_eq(d, dev)) || !id.slot.is_live() {
+        if !g.device.as_ref().is_some_and(|d| Arc::ptr_eq(d, dev))
+            || !id.slot.is_live()
+            || g.removed
+        {
             continue;
         }
         g.removed = true;
@@ -2402,6 +2427,7 @@ fn on_iw_connect_request(
         param,
         ud: false,
     });
+    removal_after_publish(&child, dev);
 }
 
 // ---------------------------------------------------------------------------------------
