@@ -45,6 +45,8 @@ pub struct BenchOpts {
     pub daemon: Option<std::path::PathBuf>,
     /// iWARP devices (MPA over TCP on the rdma_cm port) instead of RoCEv2 ones.
     pub iwarp: bool,
+    /// How long idle threads poll before sleeping (`FabricConfig::spin`).
+    pub spin: std::time::Duration,
 }
 
 /// One row of the table.
@@ -85,8 +87,12 @@ pub struct Report {
     pub connect_p50_us: f64,
     /// 99th percentile.
     pub connect_p99_us: f64,
-    /// Loopback UDP round trip measured in the same run (median, microseconds).
+    /// Loopback UDP round trip measured in the same run (median, microseconds), both ends
+    /// sleeping in `recv` as ordinary programs do.
     pub udp_rtt_p50_us: f64,
+    /// The same round trip with both ends polling for up to the run's spin time before they
+    /// sleep, as rcm's threads do (the floor for rcm's own waiting; 0 when not measured).
+    pub udp_rtt_poll_p50_us: f64,
     /// The per-step table.
     pub steps: Vec<Step>,
     /// TCP baseline: connect + QP-info-sized exchange + close, per second.
@@ -213,6 +219,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut steps = Vec::new();
     let pb = progress(o, n);
     let ch = EventChannel::new();
+    ch.set_spin(o.spin);
 
     let create_start = Instant::now();
     let mut t = Timing::new(n);
@@ -537,6 +544,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         connect_p50_us: pct(0.5),
         connect_p99_us: pct(0.99),
         udp_rtt_p50_us: 0.0,
+        udp_rtt_poll_p50_us: 0.0,
         rss_per_conn_bytes: if o.serial || established == 0 {
             0.0
         } else {
@@ -632,19 +640,20 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-/// Median loopback UDP round trip between two sockets, in microseconds.
-pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize) -> std::io::Result<f64> {
+/// Median loopback UDP round trip between two sockets, in microseconds. With a nonzero
+/// `spin`, each end polls its socket for up to `spin` before it sleeps in `recv`.
+pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::Result<f64> {
     let s1 = UdpSocket::bind(SocketAddr::new(a, 0))?;
     let s2 = UdpSocket::bind(SocketAddr::new(b, 0))?;
     s1.set_read_timeout(Some(Duration::from_secs(1)))?;
     s2.set_read_timeout(Some(Duration::from_secs(1)))?;
-    let (a2, b2) = (s1.local_addr()?, s2.local_addr()?);
+    let b2 = s2.local_addr()?;
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
     let echo = std::thread::spawn(move || {
         let mut buf = [0u8; 512];
         while !st.load(Ordering::Relaxed) {
-            if let Ok((n, from)) = s2.recv_from(&mut buf) {
+            if let Ok((n, from)) = recv_polling(&s2, &mut buf, spin) {
                 let _ = s2.send_to(&buf[..n], from);
             }
         }
@@ -655,15 +664,48 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize) -> std::io::Result<f64> {
     for _ in 0..rounds {
         let t = Instant::now();
         s1.send_to(&msg, b2)?;
-        s1.recv_from(&mut buf)?;
+        recv_polling(&s1, &mut buf, spin)?;
         v.push(t.elapsed().as_secs_f64() * 1e6);
     }
     stop.store(true, Ordering::Relaxed);
     let _ = UdpSocket::bind(SocketAddr::new(a, 0)).and_then(|s| s.send_to(&[0], b2));
     let _ = echo.join();
-    let _ = a2;
     v.sort_by(f64::total_cmp);
     Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
+}
+
+/// `recv_from`, polling (yielding the CPU between looks) for up to `spin` first.
+fn recv_polling(
+    s: &UdpSocket,
+    buf: &mut [u8],
+    spin: Duration,
+) -> std::io::Result<(usize, SocketAddr)> {
+    if !spin.is_zero() {
+        s.set_nonblocking(true)?;
+        let end = Instant::now() + spin;
+        let got = loop {
+            match s.recv_from(buf) {
+                Ok(r) => break Some(r),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < end => {
+                    std::thread::yield_now();
+                }
+                Err(_) => break None,
+            }
+        };
+        s.set_nonblocking(false)?;
+        if let Some(r) = got {
+            return Ok(r);
+        }
+    }
+    s.recv_from(buf)
+}
+
+/// Both round trips of the report (sleeping, and polling as the run's threads did).
+fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration) {
+    r.udp_rtt_p50_us = udp_rtt(a, b, 2000, Duration::ZERO).unwrap_or(0.0);
+    if !spin.is_zero() {
+        r.udp_rtt_poll_p50_us = udp_rtt(a, b, 2000, spin).unwrap_or(0.0);
+    }
 }
 
 /// The TCP baseline: `n` × (connect + 56-byte exchange each way + close), from two threads,
@@ -720,6 +762,7 @@ fn side_fabric(o: &BenchOpts, bind: Option<IpAddr>) -> Result<(Fabric, IpAddr), 
     let cfg = FabricConfig {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
+        spin: o.spin,
         ..FabricConfig::default()
     };
     if let Some(path) = &o.daemon {
@@ -802,7 +845,7 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     cf.shutdown();
     sf.shutdown();
     if server_ip.is_loopback() {
-        r.udp_rtt_p50_us = udp_rtt(srcs[0], server_ip, 2000).unwrap_or(0.0);
+        measure_rtt(&mut r, srcs[0], server_ip, o.spin);
     }
     Ok(Some(r))
 }
@@ -812,6 +855,7 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     let cfg = FabricConfig {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
+        spin: o.spin,
         ..FabricConfig::default()
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).
@@ -846,12 +890,12 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     );
     let _ = srv.destroy();
     fabric.shutdown();
-    r.udp_rtt_p50_us = udp_rtt(
+    measure_rtt(
+        &mut r,
         IpAddr::from([127, 0, 0, 2]),
         IpAddr::from([127, 0, 0, 1]),
-        2000,
-    )
-    .unwrap_or(0.0);
+        o.spin,
+    );
     if o.baseline_tcp {
         r.baseline_conn_per_s =
             Some(tcp_baseline(o.connections).map_err(|e| format!("TCP baseline: {e}"))?);
@@ -882,6 +926,12 @@ pub fn print_table(r: &Report) {
         "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
         r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
     );
+    if r.udp_rtt_poll_p50_us > 0.0 {
+        println!(
+            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, see --spin-us)",
+            r.udp_rtt_poll_p50_us
+        );
+    }
     if r.rss_per_conn_bytes > 0.0 {
         println!(
             "memory: {:.0} bytes of RSS per established connection (both ends, all {} up at once)",

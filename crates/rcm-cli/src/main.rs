@@ -114,6 +114,11 @@ struct BenchArgs {
     /// instead of devices in this process.
     #[arg(long, value_name = "PATH")]
     daemon: Option<PathBuf>,
+    /// Microseconds an idle device, callback or event-channel thread polls for work before
+    /// it sleeps (0: sleep at once). Waking a sleeping thread costs tens of µs per hop.
+    #[arg(long, value_name = "US", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    spin_us: u64,
 }
 
 #[derive(clap::Args)]
@@ -133,6 +138,11 @@ struct DaemonArgs {
     /// Callback threads.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
+    /// Microseconds an idle device, callback or client-reading thread polls for work before
+    /// it sleeps (0: sleep at once). Waking a sleeping thread costs tens of µs per hop.
+    #[arg(long, value_name = "US", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    spin_us: u64,
     /// Socket file permissions, octal.
     #[arg(long, default_value = "660", value_parser = parse_mode)]
     mode: u32,
@@ -182,6 +192,7 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
     };
     cfg.fabric.udp_port = a.udp_port;
     cfg.fabric.dispatcher_threads = a.threads as usize;
+    cfg.fabric.spin = std::time::Duration::from_micros(a.spin_us);
     cfg.mode = a.mode;
     cfg.limits = rcm_ucm::proto::Limits {
         max_ids: a.max_ids,
@@ -465,6 +476,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         step_timeout: std::time::Duration::from_secs(a.timeout),
         daemon: a.daemon.clone(),
         iwarp: a.transport == "iwarp",
+        spin: std::time::Duration::from_micros(a.spin_us),
     };
     let r = if a.listen || a.server.is_some() {
         bench::run_remote(&o)

@@ -14,7 +14,7 @@ use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
-use crate::spin::{SpinRead, CHANNEL_SPIN};
+use crate::spin::SpinRead;
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
 use rcm::{Error, Event, Fabric, FabricConfig, PortSpace};
 use std::collections::HashMap;
@@ -27,8 +27,6 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
 
 /// Event credit granted to the daemon at a time.
 const WINDOW: u32 = 4096;
-/// How long a caller polls for its reply before sleeping.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// Largest frame accepted from the daemon.
 const MAX_FRAME: usize = 1 << 20;
 /// Command channels a client opens at most (the daemon allows `daemon::MAX_CHANNELS`).
@@ -56,6 +54,8 @@ struct Inner {
     channels: AtomicUsize,
     /// Set when the daemon refused a channel: calls use the session's connection.
     no_channels: AtomicBool,
+    /// How long reading threads poll before they sleep.
+    spin: std::time::Duration,
 }
 
 /// A session with a daemon; a [`Provider`] for [`Fabric::with_provider`].
@@ -67,9 +67,9 @@ pub fn fabric(path: impl AsRef<Path>) -> rcm::Result<Fabric> {
     fabric_with(path, FabricConfig::default())
 }
 
-/// Like [`fabric`], with a configuration (only `dispatcher_threads` matters).
+/// Like [`fabric`], with a configuration (only `dispatcher_threads` and `spin` matter).
 pub fn fabric_with(path: impl AsRef<Path>, cfg: FabricConfig) -> rcm::Result<Fabric> {
-    let c = Client::connect(path)?;
+    let c = Client::connect_with(path, cfg.spin)?;
     Ok(Fabric::with_provider(Arc::new(c), cfg))
 }
 
@@ -100,6 +100,12 @@ fn read_frame(s: &mut impl Read, body: &mut Vec<u8>) -> std::io::Result<Header> 
 impl Client {
     /// Opens a session with the daemon at `path`.
     pub fn connect(path: impl AsRef<Path>) -> rcm::Result<Client> {
+        Self::connect_with(path, rcm::DEFAULT_SPIN)
+    }
+
+    /// Opens a session whose reading threads poll for `spin` before they sleep (see
+    /// [`rcm::FabricConfig::spin`]).
+    pub fn connect_with(path: impl AsRef<Path>, spin: std::time::Duration) -> rcm::Result<Client> {
         let path = path.as_ref();
         let mut s = UnixStream::connect(path)
             .map_err(|e| Error::Io(format!("daemon socket {}: {e}", path.display())))?;
@@ -132,11 +138,17 @@ impl Client {
             idle: Mutex::new(Vec::new()),
             channels: AtomicUsize::new(0),
             no_channels: AtomicBool::new(false),
+            spin,
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
             .name("rcm-ucm-client".into())
-            .spawn(move || reader(&weak, s))?;
+            .spawn(move || {
+                // Polls a while before sleeping, as the fabric's threads do: a sleeping
+                // reader adds a wake-up (tens of µs) to every event.
+                let r = std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(s, spin));
+                reader(&weak, r);
+            })?;
         Ok(Client(inner))
     }
 
@@ -217,7 +229,7 @@ impl Inner {
             }
             .encode(1),
         )?;
-        let mut r = BufReader::with_capacity(4096, SpinRead::new(s, CHANNEL_SPIN));
+        let mut r = BufReader::with_capacity(4096, SpinRead::new(s, self.spin));
         let mut body = Vec::new();
         let h = read_frame(&mut r, &mut body)?;
         match decode_message(h.kind, &body) {
@@ -279,13 +291,13 @@ impl Inner {
         }
         // A reply usually comes within tens of microseconds: look for it briefly before
         // sleeping, since waking a sleeping thread costs about as much again.
-        let spin_until = std::time::Instant::now() + SPIN;
+        let spin_until = std::time::Instant::now() + self.spin;
         loop {
             match rx.try_recv() {
                 Ok(r) => return r.map_err(WireError::into_cm),
                 Err(mpsc::TryRecvError::Disconnected) => return Err(Error::DeviceRemoved),
                 Err(mpsc::TryRecvError::Empty) if std::time::Instant::now() < spin_until => {
-                    std::hint::spin_loop();
+                    std::thread::yield_now();
                 }
                 Err(mpsc::TryRecvError::Empty) => break,
             }
@@ -357,7 +369,7 @@ impl RemoteId for Handle {
     }
 }
 
-fn reader(weak: &Weak<Inner>, mut s: UnixStream) {
+fn reader(weak: &Weak<Inner>, mut s: impl Read) {
     let mut body = Vec::new();
     let mut used: u32 = 0;
     while let Ok(h) = read_frame(&mut s, &mut body) {

@@ -109,6 +109,8 @@ pub struct Daemon {
 
 struct Shared {
     fabric: Fabric,
+    /// How long channel readers poll before they sleep (the fabric's `spin`).
+    spin: Duration,
     limits: Limits,
     max_channels: usize,
     socket: PathBuf,
@@ -245,6 +247,7 @@ impl Daemon {
             return Err(DaemonError::NoBinds);
         }
         claim_socket_path(&socket)?;
+        let spin = fabric_cfg.spin;
         let fabric = Fabric::new(fabric_cfg);
         for ip in &binds {
             let added = match transport {
@@ -271,6 +274,7 @@ impl Daemon {
         tracing::info!(socket = %socket.display(), binds = ?binds, ?transport, "rcm daemon serving");
         let shared = Arc::new(Shared {
             fabric,
+            spin,
             limits,
             max_channels,
             socket,
@@ -659,7 +663,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                         target = Some(t);
                         // The client waits on this channel for each answer and sends its next
                         // command right after: worth polling for.
-                        stream.get_mut().spin = crate::spin::CHANNEL_SPIN;
+                        stream.get_mut().spin = sh.spin;
                         Some(Message::Ok(Answer::Reply(Reply::Done)))
                     }
                     Err(e) => Some(Message::Err(e)),

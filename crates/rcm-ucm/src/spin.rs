@@ -12,9 +12,6 @@ use std::time::{Duration, Instant};
 use rustix::io::Errno;
 use rustix::net::{recv, RecvFlags};
 
-/// How long a channel reader polls before it sleeps.
-pub(crate) const CHANNEL_SPIN: Duration = Duration::from_micros(50);
-
 /// A Unix stream whose reads poll for up to `spin` before blocking.
 pub(crate) struct SpinRead {
     pub(crate) stream: UnixStream,
@@ -40,7 +37,8 @@ impl Read for SpinRead {
                 if Instant::now() >= end {
                     break;
                 }
-                std::hint::spin_loop();
+                // Yields: the thread that will answer may need this CPU.
+                std::thread::yield_now();
             }
         }
         self.stream.read(buf)

@@ -87,6 +87,7 @@ impl DeviceInner {
         port: u16,
         engine: Endpoint,
         verify_icrc: bool,
+        spin: Duration,
     ) -> crate::Result<Arc<Self>> {
         let raw = if verify_icrc {
             Some(raw_receiver(ip)?)
@@ -123,7 +124,7 @@ impl DeviceInner {
             .name(format!("rcm-dev-{ip}"))
             .spawn(move || match raw {
                 Some(raw) => raw_io_loop(&weak, &io_sock, &raw),
-                None => io_loop(&weak, &io_sock),
+                None => io_loop(&weak, &io_sock, spin),
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&dev.thread) = Some(h);
@@ -416,40 +417,54 @@ fn run_timers(d: &Arc<DeviceInner>) -> Duration {
     wait
 }
 
-fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket) {
+fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
     // The largest UD message (an IB MTU of 4096) with its headers fits whole.
     let mut buf = vec![0u8; RX_BUF];
+    // Non-blocking for good: waiting is a poll (after a short busy poll, `FabricConfig::spin`)
+    // up to the next timer, so no per-batch mode switches.
+    if sock.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
             return;
         }
-        let _ = sock.set_read_timeout(Some(run_timers(&d)));
+        let wait = run_timers(&d);
         drop(d);
-        // Wait for the first datagram (or the next deadline), then take what else is queued,
-        // up to a batch, and feed it to the engine under one lock.
-        let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
-        while let Ok((n, from)) = sock.recv_from(&mut buf) {
-            batch.push((from, buf[..n].to_vec()));
-            let _ = sock.set_nonblocking(true);
+        // Take what is queued, up to a batch, and feed it to the engine under one lock.
+        let mut take = |batch: &mut Vec<(SocketAddr, Vec<u8>)>| {
             while batch.len() < BATCH {
                 let Ok((n, from)) = sock.recv_from(&mut buf) else {
                     break;
                 };
                 batch.push((from, buf[..n].to_vec()));
             }
-            let _ = sock.set_nonblocking(false);
-            let Some(d) = dev.upgrade() else { return };
-            if d.stop.load(Ordering::SeqCst) {
-                return;
-            }
-            d.handle_batch(&batch);
-            let full = batch.len() == BATCH;
-            batch.clear();
-            if !full {
-                break;
+        };
+        take(&mut batch);
+        if batch.is_empty() {
+            let until = Instant::now() + wait;
+            let polled = crate::slot::spin_until(spin.min(wait), || {
+                take(&mut batch);
+                !batch.is_empty()
+            });
+            if !polled {
+                let left = until.saturating_duration_since(Instant::now());
+                if !left.is_zero() && crate::sys::wait_readable(sock, left) {
+                    take(&mut batch);
+                }
             }
         }
+        if batch.is_empty() {
+            continue;
+        }
+        let Some(d) = dev.upgrade() else { return };
+        if d.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        d.handle_batch(&batch);
+        batch.clear();
     }
 }
 

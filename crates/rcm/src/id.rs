@@ -282,6 +282,12 @@ impl EventChannel {
         EventChannel(ChannelCore::new())
     }
 
+    /// Sets how long [`EventChannel::get_event`] polls for an event before it sleeps
+    /// (default [`crate::DEFAULT_SPIN`]; zero sleeps at once). See [`crate::FabricConfig::spin`].
+    pub fn set_spin(&self, d: std::time::Duration) {
+        self.0.set_spin(d);
+    }
+
     /// The next event, waiting up to `timeout` (`None`: forever). The event holds its id and
     /// is acked when dropped; while any event of an id is held, a blocking `destroy` of that
     /// id fails with [`Error::EventsOutstanding`] rather than hanging.

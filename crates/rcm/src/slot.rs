@@ -62,6 +62,30 @@ impl<E> Clone for Target<E> {
     }
 }
 
+/// The default [`crate::FabricConfig::spin`], also how long an [`crate::EventChannel`]'s
+/// `get_event` polls before it sleeps.
+pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+const DEFAULT_CHANNEL_SPIN_NS: u64 = 100_000;
+
+/// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
+/// whether it became true.
+#[cfg(not(loom))]
+pub(crate) fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
+    if spin.is_zero() {
+        return ready();
+    }
+    let end = std::time::Instant::now() + spin;
+    loop {
+        if ready() {
+            return true;
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
 /// Runs a scheduled slot's pending events (a dispatcher pool, or inline in tests).
 pub(crate) trait Scheduler<E>: Send + Sync {
     fn schedule(&self, slot: Arc<Slot<E>>);
@@ -536,6 +560,10 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
 pub(crate) struct ChannelCore<E> {
     q: Mutex<VecDeque<(Arc<Slot<E>>, E)>>,
     cond: Condvar,
+    /// Events in `q`, for a taker polling without the lock.
+    queued: std::sync::atomic::AtomicUsize,
+    /// How long a waiting taker polls before it sleeps (see `FabricConfig::spin`).
+    spin: std::sync::atomic::AtomicU64,
 }
 
 impl<E: Send + 'static> ChannelCore<E> {
@@ -543,11 +571,23 @@ impl<E: Send + 'static> ChannelCore<E> {
         Arc::new(ChannelCore {
             q: Mutex::new(VecDeque::new()),
             cond: Condvar::new(),
+            queued: std::sync::atomic::AtomicUsize::new(0),
+            spin: std::sync::atomic::AtomicU64::new(DEFAULT_CHANNEL_SPIN_NS),
         })
     }
 
+    /// Sets how long a waiting taker polls before it sleeps.
+    pub(crate) fn set_spin(&self, d: std::time::Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.spin.store(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn push(&self, s: Arc<Slot<E>>, ev: E) {
-        sync::lock(&self.q).push_back((s, ev));
+        let mut q = sync::lock(&self.q);
+        q.push_back((s, ev));
+        self.queued
+            .store(q.len(), std::sync::atomic::Ordering::Relaxed);
+        drop(q);
         self.cond.notify_one();
     }
 
@@ -564,6 +604,8 @@ impl<E: Send + 'static> ChannelCore<E> {
             }
         }
         *q = keep;
+        self.queued
+            .store(q.len(), std::sync::atomic::Ordering::Relaxed);
         out
     }
 
@@ -571,10 +613,13 @@ impl<E: Send + 'static> ChannelCore<E> {
     /// with `None`; not at all with zero).
     #[cfg(not(loom))]
     pub(crate) fn take(&self, timeout: Option<std::time::Duration>) -> Option<(Arc<Slot<E>>, E)> {
+        use std::sync::atomic::Ordering::Relaxed;
         let end = timeout.map(|t| std::time::Instant::now() + t);
         let mut q = sync::lock(&self.q);
+        let mut polled = false;
         loop {
             while let Some((s, ev)) = q.pop_front() {
+                self.queued.store(q.len(), Relaxed);
                 if s.hold() {
                     return Some((s, ev));
                 }
@@ -582,6 +627,20 @@ impl<E: Send + 'static> ChannelCore<E> {
                 drop(q);
                 d(ev);
                 q = sync::lock(&self.q);
+            }
+            if !polled {
+                // Poll a while before sleeping: a sleeping taker costs the event tens of µs.
+                polled = true;
+                let mut spin = std::time::Duration::from_nanos(self.spin.load(Relaxed));
+                if let Some(e) = end {
+                    spin = spin.min(e.saturating_duration_since(std::time::Instant::now()));
+                }
+                if !spin.is_zero() {
+                    drop(q);
+                    spin_until(spin, || self.queued.load(Relaxed) > 0);
+                    q = sync::lock(&self.q);
+                    continue;
+                }
             }
             match end {
                 None => q = sync::wait(&self.cond, q),
@@ -601,6 +660,8 @@ impl<E: Send + 'static> ChannelCore<E> {
     pub(crate) fn try_take(&self) -> Option<(Arc<Slot<E>>, E)> {
         let mut q = sync::lock(&self.q);
         while let Some((s, ev)) = q.pop_front() {
+            self.queued
+                .store(q.len(), std::sync::atomic::Ordering::Relaxed);
             if s.hold() {
                 return Some((s, ev));
             }

@@ -344,3 +344,62 @@ fn reuseaddr_shares_a_port_until_someone_listens() {
     f.shutdown();
     assert_eq!(f.bound_ports(), 0);
 }
+
+/// With polling off (`spin` zero) every thread sleeps at once: the device thread waits in
+/// poll(2) up to its next timer, so connections, disconnects and retransmission timeouts
+/// still work; and an event channel with polling off still delivers.
+#[test]
+fn threads_that_never_poll_still_connect_and_time_out() {
+    let mut cfg = FabricConfig {
+        udp_port: 24801,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(100),
+            max_wait: Duration::from_millis(400),
+            deadline: Duration::from_millis(1500),
+        },
+        ..FabricConfig::default()
+    };
+    cfg.spin = Duration::ZERO;
+    let f = Fabric::loopback_with(2, cfg).expect("loopback devices");
+    let (tx, rx) = mpsc::channel();
+    let srv = server(&f, 7471, false, tx.clone());
+    let cli = client(&f, addr(1, 7471), tx.clone());
+    expect(&rx, "request hello");
+    expect(&rx, "response welcome");
+    expect_all(&rx, &["client established", "server established"]);
+    cli.disconnect().unwrap();
+    expect_all(&rx, &["server disconnected", "client disconnected"]);
+    // Timers fire while the device thread sleeps: a silent peer ends in a timeout.
+    let _lost = client(&f, addr(9, 7471), tx);
+    expect(&rx, &format!("unreachable {:?}", Unreachable::Timeout));
+    // A channel that never polls.
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::ZERO);
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    id.resolve_addr(None, addr(1, 7471)).unwrap();
+    let e = ch
+        .get_event(Some(T))
+        .expect("an event on a non-polling channel");
+    assert!(matches!(e.event(), Event::AddrResolved), "{:?}", e.event());
+    drop(e);
+    for id in [cli, srv, id] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    f.shutdown();
+}
+
+/// A channel's polling never outlasts the caller's timeout: with a 30 s poll time, an
+/// empty channel asked to wait 20 ms answers "nothing" long before the poll would end.
+#[test]
+fn get_event_timeout_bounds_the_poll() {
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(30));
+    let t = std::time::Instant::now();
+    assert!(ch.get_event(Some(Duration::from_millis(20))).is_none());
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "get_event(20 ms) polled for {:?}",
+        t.elapsed()
+    );
+    assert!(ch.get_event(Some(Duration::ZERO)).is_none());
+}
