@@ -213,28 +213,38 @@ pub fn serve(
 /// at a time with `serial`).
 pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOpts) -> Report {
     let n = o.connections;
-    let rss_before = rss_bytes();
-    let mut rss_established = 0u64;
     let mut failures = Vec::new();
     let mut steps = Vec::new();
     let pb = progress(o, n);
     let ch = EventChannel::new();
     ch.set_spin(o.spin);
-
-    let create_start = Instant::now();
+    // The tool's own per-connection bookkeeping is made before the memory baseline, so the
+    // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
     let mut t = Timing::new(n);
     let mut ids = Vec::with_capacity(n);
+    let mut index: HashMap<u64, usize> = HashMap::with_capacity(n);
+    let mut resolve_addr = Timing::new(n);
+    let mut resolve_route = Timing::new(n);
+    let mut connect = Timing::new(n);
+    let mut establish = Timing::new(n);
+    let mut rtr = Timing::new(n);
+    let mut rts = Timing::new(n);
+    let mut latency = Timing::new(n);
+    let mut disconnect = Timing::new(n);
+    let mut qp_timing = Timing::new(n);
+    let mut init_timing = Timing::new(n);
+    let mut failed = vec![false; n];
+    let rss_before = rss_bytes();
+    let mut rss_established = 0u64;
+
+    let create_start = Instant::now();
     for i in 0..n {
         t.begin(i);
         ids.push(fabric.create_id_on(PortSpace::Tcp, &ch));
         t.end(i);
     }
     steps.push(step("create id", create_start.elapsed(), &t, n));
-    let index: HashMap<u64, usize> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, id)| (id.key(), i))
-        .collect();
+    index.extend(ids.iter().enumerate().map(|(i, id)| (id.key(), i)));
     // Ids bind round-robin over the client devices: one address has ~28k ephemeral ports.
     let next = AtomicUsize::new(0);
     steps.push(sync_step(
@@ -251,15 +261,6 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     ));
 
     let batch = if o.serial { 1 } else { n };
-    let mut resolve_addr = Timing::new(n);
-    let mut resolve_route = Timing::new(n);
-    let mut connect = Timing::new(n);
-    let mut establish = Timing::new(n);
-    let mut rtr = Timing::new(n);
-    let mut rts = Timing::new(n);
-    let mut latency = Timing::new(n);
-    let mut disconnect = Timing::new(n);
-    let mut failed = vec![false; n];
     let (mut t_addr, mut t_route, mut t_conn, mut t_est, mut t_disc) = (
         Duration::ZERO,
         Duration::ZERO,
@@ -271,8 +272,6 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut init_attr = Duration::ZERO;
     let mut full = Duration::ZERO;
     let mut cycle = Duration::ZERO;
-    let mut qp_timing = Timing::new(n);
-    let mut init_timing = Timing::new(n);
 
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);

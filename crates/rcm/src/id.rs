@@ -211,9 +211,24 @@ pub(crate) struct IdState {
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
-    children: std::collections::HashMap<u64, Weak<IdInner>>,
+    /// A listener's children (boxed: only listeners have any, and an empty map inline
+    /// would cost every id 40 bytes).
+    #[allow(clippy::box_collection)]
+    children: Option<Box<std::collections::HashMap<u64, Weak<IdInner>>>>,
     /// iWARP: the device's TCP stream this id owns.
     iw: Option<ConnKey>,
+}
+
+/// What an id receives besides events.
+#[derive(Default)]
+struct Mail {
+    /// iWARP: Send messages received and not yet taken (`recv_message`).
+    inbox: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    inbox_cv: std::sync::Condvar,
+    /// UD: datagrams received for this id's QPN and not yet taken (`recv_ud`), at most
+    /// [`UD_RECV_QUEUE`].
+    ud_inbox: Mutex<std::collections::VecDeque<UdMessage>>,
+    ud_cv: std::sync::Condvar,
 }
 
 pub(crate) struct IdInner {
@@ -228,13 +243,8 @@ pub(crate) struct IdInner {
     op: Mutex<()>,
     /// Set when a provider (another process) owns this id; every operation goes there.
     pub remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
-    /// iWARP: Send messages received and not yet taken (`recv_message`).
-    inbox: Mutex<std::collections::VecDeque<Vec<u8>>>,
-    inbox_cv: std::sync::Condvar,
-    /// UD: datagrams received for this id's QPN and not yet taken (`recv_ud`), at most
-    /// [`UD_RECV_QUEUE`].
-    ud_inbox: Mutex<std::collections::VecDeque<UdMessage>>,
-    ud_cv: std::sync::Condvar,
+    /// Messages received for the id, made on first use (most ids never receive any).
+    mail: std::sync::OnceLock<Box<Mail>>,
     /// UD: the PSN of the next UD SEND.
     ud_psn: std::sync::atomic::AtomicU32,
 }
@@ -399,7 +409,7 @@ fn new_state() -> IdState {
         disconnected_reported: false,
         listener: None,
         request_unseen: false,
-        children: std::collections::HashMap::new(),
+        children: None,
         iw: None,
     }
 }
@@ -436,10 +446,7 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         st: Mutex::new(new_state()),
         op: Mutex::new(()),
         remote: std::sync::OnceLock::new(),
-        inbox: Mutex::new(std::collections::VecDeque::new()),
-        inbox_cv: std::sync::Condvar::new(),
-        ud_inbox: Mutex::new(std::collections::VecDeque::new()),
-        ud_cv: std::sync::Condvar::new(),
+        mail: std::sync::OnceLock::new(),
         ud_psn: std::sync::atomic::AtomicU32::new(0),
     });
     let td = inner.clone();
@@ -1488,19 +1495,26 @@ fn teardown(inner: &Arc<IdInner>) {
     };
     // A child leaves its listener's list (the list must not grow with every connection).
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
-        sync::lock(&l.st).children.remove(&inner.key);
+        if let Some(c) = sync::lock(&l.st).children.as_mut() {
+            c.remove(&inner.key);
+        }
     }
     if let (Some(dev), Some(key)) = (&dev, iwk) {
         iw_destroy(dev, key);
     }
-    sync::lock(&inner.inbox).clear();
+    let mail = inner.mail.get();
+    if let Some(m) = mail {
+        sync::lock(&m.inbox).clear();
+    }
     // UD: no datagram is queued to this id from here on (`deliver_ud` checks liveness under
     // the queue's lock, and the slot stopped being live before this teardown began).
     if let (Some(dev), Some(q)) = (&dev, ud_qpn) {
         unregister_ud(dev, q, inner);
     }
-    sync::lock(&inner.ud_inbox).clear();
-    inner.ud_cv.notify_all();
+    if let Some(m) = mail {
+        sync::lock(&m.ud_inbox).clear();
+        m.ud_cv.notify_all();
+    }
     if let (Some(dev), Some(cep)) = (&dev, cep) {
         sync::lock(&dev.ceps).remove(&cep);
         dev.with_engine(|ep, now| {
@@ -1515,7 +1529,11 @@ fn teardown(inner: &Arc<IdInner>) {
             .retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, inner)));
     }
     // Connect requests nobody has seen die with their listener (rejected).
-    for c in children.values().filter_map(Weak::upgrade) {
+    for c in children
+        .iter()
+        .flat_map(|m| m.values())
+        .filter_map(Weak::upgrade)
+    {
         let unseen = sync::lock(&c.st).request_unseen;
         if unseen {
             drop(CmId(c).begin_destroy());
@@ -1578,7 +1596,9 @@ pub(crate) fn remote_connect_request(
             drop(child.begin_destroy());
             return None;
         }
-        g.children.insert(child.0.key, Arc::downgrade(&child.0));
+        g.children
+            .get_or_insert_with(Box::default)
+            .insert(child.0.key, Arc::downgrade(&child.0));
     }
     publish(&child);
     let sink = Sink(Arc::downgrade(&child.0));
@@ -1716,7 +1736,9 @@ pub(crate) fn on_connect_request(
             drop(child.begin_destroy());
             return;
         }
-        g.children.insert(child.0.key, Arc::downgrade(&child.0));
+        g.children
+            .get_or_insert_with(Box::default)
+            .insert(child.0.key, Arc::downgrade(&child.0));
     }
     // Fully built (device set): visible to device removal from here on.
     publish(&child);
@@ -1732,6 +1754,10 @@ pub(crate) fn on_connect_request(
 }
 
 impl IdInner {
+    fn mail(&self) -> &Mail {
+        self.mail.get_or_init(Box::default)
+    }
+
     fn slot_target(&self) -> Option<Target<Event>> {
         self.slot.target_clone()
     }
@@ -2219,7 +2245,8 @@ impl CmId {
     /// id); those not taken are dropped when the id is destroyed.
     pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
         let end = std::time::Instant::now() + timeout;
-        let mut q = sync::lock(&self.0.inbox);
+        let mail = self.0.mail();
+        let mut q = sync::lock(&mail.inbox);
         loop {
             if let Some(m) = q.pop_front() {
                 return Some(m);
@@ -2228,13 +2255,13 @@ impl CmId {
             if left.is_zero() || !self.0.slot.is_live() {
                 return None;
             }
-            q = sync::wait_timeout(&self.0.inbox_cv, q, left);
+            q = sync::wait_timeout(&mail.inbox_cv, q, left);
         }
     }
 
     /// The next message already received, if any.
     pub fn try_recv_message(&self) -> Option<Vec<u8>> {
-        sync::lock(&self.0.inbox).pop_front()
+        sync::lock(&self.0.mail.get()?.inbox).pop_front()
     }
 }
 
@@ -2355,8 +2382,9 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
             }
             IwEvent::Cep(iw::Event::Message(m)) => {
                 drop(g);
-                sync::lock(&id.inbox).push_back(m);
-                id.inbox_cv.notify_all();
+                let mail = id.mail();
+                sync::lock(&mail.inbox).push_back(m);
+                mail.inbox_cv.notify_all();
                 None
             }
         }
@@ -2423,7 +2451,9 @@ fn on_iw_connect_request(
             drop(child.begin_destroy());
             return;
         }
-        g.children.insert(child.0.key, Arc::downgrade(&child.0));
+        g.children
+            .get_or_insert_with(Box::default)
+            .insert(child.0.key, Arc::downgrade(&child.0));
     }
     publish(&child);
     sync::lock(&iwd.owners).insert(key, Arc::downgrade(&child.0));
@@ -2560,7 +2590,8 @@ impl CmId {
             return None;
         }
         let end = std::time::Instant::now() + timeout;
-        let mut q = sync::lock(&self.0.ud_inbox);
+        let mail = self.0.mail();
+        let mut q = sync::lock(&mail.ud_inbox);
         loop {
             if !self.0.slot.is_live() {
                 return None;
@@ -2572,7 +2603,7 @@ impl CmId {
             if left.is_zero() {
                 return None;
             }
-            q = sync::wait_timeout(&self.0.ud_cv, q, left);
+            q = sync::wait_timeout(&mail.ud_cv, q, left);
         }
     }
 
@@ -2581,7 +2612,7 @@ impl CmId {
         if !self.0.slot.is_live() {
             return None;
         }
-        sync::lock(&self.0.ud_inbox).pop_front()
+        sync::lock(&self.0.mail.get()?.ud_inbox).pop_front()
     }
 }
 
@@ -2639,7 +2670,8 @@ pub(crate) fn deliver_ud(
         stats.ud_bad_qkey.fetch_add(1, Relaxed);
         return;
     }
-    let mut q = sync::lock(&id.ud_inbox);
+    let mail = id.mail();
+    let mut q = sync::lock(&mail.ud_inbox);
     // Checked under the queue's lock: the teardown clears the queue after the slot stopped
     // being live, so nothing queued here can outlive the id.
     if !id.slot.is_live() {
@@ -2658,5 +2690,5 @@ pub(crate) fn deliver_ud(
         payload: d.payload,
     });
     drop(q);
-    id.ud_cv.notify_all();
+    mail.ud_cv.notify_all();
 }
