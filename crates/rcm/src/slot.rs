@@ -107,6 +107,9 @@ struct Inner<E> {
     /// Destroy was asked from inside this slot's own running callback.
     deferred: bool,
     wakers: Vec<Waker>,
+    /// Threads waiting on the slot's condition variable: a state change with none waiting
+    /// makes no wake-up system call (one per callback otherwise).
+    waiters: usize,
 }
 
 /// One id's serialisation domain.
@@ -156,6 +159,7 @@ impl<E: Send + 'static> Slot<E> {
                 removal_queued: false,
                 deferred: false,
                 wakers: Vec::new(),
+                waiters: 0,
             }),
             cond: Condvar::new(),
             target: Mutex::new(Some(target)),
@@ -320,8 +324,11 @@ impl<E: Send + 'static> Slot<E> {
             if g.phase != Phase::Live {
                 g.scheduled = false;
             }
+            let wake = g.waiters > 0;
             drop(g);
-            self.cond.notify_all();
+            if wake {
+                self.cond.notify_all();
+            }
             for d in dropped {
                 (self.discard)(d);
             }
@@ -360,7 +367,7 @@ impl<E: Send + 'static> Slot<E> {
                     return Err(g.held);
                 }
                 while g.phase != Phase::Destroyed {
-                    g = sync::wait(&self.cond, g);
+                    g = self.wait(g);
                 }
                 return Ok(DestroyOutcome::Done);
             }
@@ -398,9 +405,30 @@ impl<E: Send + 'static> Slot<E> {
         }
         let mut g = sync::lock(&self.inner);
         while g.phase != Phase::Destroyed {
-            g = sync::wait(&self.cond, g);
+            g = self.wait(g);
         }
         Ok(DestroyOutcome::Done)
+    }
+
+    /// Waits on the slot's condition variable, counted in `waiters`.
+    fn wait<'a>(&self, mut g: sync::MutexGuard<'a, Inner<E>>) -> sync::MutexGuard<'a, Inner<E>> {
+        g.waiters += 1;
+        let mut g = sync::wait(&self.cond, g);
+        g.waiters -= 1;
+        g
+    }
+
+    /// `wait` with a bound.
+    #[cfg(not(loom))]
+    fn wait_timeout<'a>(
+        &self,
+        mut g: sync::MutexGuard<'a, Inner<E>>,
+        d: std::time::Duration,
+    ) -> sync::MutexGuard<'a, Inner<E>> {
+        g.waiters += 1;
+        let mut g = sync::wait_timeout(&self.cond, g, d);
+        g.waiters -= 1;
+        g
     }
 
     fn run_teardown(&self) {
@@ -415,8 +443,11 @@ impl<E: Send + 'static> Slot<E> {
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
         let wakers = std::mem::take(&mut g.wakers);
+        let wake = g.waiters > 0;
         drop(g);
-        self.cond.notify_all();
+        if wake {
+            self.cond.notify_all();
+        }
         for w in wakers {
             w.wake();
         }
@@ -426,7 +457,7 @@ impl<E: Send + 'static> Slot<E> {
     pub(crate) fn wait_destroyed(&self) {
         let mut g = sync::lock(&self.inner);
         while g.phase != Phase::Destroyed {
-            g = sync::wait(&self.cond, g);
+            g = self.wait(g);
         }
     }
 
@@ -440,7 +471,7 @@ impl<E: Send + 'static> Slot<E> {
             if now >= end {
                 return false;
             }
-            g = sync::wait_timeout(&self.cond, g, end - now);
+            g = self.wait_timeout(g, end - now);
         }
         true
     }
@@ -472,7 +503,7 @@ impl<E: Send + 'static> Slot<E> {
             match g.running {
                 None => break,
                 Some(t) if t == me => return None,
-                Some(_) => g = sync::wait(&self.cond, g),
+                Some(_) => g = self.wait(g),
             }
         }
         g.running = Some(me);
@@ -506,8 +537,11 @@ impl<E: Send + 'static> Slot<E> {
         if finish {
             g.teardown_started = true;
         }
+        let wake = g.waiters > 0;
         drop(g);
-        self.cond.notify_all();
+        if wake {
+            self.cond.notify_all();
+        }
         if finish {
             self.run_teardown();
         }
@@ -550,8 +584,11 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         if schedule {
             g.scheduled = true;
         }
+        let wake = g.waiters > 0;
         drop(g);
-        s.cond.notify_all();
+        if wake {
+            s.cond.notify_all();
+        }
         if finish {
             s.run_teardown();
         }
@@ -569,6 +606,8 @@ pub(crate) struct ChannelCore<E> {
     queued: std::sync::atomic::AtomicUsize,
     /// How long a waiting taker polls before it sleeps (see `FabricConfig::spin`).
     spin: std::sync::atomic::AtomicU64,
+    /// Takers asleep on `cond` (changed and read under `q`'s lock).
+    waiting: std::sync::atomic::AtomicUsize,
 }
 
 impl<E: Send + 'static> ChannelCore<E> {
@@ -578,6 +617,7 @@ impl<E: Send + 'static> ChannelCore<E> {
             cond: Condvar::new(),
             queued: std::sync::atomic::AtomicUsize::new(0),
             spin: std::sync::atomic::AtomicU64::new(DEFAULT_CHANNEL_SPIN_NS),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -588,12 +628,17 @@ impl<E: Send + 'static> ChannelCore<E> {
     }
 
     fn push(&self, s: Arc<Slot<E>>, ev: E) {
+        use std::sync::atomic::Ordering::Relaxed;
         let mut q = sync::lock(&self.q);
         q.push_back((s, ev));
-        self.queued
-            .store(q.len(), std::sync::atomic::Ordering::Relaxed);
+        self.queued.store(q.len(), Relaxed);
+        // Read under the lock the takers count themselves under: no wake-up call when
+        // nobody sleeps (a polling taker sees `queued`).
+        let wake = self.waiting.load(Relaxed) > 0;
         drop(q);
-        self.cond.notify_one();
+        if wake {
+            self.cond.notify_one();
+        }
     }
 
     /// Removes and returns every queued event of `s`.
@@ -647,16 +692,19 @@ impl<E: Send + 'static> ChannelCore<E> {
                     continue;
                 }
             }
+            self.waiting.fetch_add(1, Relaxed);
             match end {
                 None => q = sync::wait(&self.cond, q),
                 Some(e) => {
                     let now = std::time::Instant::now();
                     if now >= e {
+                        self.waiting.fetch_sub(1, Relaxed);
                         return None;
                     }
                     q = sync::wait_timeout(&self.cond, q, e - now);
                 }
             }
+            self.waiting.fetch_sub(1, Relaxed);
         }
     }
 
