@@ -135,8 +135,9 @@ struct DaemonArgs {
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
-    /// Callback threads.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    /// Callback threads (the daemon's callbacks only queue events for its clients and never
+    /// wait on one: one thread is enough, and fewer threads mean fewer wake-ups).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
     /// Microseconds an idle device, callback or client-reading thread polls for work before
     /// it sleeps (0: sleep at once). Waking a sleeping thread costs tens of µs per hop.
