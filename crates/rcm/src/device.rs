@@ -417,14 +417,29 @@ fn run_timers(d: &Arc<DeviceInner>) -> Duration {
     wait
 }
 
+/// One datagram if one is queued (never waits; the socket itself stays blocking, so the
+/// other threads' sends on it are never refused for a full buffer).
+fn recv_nowait(sock: &UdpSocket, buf: &mut [u8]) -> Option<(SocketAddr, Vec<u8>)> {
+    match rustix::net::recvfrom(sock, &mut *buf, rustix::net::RecvFlags::DONTWAIT) {
+        Ok((n, _, Some(from))) => {
+            let from = SocketAddr::try_from(from).ok()?;
+            Some((from, buf.get(..n)?.to_vec()))
+        }
+        _ => None,
+    }
+}
+
+/// Waits up to `d` for `sock` to become readable.
+fn wait_readable(sock: &UdpSocket, d: Duration) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    let t = Timespec::try_from(d).ok();
+    let _ = poll(&mut fds, t.as_ref());
+}
+
 fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
     // The largest UD message (an IB MTU of 4096) with its headers fits whole.
     let mut buf = vec![0u8; RX_BUF];
-    // Non-blocking for good: waiting is a poll (after a short busy poll, `FabricConfig::spin`)
-    // up to the next timer, so no per-batch mode switches.
-    if sock.set_nonblocking(true).is_err() {
-        return;
-    }
     let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
     loop {
         let Some(d) = dev.upgrade() else { return };
@@ -436,14 +451,15 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
         // Take what is queued, up to a batch, and feed it to the engine under one lock.
         let mut take = |batch: &mut Vec<(SocketAddr, Vec<u8>)>| {
             while batch.len() < BATCH {
-                let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                let Some(d) = recv_nowait(sock, &mut buf) else {
                     break;
                 };
-                batch.push((from, buf[..n].to_vec()));
+                batch.push(d);
             }
         };
         take(&mut batch);
         if batch.is_empty() {
+            // Poll a while (`FabricConfig::spin`), then sleep in poll(2) up to the next timer.
             let until = Instant::now() + wait;
             let polled = crate::slot::spin_until(spin.min(wait), || {
                 take(&mut batch);
@@ -451,7 +467,8 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
             });
             if !polled {
                 let left = until.saturating_duration_since(Instant::now());
-                if !left.is_zero() && crate::sys::wait_readable(sock, left) {
+                if !left.is_zero() {
+                    wait_readable(sock, left);
                     take(&mut batch);
                 }
             }

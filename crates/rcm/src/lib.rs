@@ -14,6 +14,14 @@
 //! that a kernel rxe QP receives, and [`CmId::recv_ud`] takes the ones sent to the id's QPN
 //! with rdma_cm's Q_Key ([`UdMessage`]; the ICRC of received datagrams is not verified).
 //!
+//! Threads: each RoCEv2 device has one I/O thread (receive, engine, timers), callbacks run
+//! on a small pool ([`FabricConfig::dispatcher_threads`]), channel events are taken by the
+//! application's own threads. A connect crosses about four of them, and waking a sleeping
+//! thread costs tens of microseconds on an idle CPU, so an idle thread polls for work for
+//! [`FabricConfig::spin`] (100 µs by default; one callback thread at a time; the poll yields
+//! the CPU to runnable threads) before it sleeps. `spin: Duration::ZERO` trades that latency
+//! for never polling.
+//!
 //! The lifecycle guarantees (see [`CmId::destroy`], [`CmId::begin_destroy`],
 //! [`Fabric::remove_device`]):
 //! 1. Callbacks for one id never run concurrently and arrive in order.

@@ -55,20 +55,3 @@ pub(crate) fn grow_buffers(sock: &UdpSocket, bytes: usize) {
         }
     }
 }
-
-/// Waits until `sock` has something to read or `timeout` passes; whether it became readable
-/// (an interrupted or failed wait counts as "look again").
-pub(crate) fn wait_readable(sock: &UdpSocket, timeout: std::time::Duration) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // Rounded up: a timer due in 300 µs must not become a busy 0 ms poll.
-    let ms = libc::c_int::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
-    // SAFETY: `pfd` is a live, initialised pollfd and the count passed is 1; `sock` keeps the
-    // fd open for the whole call.
-    let rc = unsafe { libc::poll(std::ptr::from_mut(&mut pfd), 1, ms) };
-    rc != 0
-}
