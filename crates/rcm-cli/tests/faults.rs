@@ -1648,6 +1648,7 @@ mod agent {
                         "half_open_evictions": s.half_open_evictions,
                         "stale_rejects": s.stale_rejects, "no_listener_rejects": s.no_listener_rejects,
                         "lap_apr": s.rx_lap_apr_ignored, "engine_tx": s.tx, "retransmits": s.retransmits,
+                        "cep_states": d.engine_cep_states(),
                     }),
                 );
             }

@@ -1384,3 +1384,24 @@ fn half_open_budget_leaves_confirmed_connections_alone() {
     }
     assert_eq!(t.ep.stats().half_open_evictions, 0);
 }
+
+#[test]
+fn cep_states_counts_connection_endpoints_by_state() {
+    let mut p = T::new();
+    assert!(p.ep.cep_states().is_empty());
+    let (_l, _child, _) = p.req_rcvd();
+    let s = p.ep.cep_states();
+    assert_eq!(
+        s.get("ReqRcvd"),
+        Some(&1),
+        "listeners are not counted: {s:?}"
+    );
+    assert_eq!(s.values().sum::<usize>(), 1, "{s:?}");
+    let mut a = T::new();
+    let (h, _) = a.established_active();
+    assert_eq!(a.ep.cep_states().get("Established"), Some(&1));
+    // Destroyed while established: it finishes its duties as an orphan in timewait.
+    a.ep.destroy(a.now, h).unwrap();
+    let s = a.ep.cep_states();
+    assert_eq!(s.get("Timewait (orphan)"), Some(&1), "{s:?}");
+}

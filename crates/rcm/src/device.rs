@@ -383,6 +383,11 @@ impl DeviceInner {
         sync::lock(&self.sock).take();
     }
 
+    /// Connection endpoints by state (see `Endpoint::cep_states`).
+    pub(crate) fn cep_states(&self) -> std::collections::BTreeMap<String, usize> {
+        sync::lock(&self.engine).cep_states()
+    }
+
     /// The engine's counters and table sizes (for tests).
     pub(crate) fn engine_stats(
         &self,

@@ -436,6 +436,15 @@ impl Device {
         self.0.engine_stats().0
     }
 
+    /// How many of the RoCEv2 engine's connection endpoints are in each state (empty on an
+    /// iWARP device), for diagnosing a connection that does not end.
+    pub fn engine_cep_states(&self) -> std::collections::BTreeMap<String, usize> {
+        if self.0.is_iwarp() {
+            return std::collections::BTreeMap::new();
+        }
+        self.0.cep_states()
+    }
+
     /// Datagrams dropped for a wrong ICRC (with [`FabricConfig::verify_icrc`]; 0 without).
     pub fn icrc_drops(&self) -> u64 {
         self.0.stats.rx_bad_icrc.load(Ordering::Relaxed)

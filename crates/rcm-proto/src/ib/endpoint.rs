@@ -137,6 +137,21 @@ impl Endpoint {
         self.conn_ceps
     }
 
+    /// How many connection endpoints are in each state (by the state's name), for
+    /// diagnosing a connection that does not end.
+    pub fn cep_states(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut m = std::collections::BTreeMap::new();
+        for c in self.ceps.values().filter(|c| c.state != State::Listen) {
+            let name = if c.orphan {
+                format!("{:?} (orphan)", c.state)
+            } else {
+                format!("{:?}", c.state)
+            };
+            *m.entry(name).or_default() += 1;
+        }
+        m
+    }
+
     /// Entries in the lookup tables and timer heap, for leak checks.
     pub fn table_sizes(&self) -> (usize, usize, usize, usize, usize) {
         (
