@@ -147,6 +147,9 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
         "--json",
         "--timeout",
         "20",
+        // Through a daemon too, a client whose threads never poll still works.
+        "--spin-us",
+        "0",
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -293,6 +296,9 @@ fn daemon_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["daemon", "--socket", "/tmp/x.sock"]);
     assert_eq!(code, 2);
     assert!(err.contains("--bind"), "{err}");
+    let (code, _, err) = rcm(&["daemon", "--bind", "127.0.0.1", "--spin-us", "1000000"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("spin-us"), "{err}");
     let (code, _, err) = rcm(&["daemon", "--bind", "127.0.0.1", "--mode", "999"]);
     assert_eq!(code, 2);
     assert!(err.contains("octal"), "{err}");

@@ -76,6 +76,34 @@ fn bench_table_and_serial_mode() {
     );
     assert!(out.contains("mode serial"));
     assert!(out.contains("established 20/20  errors 0"), "{out}");
+    // Both round trips are reported: ends sleeping, and ends polling as rcm's threads do.
+    assert!(out.contains("loopback UDP RTT p50"), "{out}");
+    assert!(out.contains("when both ends poll"), "{out}");
+}
+
+/// `--spin-us 0`: no thread polls; the run still completes, and the polling round trip is
+/// not measured (there is no polling to compare with).
+#[test]
+fn bench_without_polling() {
+    let (code, out, err) = rcm(&[
+        "bench",
+        "-c",
+        "20",
+        "--serial",
+        "--udp-port",
+        "26793",
+        "--spin-us",
+        "0",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(r["established"], 20, "{out}");
+    assert!(r["udp_rtt_p50_us"].as_f64().unwrap() > 0.0, "{out}");
+    assert_eq!(r["udp_rtt_poll_p50_us"].as_f64(), Some(0.0), "{out}");
+    let (code, _, err) = rcm(&["bench", "--spin-us", "200000"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("spin-us"), "{err}");
 }
 
 #[test]
