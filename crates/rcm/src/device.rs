@@ -478,16 +478,25 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
                 }
             }
         }
-        if batch.is_empty() {
-            continue;
-        }
-        let Some(d) = dev.upgrade() else { return };
-        if d.stop.load(Ordering::SeqCst) {
+        if !feed(dev, &batch) {
             return;
         }
-        d.handle_batch(&batch);
         batch.clear();
     }
+}
+
+/// Hands a received batch to the device's engine; false once the device is gone or
+/// stopping (the receive loop then ends).
+fn feed(dev: &Weak<DeviceInner>, batch: &[(SocketAddr, Vec<u8>)]) -> bool {
+    if batch.is_empty() {
+        return true;
+    }
+    let Some(d) = dev.upgrade() else { return false };
+    if d.stop.load(Ordering::SeqCst) {
+        return false;
+    }
+    d.handle_batch(batch);
+    true
 }
 
 /// A raw IPv4 socket that receives every UDP datagram to `ip` with its IP header, so that
@@ -541,7 +550,6 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
     use std::io::Read;
     let mut buf = vec![0u8; RX_BUF + 64];
     let mut sink = vec![0u8; RX_BUF];
-    let _ = sock.set_nonblocking(true);
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -582,15 +590,10 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
             let _ = raw.set_nonblocking(false);
         }
         // The UDP socket's copies of the same datagrams.
-        while sock.recv_from(&mut sink).is_ok() {}
-        if batch.is_empty() {
-            continue;
-        }
-        let Some(d) = dev.upgrade() else { return };
-        if d.stop.load(Ordering::SeqCst) {
+        while recv_nowait(sock, &mut sink).is_some() {}
+        if !feed(dev, &batch) {
             return;
         }
-        d.handle_batch(&batch);
     }
 }
 
