@@ -65,7 +65,7 @@ impl<E> Clone for Target<E> {
 /// The default [`crate::FabricConfig::spin`], also how long an [`crate::EventChannel`]'s
 /// `get_event` polls before it sleeps.
 pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
-const DEFAULT_CHANNEL_SPIN_NS: u64 = 100_000;
+const DEFAULT_CHANNEL_SPIN_NS: u64 = DEFAULT_SPIN.as_micros() as u64 * 1000;
 
 /// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
 /// whether it became true.
