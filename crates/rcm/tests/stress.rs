@@ -887,6 +887,17 @@ fn counts(w: &World) -> String {
 fn stress_lifecycle_races() {
     let secs = env_num("RCM_STRESS_SECS", 15);
     let threads = env_num("RCM_STRESS_THREADS", 4).max(1) as usize;
+    // Two thirds with the default polling, then a third with every thread sleeping at once
+    // (`spin` zero), where a missed wake-up would show as a hang.
+    let sleeping = secs / 3;
+    stress(secs - sleeping, threads, rcm::DEFAULT_SPIN);
+    if sleeping > 0 {
+        stress(sleeping, threads, Duration::ZERO);
+    }
+}
+
+fn stress(secs: u64, threads: usize, spin: Duration) {
+    eprintln!("stress: {secs} s, {threads} threads, threads poll {spin:?} before sleeping");
     let cfg = FabricConfig {
         udp_port: UDP_PORT,
         retry: RetryPolicy::Backoff {
@@ -896,6 +907,7 @@ fn stress_lifecycle_races() {
         },
         min_timewait: Duration::ZERO,
         dispatcher_threads: 4,
+        spin,
         ..FabricConfig::default()
     };
     let f = Fabric::loopback_with(4, cfg).expect("loopback devices");
@@ -910,7 +922,11 @@ fn stress_lifecycle_races() {
         pending: Mutex::default(),
         removal: Mutex::new(None),
         doomed: Mutex::default(),
-        ch: EventChannel::new(),
+        ch: {
+            let ch = EventChannel::new();
+            ch.set_spin(spin);
+            ch
+        },
         stop: AtomicBool::new(false),
         progress: AtomicU64::new(0),
         doing: (0..slots)
