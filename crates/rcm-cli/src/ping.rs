@@ -12,7 +12,7 @@
 //! `messages` UD SENDs with immediate data (its QPN, which `udaddy`'s server answers to) and
 //! waits for as many replies; the server receives them and answers each one to the QPN in
 //! its immediate data (or its DETH source QP), with rdma_cm's Q_Key. rcm's message is
-//! "ping <seq> " + the private data, zero-padded to the size; rcm's answer is the same bytes
+//! `"ping <seq> "` + the private data, zero-padded to the size; rcm's answer is the same bytes
 //! with "pong" in front instead of "ping", and each side checks those byte for byte. A
 //! kernel peer's payloads are counted but cannot be checked: `udaddy`'s client sends an
 //! uninitialised buffer, and its server answers with its receive buffer (the 40-byte GRH rxe
