@@ -291,16 +291,20 @@ impl Inner {
         }
         // A reply usually comes within tens of microseconds: look for it briefly before
         // sleeping, since waking a sleeping thread costs about as much again.
-        let spin_until = std::time::Instant::now() + self.spin;
-        loop {
-            match rx.try_recv() {
-                Ok(r) => return r.map_err(WireError::into_cm),
-                Err(mpsc::TryRecvError::Disconnected) => return Err(Error::DeviceRemoved),
-                Err(mpsc::TryRecvError::Empty) if std::time::Instant::now() < spin_until => {
-                    std::thread::yield_now();
-                }
-                Err(mpsc::TryRecvError::Empty) => break,
+        let mut got = None;
+        rcm::spin_until(self.spin, || match rx.try_recv() {
+            Ok(r) => {
+                got = Some(r.map_err(WireError::into_cm));
+                true
             }
+            Err(mpsc::TryRecvError::Disconnected) => {
+                got = Some(Err(Error::DeviceRemoved));
+                true
+            }
+            Err(mpsc::TryRecvError::Empty) => false,
+        });
+        if let Some(r) = got {
+            return r;
         }
         match rx.recv() {
             Ok(r) => r.map_err(WireError::into_cm),

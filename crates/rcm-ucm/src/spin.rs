@@ -7,7 +7,7 @@
 
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::io::Errno;
 use rustix::net::{recv, RecvFlags};
@@ -27,18 +27,17 @@ impl SpinRead {
 impl Read for SpinRead {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if !self.spin.is_zero() && !buf.is_empty() {
-            let end = Instant::now() + self.spin;
-            loop {
+            let mut got = None;
+            rcm::spin_until(self.spin, || {
                 match recv(&self.stream, &mut *buf, RecvFlags::DONTWAIT) {
-                    Ok((n, _)) => return Ok(n),
+                    Ok((n, _)) => got = Some(Ok(n)),
                     Err(Errno::AGAIN | Errno::INTR) => {}
-                    Err(e) => return Err(e.into()),
+                    Err(e) => got = Some(Err(e.into())),
                 }
-                if Instant::now() >= end {
-                    break;
-                }
-                // Yields: the thread that will answer may need this CPU.
-                std::thread::yield_now();
+                got.is_some()
+            });
+            if let Some(r) = got {
+                return r;
             }
         }
         self.stream.read(buf)

@@ -68,9 +68,9 @@ pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(1
 const DEFAULT_CHANNEL_SPIN_NS: u64 = DEFAULT_SPIN.as_micros() as u64 * 1000;
 
 /// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
-/// whether it became true.
+/// whether it became true. The one polling loop of rcm's threads (and rcm-ucm's readers).
 #[cfg(not(loom))]
-pub(crate) fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
+pub fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
     if spin.is_zero() {
         return ready();
     }
