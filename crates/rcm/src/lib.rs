@@ -80,5 +80,6 @@ pub use rcm_wire::cma::PortSpace;
 /// Test support for the loom models (`--cfg loom` only; not part of the API).
 #[cfg(loom)]
 pub use slot::loom_api;
+#[cfg(not(loom))]
 pub use slot::spin_until;
 pub use slot::{DestroyOutcome, Flow};
