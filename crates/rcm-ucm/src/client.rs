@@ -16,7 +16,7 @@ use crate::proto::{
 };
 use crate::spin::SpinRead;
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
-use rcm::{Error, Event, Fabric, FabricConfig, PortSpace};
+use rcm::{Error, Event, Fabric, FabricConfig, PortSpace, QpAttr, QpState};
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::net::IpAddr;
@@ -42,7 +42,7 @@ struct Inner {
     writer: Mutex<UnixStream>,
     pending: Mutex<HashMap<u32, Waiter>>,
     seq: AtomicU32,
-    sinks: Mutex<HashMap<u32, Sink>>,
+    sinks: Mutex<HashMap<u32, (Sink, Arc<QpCache>)>>,
     alive: AtomicBool,
     token: u64,
     limits: Limits,
@@ -319,10 +319,12 @@ impl Provider for Client {
             return Err(Error::Remote("unexpected answer to CreateId".into()));
         };
         // No event can come for `h` before its first operation, which follows this.
-        lock(&self.0.sinks).insert(h, sink);
+        let qp = Arc::new(QpCache::default());
+        lock(&self.0.sinks).insert(h, (sink, qp.clone()));
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
-            handle: h,
+            wire: h,
+            qp,
         }))
     }
 
@@ -338,16 +340,69 @@ impl Provider for Client {
     }
 }
 
+/// The QP attributes the daemon sent with an id's latest event (see `proto::Message::Event`),
+/// from which `init_qp_attr` is answered here. Once the connection may have moved on (any
+/// other event, or a call that changes it) they are forgotten for good and every later
+/// `init_qp_attr` asks the daemon, which knows. An answer from here is the one the daemon
+/// would have given before any event still on its way: the same as a call that came first.
+#[derive(Default)]
+struct QpCache(Mutex<QpKnown>);
+
+#[derive(Default)]
+struct QpKnown {
+    attr: Option<QpAttr>,
+    stale: bool,
+}
+
+impl QpCache {
+    /// An event arrived, with or without attributes.
+    fn event(&self, qp: Option<QpAttr>) {
+        let mut k = lock(&self.0);
+        match qp {
+            Some(a) if !k.stale => k.attr = Some(a),
+            _ => {
+                k.attr = None;
+                k.stale = true;
+            }
+        }
+    }
+
+    /// A call that may change what `init_qp_attr` answers.
+    fn forget(&self) {
+        let mut k = lock(&self.0);
+        k.attr = None;
+        k.stale = true;
+    }
+
+    fn answer(&self, state: QpState) -> Option<QpAttr> {
+        lock(&self.0).attr.as_ref()?.for_state(state)
+    }
+}
+
 /// An id held by the daemon.
 struct Handle {
     client: Weak<Inner>,
-    handle: u32,
+    /// The id's handle in the session.
+    wire: u32,
+    qp: Arc<QpCache>,
 }
 
 impl RemoteId for Handle {
     fn call(&self, op: Op) -> rcm::Result<Reply> {
+        match op {
+            Op::InitQpAttr(s) => {
+                if let Some(a) = self.qp.answer(s) {
+                    return Ok(Reply::QpAttr(a));
+                }
+            }
+            // These end the connection the attributes describe. The other calls set it up
+            // and leave what is known valid (INIT needs only the addresses; a child's RTS
+            // attributes come with its ESTABLISHED, after accept).
+            Op::Disconnect | Op::Reject(_) | Op::DestroyQp => self.qp.forget(),
+            _ => {}
+        }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
-        match c.request(&Command::Call(self.handle, op))? {
+        match c.request(&Command::Call(self.wire, op))? {
             Answer::Reply(r) => Ok(r),
             _ => Err(Error::Remote("unexpected answer to a call".into())),
         }
@@ -357,8 +412,8 @@ impl RemoteId for Handle {
         let Some(c) = self.client.upgrade() else {
             return;
         };
-        lock(&c.sinks).remove(&self.handle);
-        let cmd = Command::DestroyId(self.handle);
+        lock(&c.sinks).remove(&self.wire);
+        let cmd = Command::DestroyId(self.wire);
         // On a channel the destroy is done when this returns, so the client's next call
         // (say, a create at the id limit) comes after it. Without one: fire and forget on
         // the session's connection (seq 0 is never waited for), where the daemon finishes it
@@ -397,8 +452,8 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
                 }
             }
             Message::HelloOk { .. } => {}
-            Message::Event { handle, event } => {
-                deliver(&c, handle, event);
+            Message::Event { handle, event, qp } => {
+                deliver(&c, handle, event, qp);
                 used += 1;
                 if used >= WINDOW / 4 {
                     if c.send(&Command::GetEvent(used).encode(0)).is_err() {
@@ -416,13 +471,16 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
         c.alive.store(false, Ordering::SeqCst);
         p.clear();
     }
-    let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, s)| s).collect();
-    for s in sinks {
+    let sinks: Vec<(Sink, Arc<QpCache>)> = lock(&c.sinks).drain().map(|(_, s)| s).collect();
+    for (s, qp) in sinks {
+        qp.forget();
         s.event(Event::DeviceRemoval);
     }
 }
 
-fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent) {
+/// Hands an event to its id. The QP attributes that came with it are in place before the
+/// event can be seen, since seeing it is what makes an application ask for them.
+fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
     if let WireEvent::ConnectRequest {
         listener,
         private_data,
@@ -430,15 +488,18 @@ fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent) {
         ud,
     } = event
     {
+        let cache = Arc::new(QpCache::default());
+        cache.event(qp);
         let child: Arc<dyn RemoteId> = Arc::new(Handle {
             client: Arc::downgrade(c),
-            handle,
+            wire: handle,
+            qp: cache.clone(),
         });
-        let lsink = lock(&c.sinks).get(&listener).cloned();
+        let lsink = lock(&c.sinks).get(&listener).map(|(s, _)| s.clone());
         match lsink {
             Some(ls) => {
                 if let Some(cs) = ls.connect_request(child, private_data, param, ud) {
-                    lock(&c.sinks).insert(handle, cs);
+                    lock(&c.sinks).insert(handle, (cs, cache));
                 }
             }
             // The listener was destroyed here already: the daemon rejects the request.
@@ -447,7 +508,8 @@ fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent) {
         return;
     }
     let sink = lock(&c.sinks).get(&handle).cloned();
-    if let (Some(s), Some(ev)) = (sink, event.into_event()) {
+    if let (Some((s, cache)), Some(ev)) = (sink, event.into_event()) {
+        cache.event(qp);
         s.event(ev);
     }
 }

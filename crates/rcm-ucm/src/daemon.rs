@@ -21,7 +21,7 @@ use crate::proto::{
 };
 use crate::spin::SpinRead;
 use rcm::remote::{Limit, Reply};
-use rcm::{CmId, Event, Fabric, FabricConfig, Flow};
+use rcm::{CmId, Event, Fabric, FabricConfig, Flow, QpAttr, QpState};
 use rustix::io::Errno;
 use rustix::net::{send, SendFlags};
 use std::collections::{HashMap, VecDeque};
@@ -640,6 +640,10 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                 continue;
             }
         };
+        // The events an operation produces (ADDR_RESOLVED from resolve_addr, say) are
+        // queued for the client by this thread after the reply, not by a woken callback
+        // thread: the daemon's callbacks never block.
+        let here = matches!(cmd, Command::Call(..)).then(rcm::CallbacksHere::begin);
         let reply = match (&cmd, hello) {
             (Command::Hello { min, max }, false) => match check_version(*min, *max) {
                 Ok(()) => {
@@ -690,6 +694,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
         if let Some(m) = reply {
             push_reply(s, &m.encode(h.seq));
         }
+        drop(here);
     }
 }
 
@@ -815,6 +820,27 @@ fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<A
     Ok(Answer::Handle(h))
 }
 
+/// The QP attributes sent along with an event: those `init_qp_attr` gives for the latest
+/// state that the event makes valid and that stays valid until a later event or a call of
+/// the client's changes it. A client answers its `init_qp_attr` calls from them, so a
+/// connection costs no `INIT_QP_ATTR` round trips (three on the active side). Computed here,
+/// serialised with the id's other events, so they describe the id as the event leaves it.
+fn qp_snapshot(id: &CmId, ev: &Event) -> Option<QpAttr> {
+    match ev {
+        // After the REP (or the MPA reply, or SIDR_REP) the path, QPNs and PSNs are fixed.
+        Event::ConnectResponse { .. } | Event::Established { .. } => id
+            .init_qp_attr(QpState::Rts)
+            .or_else(|_| id.init_qp_attr(QpState::Init))
+            .ok(),
+        // Addresses known: INIT (port, partition, Q_Key) is. A child's own PSN is chosen at
+        // accept, so its RTR/RTS attributes wait for ESTABLISHED.
+        Event::AddrResolved | Event::RouteResolved | Event::ConnectRequest { .. } => {
+            id.init_qp_attr(QpState::Init).ok()
+        }
+        _ => None,
+    }
+}
+
 /// The rcm handler of every id the daemon holds: queue the event for the owning session.
 fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
     let orphan = || {
@@ -822,8 +848,9 @@ fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
             sh.orphan_events.fetch_add(1, Ordering::Relaxed);
         }
     };
+    let qp = qp_snapshot(id, &ev);
     if let Event::ConnectRequest { listener, .. } = &ev {
-        return on_connect_request(limits, &listener.clone(), id, ev, &orphan);
+        return on_connect_request(limits, &listener.clone(), id, ev, qp, &orphan);
     }
     let Some(cell) = id.with_context(|c: &Arc<IdCell>| c.clone()) else {
         orphan();
@@ -852,6 +879,7 @@ fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
     let frame = Message::Event {
         handle: h,
         event: WireEvent::from_event(ev, 0),
+        qp,
     }
     .encode(0);
     out.events.push_back(Queued {
@@ -873,6 +901,7 @@ fn on_connect_request(
     listener: &CmId,
     child: &CmId,
     ev: Event,
+    qp: Option<QpAttr>,
     orphan: &dyn Fn(),
 ) -> Flow {
     let Some(lcell) = listener.with_context(|c: &Arc<IdCell>| c.clone()) else {
@@ -909,6 +938,7 @@ fn on_connect_request(
     let frame = Message::Event {
         handle: h,
         event: WireEvent::from_event(ev, lh),
+        qp,
     }
     .encode(0);
     out.events.push_back(Queued {

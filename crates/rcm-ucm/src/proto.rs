@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of the frame header after the length field.
 pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).
@@ -245,6 +245,11 @@ pub enum Message {
         handle: u32,
         /// The event.
         event: WireEvent,
+        /// The id's QP attributes at the time of the event, when the daemon sends them
+        /// along (the latest state they are valid for is their `qp_state`): the client then
+        /// answers `init_qp_attr` for that state or an earlier one itself, until the
+        /// connection moves on (see the protocol document, §4.1).
+        qp: Option<QpAttr>,
     },
 }
 
@@ -405,6 +410,27 @@ impl W {
         v.extend_from_slice(&0u16.to_le_bytes());
         v.extend_from_slice(&seq.to_le_bytes());
         W(v)
+    }
+    fn qp_attr(&mut self, a: &QpAttr) {
+        self.u8(a.qp_state.map_or(0, qp_state_code));
+        self.u16(a.pkey_index);
+        self.u8(a.port_num);
+        self.u32(a.qkey);
+        self.u8(a.path_mtu);
+        self.u32(a.dest_qp_num);
+        self.u32(a.rq_psn);
+        self.u8(a.max_dest_rd_atomic);
+        self.u8(a.min_rnr_timer);
+        self.0.extend_from_slice(&a.sgid.0);
+        self.0.extend_from_slice(&a.dgid.0);
+        self.u32(a.flow_label);
+        self.u8(a.hop_limit);
+        self.u8(a.traffic_class);
+        self.u32(a.sq_psn);
+        self.u8(a.timeout);
+        self.u8(a.retry_cnt);
+        self.u8(a.rnr_retry);
+        self.u8(a.max_rd_atomic);
     }
     fn finish(mut self) -> Vec<u8> {
         let len = (self.0.len() - 4) as u32;
@@ -754,25 +780,7 @@ impl Message {
                     }
                     Answer::Reply(Reply::QpAttr(a)) => {
                         w.u8(2);
-                        w.u8(a.qp_state.map_or(0, qp_state_code));
-                        w.u16(a.pkey_index);
-                        w.u8(a.port_num);
-                        w.u32(a.qkey);
-                        w.u8(a.path_mtu);
-                        w.u32(a.dest_qp_num);
-                        w.u32(a.rq_psn);
-                        w.u8(a.max_dest_rd_atomic);
-                        w.u8(a.min_rnr_timer);
-                        w.0.extend_from_slice(&a.sgid.0);
-                        w.0.extend_from_slice(&a.dgid.0);
-                        w.u32(a.flow_label);
-                        w.u8(a.hop_limit);
-                        w.u8(a.traffic_class);
-                        w.u32(a.sq_psn);
-                        w.u8(a.timeout);
-                        w.u8(a.retry_cnt);
-                        w.u8(a.rnr_retry);
-                        w.u8(a.max_rd_atomic);
+                        w.qp_attr(a);
                     }
                     Answer::Reply(Reply::Info(i)) => {
                         w.u8(3);
@@ -812,10 +820,15 @@ impl Message {
                 w = W::frame(kind::ERR, seq);
                 w.error(e);
             }
-            Message::Event { handle, event } => {
+            Message::Event { handle, event, qp } => {
                 w = W::frame(kind::EVENT, seq);
                 w.u32(*handle);
                 encode_event(&mut w, event);
+                // Optional and last: absent, the frame ends with the event.
+                if let Some(a) = qp {
+                    w.u8(1);
+                    w.qp_attr(a);
+                }
             }
         }
         w.finish()
@@ -996,6 +1009,36 @@ impl<'a> R<'a> {
             rnr_retry_count: self.u8()?,
             srq: self.bool()?,
             qpn: self.u32()?,
+        })
+    }
+    fn qp_attr(&mut self) -> Res<QpAttr> {
+        let qp_state = match self.u8()? {
+            0 => None,
+            1 => Some(QpState::Init),
+            2 => Some(QpState::Rtr),
+            3 => Some(QpState::Rts),
+            _ => return Err(ProtoError::BadValue("QP state")),
+        };
+        Ok(QpAttr {
+            qp_state,
+            pkey_index: self.u16()?,
+            port_num: self.u8()?,
+            qkey: self.u32()?,
+            path_mtu: self.u8()?,
+            dest_qp_num: self.u32()?,
+            rq_psn: self.u32()?,
+            max_dest_rd_atomic: self.u8()?,
+            min_rnr_timer: self.u8()?,
+            sgid: self.gid()?,
+            dgid: self.gid()?,
+            flow_label: self.u32()?,
+            hop_limit: self.u8()?,
+            traffic_class: self.u8()?,
+            sq_psn: self.u32()?,
+            timeout: self.u8()?,
+            retry_cnt: self.u8()?,
+            rnr_retry: self.u8()?,
+            max_rd_atomic: self.u8()?,
         })
     }
     fn gid(&mut self) -> Res<Gid> {
@@ -1192,36 +1235,7 @@ pub fn decode_message(kind: u16, body: &[u8]) -> Result<Message, ProtoError> {
         kind::OK => Message::Ok(match r.u8()? {
             0 => Answer::Reply(Reply::Done),
             1 => Answer::Reply(Reply::Qpn(r.u32()?)),
-            2 => {
-                let qp_state = match r.u8()? {
-                    0 => None,
-                    1 => Some(QpState::Init),
-                    2 => Some(QpState::Rtr),
-                    3 => Some(QpState::Rts),
-                    _ => return Err(ProtoError::BadValue("QP state")),
-                };
-                Answer::Reply(Reply::QpAttr(QpAttr {
-                    qp_state,
-                    pkey_index: r.u16()?,
-                    port_num: r.u8()?,
-                    qkey: r.u32()?,
-                    path_mtu: r.u8()?,
-                    dest_qp_num: r.u32()?,
-                    rq_psn: r.u32()?,
-                    max_dest_rd_atomic: r.u8()?,
-                    min_rnr_timer: r.u8()?,
-                    sgid: r.gid()?,
-                    dgid: r.gid()?,
-                    flow_label: r.u32()?,
-                    hop_limit: r.u8()?,
-                    traffic_class: r.u8()?,
-                    sq_psn: r.u32()?,
-                    timeout: r.u8()?,
-                    retry_cnt: r.u8()?,
-                    rnr_retry: r.u8()?,
-                    max_rd_atomic: r.u8()?,
-                }))
-            }
+            2 => Answer::Reply(Reply::QpAttr(r.qp_attr()?)),
             3 => Answer::Reply(Reply::Info(IdInfo {
                 state: state_from(r.u8()?).ok_or(ProtoError::BadValue("state"))?,
                 local: r.opt_addr()?,
@@ -1302,7 +1316,15 @@ pub fn decode_message(kind: u16, body: &[u8]) -> Result<Message, ProtoError> {
                 13 => WireEvent::TimewaitExit,
                 _ => return Err(ProtoError::BadValue("event type")),
             };
-            Message::Event { handle, event }
+            let qp = if r.0.is_empty() {
+                None
+            } else {
+                match r.u8()? {
+                    1 => Some(r.qp_attr()?),
+                    _ => return Err(ProtoError::BadValue("QP attribute flag")),
+                }
+            };
+            Message::Event { handle, event, qp }
         }
         k => return Err(ProtoError::UnknownKind(k)),
     };

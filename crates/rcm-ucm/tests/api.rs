@@ -239,3 +239,94 @@ fn handlers_flow_destroy_and_destroy_inside_callback() {
     drop(server);
     drop(client);
 }
+
+/// Commands the daemon has read from `c`'s session, counting this one (the `Stats` asking).
+fn commands(c: &rcm_ucm::Client) -> u64 {
+    c.stats().expect("stats").commands
+}
+
+#[test]
+fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
+    use rcm::QpState::{Init, Rtr, Rts};
+    let d = daemon("qpattr", 47106, &[1, 2]);
+    let server_session = rcm_ucm::Client::connect(d.socket()).expect("server session");
+    let server = Fabric::with_provider(Arc::new(server_session.clone()), FabricConfig::default());
+    let session = rcm_ucm::Client::connect(d.socket()).expect("client session");
+    let client = Fabric::with_provider(Arc::new(session.clone()), FabricConfig::default());
+    let (_l, sch) = listen(&server, SocketAddr::new(ip(1), 7005));
+    let cch = EventChannel::new();
+
+    let c = client
+        .try_create_id_on(PortSpace::Tcp, &cch)
+        .expect("create");
+    c.resolve_addr(None, SocketAddr::new(ip(1), 7005))
+        .expect("resolve_addr");
+    assert!(matches!(next(&cch).event(), Event::AddrResolved));
+    // Addresses known: INIT is answered here, no command goes to the daemon.
+    let before = commands(&session);
+    let init = c.init_qp_attr(Init).expect("INIT attributes");
+    assert_eq!((init.qp_state, init.port_num), (Some(Init), 1));
+    assert_eq!(commands(&session), before + 1, "INIT asked the daemon");
+    // RTR is not valid yet: the daemon says so.
+    assert!(matches!(
+        c.init_qp_attr(Rtr),
+        Err(rcm::Error::InvalidState(State::AddrResolved))
+    ));
+    assert_eq!(
+        commands(&session),
+        before + 3,
+        "one Stats, one INIT_QP_ATTR, one Stats"
+    );
+
+    c.resolve_route().expect("resolve_route");
+    assert!(matches!(next(&cch).event(), Event::RouteResolved));
+    c.connect(&ConnectOptions::default()).expect("connect");
+    let child = next(&sch).id().clone();
+    child.accept(&AcceptOptions::default()).expect("accept");
+    assert!(matches!(next(&cch).event(), Event::ConnectResponse { .. }));
+    let before = commands(&session);
+    let rtr = c.init_qp_attr(Rtr).expect("RTR attributes");
+    let rts = c.init_qp_attr(Rts).expect("RTS attributes");
+    assert_eq!(c.init_qp_attr(Init).expect("INIT"), init);
+    assert_eq!(commands(&session), before + 1, "RTR/RTS asked the daemon");
+    c.establish().expect("establish");
+    assert!(matches!(next(&sch).event(), Event::Established { .. }));
+    assert!(matches!(next(&cch).event(), Event::Established { .. }));
+    assert_eq!(c.init_qp_attr(Rts).expect("RTS attributes"), rts);
+    assert_eq!(rtr.for_state(Rtr), Some(rtr.clone()));
+    assert_eq!(rts.for_state(Rtr), Some(rtr.clone()));
+
+    // The passive side got its RTS attributes with ESTABLISHED; the two ends agree.
+    let before = commands(&server_session);
+    let srts = child.init_qp_attr(Rts).expect("child RTS attributes");
+    assert_eq!(
+        commands(&server_session),
+        before + 1,
+        "the child's RTS asked the daemon"
+    );
+    assert_eq!((srts.rq_psn, rts.rq_psn), (rts.sq_psn, srts.sq_psn));
+    assert_eq!((srts.dgid, srts.sgid), (rts.sgid, rts.dgid));
+    assert_ne!(srts.dest_qp_num, 0);
+    assert_ne!(rts.dest_qp_num, 0);
+
+    // Disconnecting makes them stale at once: the daemon answers, as in-process.
+    c.disconnect().expect("disconnect");
+    assert!(matches!(
+        c.init_qp_attr(Rtr),
+        Err(rcm::Error::InvalidState(State::Disconnect))
+    ));
+    // The peer's DISCONNECTED does the same on its side.
+    assert!(matches!(next(&cch).event(), Event::Disconnected));
+    assert!(matches!(next(&sch).event(), Event::Disconnected));
+    let before = commands(&server_session);
+    assert!(matches!(
+        child.init_qp_attr(Rts),
+        Err(rcm::Error::InvalidState(State::Disconnect))
+    ));
+    assert_eq!(commands(&server_session), before + 2, "asked the daemon");
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(child.destroy(), Ok(DestroyOutcome::Done));
+    server.shutdown();
+    client.shutdown();
+    d.shutdown();
+}

@@ -50,8 +50,8 @@ fn attach_rules() {
         attach_err(
             &d,
             &Command::Attach {
-                min: 2,
-                max: 9,
+                min: proto::VERSION + 1,
+                max: proto::VERSION + 8,
                 token: ta
             }
         ),
@@ -131,7 +131,7 @@ fn a_channel_acts_on_its_sessions_ids_and_events_come_on_the_session() {
         ),
     );
     match a.next_event().expect("event") {
-        Message::Event { handle, event } => {
+        Message::Event { handle, event, .. } => {
             assert_eq!(handle, h);
             assert!(matches!(event, WireEvent::AddrResolved), "{event:?}");
         }
@@ -317,7 +317,7 @@ fn events_survive_a_full_socket_whole_once_and_in_order() {
     }
     for _ in 0..2 * N {
         match a.next_event().expect("event") {
-            Message::Event { handle, event } => {
+            Message::Event { handle, event, .. } => {
                 let name = match event {
                     WireEvent::AddrResolved => "addr",
                     WireEvent::RouteResolved => "route",

@@ -368,27 +368,7 @@ fn message(rng: &mut StdRng) -> Message {
         },
         1 => Message::Ok(Answer::Reply(Reply::Done)),
         2 => Message::Ok(Answer::Reply(Reply::Qpn(rng.gen()))),
-        3 => Message::Ok(Answer::Reply(Reply::QpAttr(QpAttr {
-            qp_state: rng.gen::<bool>().then(|| qp_state(rng)),
-            pkey_index: rng.gen(),
-            port_num: rng.gen(),
-            qkey: rng.gen(),
-            path_mtu: rng.gen(),
-            dest_qp_num: rng.gen(),
-            rq_psn: rng.gen(),
-            max_dest_rd_atomic: rng.gen(),
-            min_rnr_timer: rng.gen(),
-            sgid: Gid(rng.gen()),
-            dgid: Gid(rng.gen()),
-            flow_label: rng.gen(),
-            hop_limit: rng.gen(),
-            traffic_class: rng.gen(),
-            sq_psn: rng.gen(),
-            timeout: rng.gen(),
-            retry_cnt: rng.gen(),
-            rnr_retry: rng.gen(),
-            max_rd_atomic: rng.gen(),
-        }))),
+        3 => Message::Ok(Answer::Reply(Reply::QpAttr(qp_attr(rng)))),
         4 => Message::Ok(Answer::Reply(Reply::Info(IdInfo {
             state: state(rng),
             local: opt_addr(rng),
@@ -412,7 +392,32 @@ fn message(rng: &mut StdRng) -> Message {
         _ => Message::Event {
             handle: rng.gen(),
             event: wire_event(rng),
+            qp: rng.gen::<bool>().then(|| qp_attr(rng)),
         },
+    }
+}
+
+fn qp_attr(rng: &mut StdRng) -> QpAttr {
+    QpAttr {
+        qp_state: rng.gen::<bool>().then(|| qp_state(rng)),
+        pkey_index: rng.gen(),
+        port_num: rng.gen(),
+        qkey: rng.gen(),
+        path_mtu: rng.gen(),
+        dest_qp_num: rng.gen(),
+        rq_psn: rng.gen(),
+        max_dest_rd_atomic: rng.gen(),
+        min_rnr_timer: rng.gen(),
+        sgid: Gid(rng.gen()),
+        dgid: Gid(rng.gen()),
+        flow_label: rng.gen(),
+        hop_limit: rng.gen(),
+        traffic_class: rng.gen(),
+        sq_psn: rng.gen(),
+        timeout: rng.gen(),
+        retry_cnt: rng.gen(),
+        rnr_retry: rng.gen(),
+        max_rd_atomic: rng.gen(),
     }
 }
 
@@ -763,10 +768,12 @@ impl FuzzSession {
                 Message::Event {
                     handle,
                     event: WireEvent::ConnectRequest { .. },
+                    ..
                 } if self.requests.len() < 64 => self.requests.push(handle),
                 Message::Event {
                     handle,
                     event: WireEvent::ConnectResponse { .. },
+                    ..
                 } if self.responses.len() < 64 => self.responses.push(handle),
                 Message::Ok(Answer::Handle(hd)) => {
                     if self.handles.len() >= 16 {

@@ -512,6 +512,7 @@ fn queued_event_limit_drops_and_counts() {
             Message::Event {
                 handle,
                 event: WireEvent::AddrError(_),
+                ..
             } => assert_eq!(handle, *h),
             m => panic!("expected AddrError, got {m:?}"),
         }
@@ -523,7 +524,7 @@ fn queued_event_limit_drops_and_counts() {
     ok(&mut s, &resolve(hs[2]));
     assert!(matches!(
         s.next_event().expect("event"),
-        Message::Event { handle, event: WireEvent::AddrError(_) } if handle == hs[2]
+        Message::Event { handle, event: WireEvent::AddrError(_), .. } if handle == hs[2]
     ));
     drop((s, other));
     wait_ids(&d, 0, 0);
@@ -704,6 +705,7 @@ fn migrate_moves_queued_events_in_order() {
             Message::Event {
                 handle,
                 event: WireEvent::AddrError(_),
+                ..
             } => assert_eq!(handle, nh),
             m => panic!("expected AddrError on the new handle, got {m:?}"),
         }
@@ -713,7 +715,7 @@ fn migrate_moves_queued_events_in_order() {
     ok(&mut b, &resolve(nh, 9));
     assert!(matches!(
         b.next_event().expect("event"),
-        Message::Event { handle, event: WireEvent::AddrError(_) } if handle == nh
+        Message::Event { handle, event: WireEvent::AddrError(_), .. } if handle == nh
     ));
     a.send(&Command::GetEvent(10)).expect("send");
     assert!(matches!(
@@ -995,7 +997,13 @@ fn handshake_comes_first_and_versions_are_checked() {
             "{cmd:?} before Hello"
         );
     }
-    for (min, max) in [(2, 9), (0, 0), (proto::VERSION + 1, u16::MAX), (5, 1)] {
+    for (min, max) in [
+        (proto::VERSION + 1, proto::VERSION + 8),
+        (0, 0),
+        (0, proto::VERSION - 1),
+        (proto::VERSION + 1, u16::MAX),
+        (5, 1),
+    ] {
         assert!(matches!(
             err(&mut s, &Command::Hello { min, max }),
             WireError::Handshake(_)

@@ -79,8 +79,67 @@ pub(crate) struct Dispatcher {
     spin: Duration,
 }
 
+std::thread_local! {
+    /// Slots whose callbacks this thread runs itself when its [`CallbacksHere`] ends.
+    static HERE: std::cell::RefCell<Option<Vec<Arc<Slot<Event>>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// While it lives, the callbacks that this thread's calls schedule (an event its call
+/// produced, say `ADDR_RESOLVED` from `resolve_addr`) are not handed to the fabric's
+/// dispatcher threads; they run on this thread when it is dropped, with every guarantee
+/// of a dispatcher thread (serialised per id, `Flow::Destroy`, destroy from inside).
+///
+/// For a provider whose callbacks never block (the `rcm daemon`'s only queue an event for a
+/// client): an event its command produced then reaches the client without waking a
+/// callback thread, which on a busy machine costs tens of µs. Do not hold a lock a
+/// callback takes when it drops. Nested guards: the outermost runs them.
+#[must_use = "the callbacks run when this is dropped"]
+pub struct CallbacksHere {
+    outermost: bool,
+}
+
+impl CallbacksHere {
+    /// Starts deferring this thread's scheduled callbacks to the drop.
+    pub fn begin() -> Self {
+        HERE.with(|h| {
+            let mut h = h.borrow_mut();
+            if h.is_some() {
+                CallbacksHere { outermost: false }
+            } else {
+                *h = Some(Vec::new());
+                CallbacksHere { outermost: true }
+            }
+        })
+    }
+}
+
+impl Drop for CallbacksHere {
+    fn drop(&mut self) {
+        if !self.outermost {
+            return;
+        }
+        // Taken first: what these callbacks schedule in turn goes to the dispatcher.
+        let slots = HERE.with(|h| h.borrow_mut().take()).unwrap_or_default();
+        for s in slots {
+            // Each was scheduled (its `scheduled` flag set) for this thread alone, so no
+            // dispatcher thread runs it meanwhile: this is the dispatcher's own loop.
+            s.drain();
+        }
+    }
+}
+
 impl Scheduler<Event> for Dispatcher {
     fn schedule(&self, slot: Arc<Slot<Event>>) {
+        let Some(slot) = HERE.with(|h| match h.borrow_mut().as_mut() {
+            Some(v) => {
+                v.push(slot);
+                None
+            }
+            None => Some(slot),
+        }) else {
+            return;
+        };
         let mut q = sync::lock(&self.ready);
         q.push_back(slot);
         self.queued.fetch_add(1, Ordering::Relaxed);

@@ -167,6 +167,44 @@ pub struct QpAttr {
     pub max_rd_atomic: u8,
 }
 
+impl QpAttr {
+    /// The attributes for `state` taken from the attributes for a later state: what
+    /// [`CmId::init_qp_attr`] returns for `state` on the id these (RTS) attributes came from,
+    /// as long as the connection has not moved on. A provider's client answers
+    /// `init_qp_attr` with it from attributes the daemon sent along with an event, without a
+    /// round trip. `None` when `state` is later than these attributes'.
+    pub fn for_state(&self, state: QpState) -> Option<QpAttr> {
+        let rank = |s: QpState| match s {
+            QpState::Init => 0,
+            QpState::Rtr => 1,
+            QpState::Rts => 2,
+        };
+        if rank(state) > rank(self.qp_state?) {
+            return None;
+        }
+        let mut a = self.clone();
+        a.qp_state = Some(state);
+        if state == QpState::Init {
+            // INIT carries the port, partition and (UD) Q_Key only.
+            return Some(QpAttr {
+                qp_state: Some(state),
+                pkey_index: self.pkey_index,
+                port_num: self.port_num,
+                qkey: self.qkey,
+                ..QpAttr::default()
+            });
+        }
+        if state == QpState::Rtr {
+            a.sq_psn = 0;
+            a.timeout = 0;
+            a.retry_cnt = 0;
+            a.rnr_retry = 0;
+            a.max_rd_atomic = 0;
+        }
+        Some(a)
+    }
+}
+
 /// A soft QP: rcm does not own the data path, but it keeps the CM's rules about QPs.
 #[derive(Debug)]
 pub(crate) struct SoftQp {

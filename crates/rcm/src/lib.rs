@@ -68,7 +68,7 @@ pub use error::{Error, Result};
 #[cfg(not(loom))]
 pub use event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 #[cfg(not(loom))]
-pub use fabric::{Device, Fabric, FabricConfig, Removal, UdStats, DEFAULT_SPIN};
+pub use fabric::{CallbacksHere, Device, Fabric, FabricConfig, Removal, UdStats, DEFAULT_SPIN};
 #[cfg(not(loom))]
 pub use id::{
     any_addr, AcceptOptions, ChannelEvent, CmId, ConnectOptions, DestroyHandle, EventChannel,

@@ -214,6 +214,10 @@ fn connect_accept_messages_disconnect() {
     // iw_cm hands out only access flags: no QPN, PSN or path.
     let a = c.init_qp_attr(QpState::Rtr).unwrap();
     assert_eq!((a.dest_qp_num, a.rq_psn), (0, 0));
+    let rts = c.init_qp_attr(QpState::Rts).unwrap();
+    for st in [QpState::Init, QpState::Rtr, QpState::Rts] {
+        assert_eq!(rts.for_state(st), Some(c.init_qp_attr(st).unwrap()));
+    }
     assert_eq!(c.establish(), Err(Error::InvalidState(State::Established)));
 
     // Messages over the stream, both ways, including one longer than an FPDU.

@@ -1263,3 +1263,69 @@ fn concurrent_connection_cycles_never_deadlock_nor_lose_events() {
         "Fabric::shutdown hung (a callback thread is stuck)"
     );
 }
+
+// ----- Callbacks run by the calling thread (CallbacksHere) ----------------------------------
+
+/// Under a `CallbacksHere` guard, the callbacks of the events the thread's own calls produce
+/// run on that thread when the guard drops (not before, not on a dispatcher thread), in
+/// order, with `Flow::Destroy` and destroy-from-inside working as on a dispatcher thread;
+/// without the guard they run on a dispatcher thread.
+#[test]
+fn callbacks_here_run_on_the_calling_thread_when_the_guard_drops() {
+    let f = fabric(25040);
+    let seen: Arc<Mutex<Vec<(u32, thread::ThreadId)>>> = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        let n = seq_of(&ev).expect("only AddrError events");
+        s.lock().unwrap().push((n, thread::current().id()));
+        match n {
+            // Destroy from inside: deferred to the return, as on any callback thread.
+            3 => {
+                assert_eq!(id.destroy(), Ok(DestroyOutcome::Deferred));
+                Flow::Continue
+            }
+            _ => Flow::Continue,
+        }
+    });
+    let me = thread::current().id();
+    {
+        let _here = rcm::CallbacksHere::begin();
+        poke(&id, 1);
+        poke(&id, 2);
+        {
+            // A nested guard leaves the running to the outer one.
+            let _inner = rcm::CallbacksHere::begin();
+            poke(&id, 3);
+        }
+        thread::sleep(Duration::from_millis(50));
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "a callback ran before the guard dropped"
+        );
+    }
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![(1, me), (2, me), (3, me)],
+        "in order, on this thread, at the drop"
+    );
+    // The destroy asked for inside the callback took effect: nothing more is delivered.
+    assert_eq!(id.state(), State::Destroying);
+    assert!(id.resolve_addr(None, unreachable_dst(4)).is_err());
+
+    // Without a guard: a dispatcher thread runs them.
+    let s = seen.clone();
+    let (tx, rx) = mpsc::channel();
+    let other = f.create_id(PortSpace::Tcp, move |_, ev| {
+        let n = seq_of(&ev).expect("only AddrError events");
+        s.lock().unwrap().push((n, thread::current().id()));
+        let _ = tx.send(());
+        Flow::Destroy
+    });
+    poke(&other, 5);
+    rx.recv_timeout(T).expect("the callback ran");
+    let last = *seen.lock().unwrap().last().unwrap();
+    assert_eq!(last.0, 5);
+    assert_ne!(last.1, me, "ran on a dispatcher thread");
+    assert!(eventually(T, || f.live_ids() == 0));
+    f.shutdown();
+}

@@ -5,7 +5,7 @@
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
-    FabricConfig, Flow, PortSpace, State, Unreachable,
+    FabricConfig, Flow, PortSpace, QpState, State, Unreachable,
 };
 use rcm_proto::ib::RetryPolicy;
 use rcm_wire::cm::RejReason;
@@ -237,6 +237,20 @@ fn channel_mode_connect_and_held_events() {
     }
     assert_eq!(cli.state(), State::Established);
     let child = child.unwrap();
+    // What a daemon client derives from the RTS attributes is what init_qp_attr gives.
+    for id in [&cli, &child] {
+        let rts = id.init_qp_attr(QpState::Rts).unwrap();
+        assert_ne!(rts.sq_psn, 0, "RC: RTS has a send PSN");
+        for s in [QpState::Init, QpState::Rtr, QpState::Rts] {
+            assert_eq!(rts.for_state(s), Some(id.init_qp_attr(s).unwrap()), "{s:?}");
+        }
+        let init = id.init_qp_attr(QpState::Init).unwrap();
+        assert_eq!(
+            init.for_state(QpState::Rtr),
+            None,
+            "no later state from INIT"
+        );
+    }
     child.disconnect().unwrap();
     let mut disc = 0;
     while disc < 2 {

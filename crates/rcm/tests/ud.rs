@@ -8,7 +8,7 @@ mod common;
 use common::{config, eventually, T};
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Device, Error, Event, EventChannel, Fabric, PortSpace,
-    State, UdMessage, UdParam, UD_MAX_PAYLOAD, UD_RECV_QUEUE,
+    QpState, State, UdMessage, UdParam, UD_MAX_PAYLOAD, UD_RECV_QUEUE,
 };
 use rcm_wire::cma::RDMA_UDP_QKEY;
 use rcm_wire::roce::{self, Bth, Deth, IpForIcrc, Opcode, RocePacket};
@@ -75,6 +75,16 @@ fn setup(port: u16, n: usize) -> Setup {
             "the SIDR_REP names the child's QPN"
         );
         assert_eq!(child.state(), State::Established);
+        for id in [&c, &child] {
+            let rts = id.init_qp_attr(QpState::Rts).expect("RTS attributes");
+            assert_eq!(rts.qkey, RDMA_UDP_QKEY);
+            for s in [QpState::Init, QpState::Rtr, QpState::Rts] {
+                assert_eq!(
+                    rts.for_state(s),
+                    Some(id.init_qp_attr(s).expect("attributes"))
+                );
+            }
+        }
         pairs.push((c, ud, child));
     }
     Setup {
