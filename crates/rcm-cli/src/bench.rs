@@ -647,13 +647,14 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::
     s1.set_read_timeout(Some(Duration::from_secs(1)))?;
     s2.set_read_timeout(Some(Duration::from_secs(1)))?;
     let b2 = s2.local_addr()?;
+    let a1 = s1.local_addr()?;
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
     let echo = std::thread::spawn(move || {
         let mut buf = [0u8; 512];
         while !st.load(Ordering::Relaxed) {
-            if let Ok((n, from)) = recv_polling(&s2, &mut buf, spin) {
-                let _ = s2.send_to(&buf[..n], from);
+            if let Ok(n) = recv_polling(&s2, &mut buf, spin) {
+                let _ = s2.send_to(&buf[..n], a1);
             }
         }
     });
@@ -673,30 +674,30 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::
     Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
 }
 
-/// `recv_from`, polling (yielding the CPU between looks) for up to `spin` first.
-fn recv_polling(
-    s: &UdpSocket,
-    buf: &mut [u8],
-    spin: Duration,
-) -> std::io::Result<(usize, SocketAddr)> {
+/// `recv`, polling for up to `spin` first with the loop rcm's own threads use
+/// ([`rcm::spin_until`] over a `MSG_DONTWAIT` receive), so the "polling" round trip is
+/// measured the way rcm waits: the socket stays blocking, no mode switch per receive.
+fn recv_polling(s: &UdpSocket, buf: &mut [u8], spin: Duration) -> std::io::Result<usize> {
+    use rustix::io::Errno;
+    use rustix::net::{recv, RecvFlags};
     if !spin.is_zero() {
-        s.set_nonblocking(true)?;
-        let end = Instant::now() + spin;
-        let got = loop {
-            match s.recv_from(buf) {
-                Ok(r) => break Some(r),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < end => {
-                    std::thread::yield_now();
-                }
-                Err(_) => break None,
+        let mut got = None;
+        rcm::spin_until(spin, || match recv(s, &mut *buf, RecvFlags::DONTWAIT) {
+            Ok((n, _)) => {
+                got = Some(Ok(n));
+                true
             }
-        };
-        s.set_nonblocking(false)?;
+            Err(Errno::AGAIN | Errno::INTR) => false,
+            Err(e) => {
+                got = Some(Err(e.into()));
+                true
+            }
+        });
         if let Some(r) = got {
-            return Ok(r);
+            return r;
         }
     }
-    s.recv_from(buf)
+    s.recv(buf)
 }
 
 /// Both round trips of the report (sleeping, and polling as the run's threads did).
