@@ -1,5 +1,6 @@
 //! What the daemon hop costs: one command round trip (`state()` = Query) through the daemon
-//! against the same call in-process, and a whole connect/accept/disconnect cycle both ways.
+//! against the same call in-process, an operation with its event, and a whole
+//! connect/accept/disconnect cycle both ways.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -72,6 +73,23 @@ fn bench(c: &mut Criterion) {
             id.destroy().unwrap();
         });
     });
+
+    // An operation whose event the daemon produces at once: the event's own cost through
+    // the hop (compare with create+destroy).
+    for (name, f) in [
+        ("create+resolve_addr+event+destroy in-process", &local),
+        ("create+resolve_addr+event+destroy through daemon", &remote_c),
+    ] {
+        let ch = EventChannel::new();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let id = f.create_id_on(PortSpace::Tcp, &ch);
+                id.resolve_addr(None, SocketAddr::new(ip(1), 7800)).unwrap();
+                assert!(matches!(wait(&ch), Event::AddrResolved));
+                id.destroy().unwrap();
+            });
+        });
+    }
 
     for (name, s, cl, port) in [
         ("cycle in-process", &local, &local, 7801u16),
