@@ -78,7 +78,10 @@ fn bench(c: &mut Criterion) {
     // the hop (compare with create+destroy).
     for (name, f) in [
         ("create+resolve_addr+event+destroy in-process", &local),
-        ("create+resolve_addr+event+destroy through daemon", &remote_c),
+        (
+            "create+resolve_addr+event+destroy through daemon",
+            &remote_c,
+        ),
     ] {
         let ch = EventChannel::new();
         g.bench_function(name, |b| {
