@@ -1095,3 +1095,51 @@ fn daemon_survives_fuzzed_sessions() {
     );
     d.shutdown();
 }
+
+/// The QP attributes after an event are optional and last: absent, the frame ends with the
+/// event; present, a 1 byte and the 65-byte attributes; anything else there is refused.
+#[test]
+fn an_events_qp_attributes_are_optional_flagged_and_exact() {
+    let attr = QpAttr {
+        qp_state: Some(QpState::Rts),
+        dest_qp_num: 0x12_3456,
+        sq_psn: 7,
+        port_num: 1,
+        ..QpAttr::default()
+    };
+    let with = Message::Event {
+        handle: 9,
+        event: WireEvent::Disconnected,
+        qp: Some(attr),
+    }
+    .encode(0);
+    let without = Message::Event {
+        handle: 9,
+        event: WireEvent::Disconnected,
+        qp: None,
+    }
+    .encode(0);
+    let (_, wb) = split_frame(&with).expect("frame");
+    let (_, nb) = split_frame(&without).expect("frame");
+    assert_eq!(
+        wb.len(),
+        nb.len() + 1 + 65,
+        "flag byte + 65 bytes of attributes"
+    );
+    assert!(matches!(
+        decode_message(kind::EVENT, nb),
+        Ok(Message::Event { qp: None, .. })
+    ));
+    assert!(matches!(
+        decode_message(kind::EVENT, wb),
+        Ok(Message::Event { qp: Some(a), .. }) if a.dest_qp_num == 0x12_3456 && a.sq_psn == 7
+    ));
+    // Another flag value, a cut attribute block, and bytes after it: all errors.
+    let mut bad_flag = wb.to_vec();
+    bad_flag[nb.len()] = 2;
+    assert!(decode_message(kind::EVENT, &bad_flag).is_err());
+    assert!(decode_message(kind::EVENT, &wb[..wb.len() - 1]).is_err());
+    let mut trailing = wb.to_vec();
+    trailing.push(0);
+    assert!(decode_message(kind::EVENT, &trailing).is_err());
+}
