@@ -1,6 +1,7 @@
 # Guest scenario (--rdma rxe): connection-setup rates side by side on the same emulated CPU.
 # kernel<->kernel: rdma-core's cmtime client and server over rxe0 (loopback through rxe);
-# rcm<->rcm: `rcm bench` on its embedded loopback devices in netns peer; mixed: the kernel's
+# rcm<->rcm: `rcm bench` on its embedded loopback devices in netns peer, then the same through
+# an `rcm daemon` (the hop, as the kernel's tools cross ucma); mixed: the kernel's
 # cmtime client against `rcm bench --listen`. N connections in flight each time. Prints one
 # "rate NAME CONN_PER_S" line per run and a verdict line per tool.
 FAIL=0
@@ -26,6 +27,17 @@ awk -v n=$N '
   /"total_us"/ { if (c == 1) { tc = $2 + 0; c = 2 } if (e == 1) { te = $2 + 0; e = 2 } }
   END { if (tc + te > 0) printf "rate rcm-rcm %.0f\n", n * 1e6 / (tc + te) }' /tmp/rr.json
 grep -E '"conn_per_s"' /tmp/rr.json
+
+step "2b: rcm <-> rcm through one rcm daemon (the hop beside the kernel's ucma), $N in flight"
+bg_peer dmn rcm daemon --socket /tmp/rcm.sock --bind 127.0.0.1 --bind 127.0.0.2
+sleep 1
+in_peer rcm bench --daemon /tmp/rcm.sock -c $N --json > /tmp/rd.json 2>/dev/null; verdict rcm-bench-daemon $?
+awk -v n=$N '
+  /"step": "cm connect"/ { c = 1 } /"step": "establish"/ { e = 1 }
+  /"total_us"/ { if (c == 1) { tc = $2 + 0; c = 2 } if (e == 1) { te = $2 + 0; e = 2 } }
+  END { if (tc + te > 0) printf "rate rcm-daemon %.0f\n", n * 1e6 / (tc + te) }' /tmp/rd.json
+grep -E '"conn_per_s"' /tmp/rd.json
+stop dmn
 
 step "3: mixed: the kernel's cmtime client against rcm bench --listen"
 bg_peer bsrv rcm bench --listen --bind $PEER_IP

@@ -127,13 +127,14 @@ fn rcm_iwarp_interoperates_with_linux_siw() {
 }
 
 /// Connection-setup rates inside the VM, same emulated CPU: the kernel's cmtime against
-/// itself over rxe0, `rcm bench` against itself, and the kernel's cmtime client against
+/// itself over rxe0, `rcm bench` against itself in-process and through an `rcm daemon` (the
+/// hop, as cmtime crosses ucma), and the kernel's cmtime client against
 /// `rcm bench --listen` (tests/interop/rates.sh). Prints the rates and the ratio; asserts
 /// only that every tool succeeded (a rate is measured, not asserted).
 #[test]
 fn connection_rates_side_by_side_in_the_vm() {
     let Some(top) = preflight() else { return };
-    run_scenario(&top, "rates", "rates.sh", "rxe", 3);
+    run_scenario(&top, "rates", "rates.sh", "rxe", 4);
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| top.join("target"), PathBuf::from);
     let console =
@@ -145,7 +146,8 @@ fn connection_rates_side_by_side_in_the_vm() {
             .and_then(|v| v.trim().parse().ok())
     };
     let (kk, rr, kr) = (rate("kernel-kernel"), rate("rcm-rcm"), rate("kernel-rcm"));
-    println!("rates in the VM (conn/s, connect step, 100 in flight): kernel<->kernel {kk:?}, rcm<->rcm {rr:?}, kernel->rcm {kr:?}");
+    let rd = rate("rcm-daemon");
+    println!("rates in the VM (conn/s, connect step, 100 in flight): kernel<->kernel {kk:?}, rcm<->rcm {rr:?}, rcm<->rcm through rcm daemon {rd:?}, kernel->rcm {kr:?}");
     if let (Some(k), Some(r)) = (kk, rr) {
         println!("rcm/kernel = {:.2}x", r / k);
     }
