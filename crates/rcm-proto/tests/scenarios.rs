@@ -1405,3 +1405,42 @@ fn cep_states_counts_connection_endpoints_by_state() {
     let s = a.ep.cep_states();
     assert_eq!(s.get("Timewait (orphan)"), Some(&1), "{s:?}");
 }
+
+/// A burst of connections leaves no pile of dead timer entries: each REQ's retransmission
+/// timer dies at the REP, and once the dead entries may be half the heap they are swept
+/// (before, 5,000 established connections kept 5,000 entries until their deadlines came
+/// round, and the heap's capacity after that).
+#[test]
+fn answered_retransmission_timers_do_not_pile_up() {
+    let mut t = T::new();
+    let n: u32 = 5000;
+    let mut hs = Vec::new();
+    for i in 0..n {
+        let (h, req, tid) = t.connect();
+        let rep = Rep {
+            local_comm_id: 0x1000 + i,
+            local_qpn: 0x100 + i,
+            ..peer_rep(req.local_comm_id)
+        };
+        t.recv(tid, CmMessage::Rep(rep));
+        t.ep.establish(h).unwrap();
+        t.sent();
+        t.events();
+        hs.push(h);
+    }
+    for h in &hs {
+        assert_eq!(t.ep.state(*h), Some(State::Established));
+    }
+    let timers = t.ep.table_sizes().4;
+    assert!(
+        timers < 2048,
+        "{timers} timer entries for {n} established connections without timers"
+    );
+    // The sweep dropped dead entries only: a fresh connection's REQ is still retransmitted.
+    let (h, _, _) = t.connect();
+    t.advance(Duration::from_millis(6144));
+    assert!(
+        t.sent().iter().any(|m| matches!(m.msg, CmMessage::Req(_))),
+        "the REQ of {h:?} was not retransmitted"
+    );
+}

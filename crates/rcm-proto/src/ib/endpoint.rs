@@ -229,18 +229,35 @@ impl Endpoint {
 
     fn arm(&mut self, h: CepHandle, at: Instant, kind: TimerKind) {
         if let Some(c) = self.ceps.get_mut(&h) {
+            let replaced = c.timer != TimerKind::None;
             c.timer_gen = c.timer_gen.wrapping_add(1);
             c.timer = kind;
             self.timers.arm(at, h, c.timer_gen);
+            if replaced {
+                self.timer_went_stale();
+            }
         }
     }
 
     fn cancel_timer(&mut self, h: CepHandle) {
         if let Some(c) = self.ceps.get_mut(&h) {
+            let had = c.timer != TimerKind::None;
             c.timer_gen = c.timer_gen.wrapping_add(1);
             c.timer = TimerKind::None;
             c.out = None;
+            if had {
+                self.timer_went_stale();
+            }
         }
+    }
+
+    /// A heap entry no longer names a live timer (see `Timers::note_stale`).
+    fn timer_went_stale(&mut self) {
+        let ceps = &self.ceps;
+        self.timers.note_stale(|h, g| {
+            ceps.get(&h)
+                .is_some_and(|c| c.timer_gen == g && c.timer != TimerKind::None)
+        });
     }
 
     /// The first wait and deadline for a message with classic interval `timeout_ms`.
@@ -286,6 +303,9 @@ impl Endpoint {
         let Some(c) = self.ceps.remove(&h) else {
             return;
         };
+        if c.timer != TimerKind::None {
+            self.timer_went_stale();
+        }
         if c.state != State::Listen {
             self.conn_ceps -= 1;
         }
