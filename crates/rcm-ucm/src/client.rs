@@ -349,33 +349,35 @@ impl Provider for Client {
 struct QpCache(Mutex<QpKnown>);
 
 #[derive(Default)]
-struct QpKnown {
-    attr: Option<QpAttr>,
-    stale: bool,
+enum QpKnown {
+    /// No attributes yet: ask the daemon.
+    #[default]
+    Unknown,
+    Known(QpAttr),
+    /// The connection may have moved on: ask the daemon from now on.
+    Stale,
 }
 
 impl QpCache {
     /// An event arrived, with or without attributes.
     fn event(&self, qp: Option<QpAttr>) {
         let mut k = lock(&self.0);
-        match qp {
-            Some(a) if !k.stale => k.attr = Some(a),
-            _ => {
-                k.attr = None;
-                k.stale = true;
-            }
-        }
+        *k = match (qp, &*k) {
+            (_, QpKnown::Stale) | (None, _) => QpKnown::Stale,
+            (Some(a), _) => QpKnown::Known(a),
+        };
     }
 
     /// A call that may change what `init_qp_attr` answers.
     fn forget(&self) {
-        let mut k = lock(&self.0);
-        k.attr = None;
-        k.stale = true;
+        *lock(&self.0) = QpKnown::Stale;
     }
 
     fn answer(&self, state: QpState) -> Option<QpAttr> {
-        lock(&self.0).attr.as_ref()?.for_state(state)
+        match &*lock(&self.0) {
+            QpKnown::Known(a) => a.for_state(state),
+            _ => None,
+        }
     }
 }
 
@@ -471,9 +473,9 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
         c.alive.store(false, Ordering::SeqCst);
         p.clear();
     }
-    let sinks: Vec<(Sink, Arc<QpCache>)> = lock(&c.sinks).drain().map(|(_, s)| s).collect();
-    for (s, qp) in sinks {
-        qp.forget();
+    // No attribute answer outlives this: a removed id's calls fail in rcm before they get here.
+    let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, (s, _))| s).collect();
+    for s in sinks {
         s.event(Event::DeviceRemoval);
     }
 }

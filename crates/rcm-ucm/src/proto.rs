@@ -654,6 +654,15 @@ fn qp_state_code(s: QpState) -> u8 {
     }
 }
 
+fn qp_state_from(code: u8) -> Option<QpState> {
+    match code {
+        1 => Some(QpState::Init),
+        2 => Some(QpState::Rtr),
+        3 => Some(QpState::Rts),
+        _ => None,
+    }
+}
+
 /// The kind of frame an operation travels in.
 pub fn op_kind(op: &Op) -> u16 {
     match op {
@@ -1014,10 +1023,7 @@ impl<'a> R<'a> {
     fn qp_attr(&mut self) -> Res<QpAttr> {
         let qp_state = match self.u8()? {
             0 => None,
-            1 => Some(QpState::Init),
-            2 => Some(QpState::Rtr),
-            3 => Some(QpState::Rts),
-            _ => return Err(ProtoError::BadValue("QP state")),
+            c => Some(qp_state_from(c).ok_or(ProtoError::BadValue("QP state"))?),
         };
         Ok(QpAttr {
             qp_state,
@@ -1202,12 +1208,9 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
                 kind::REJECT => Op::Reject(r.bytes(MAX_PRIVATE_DATA, "private data")?),
                 kind::ESTABLISH => Op::Establish,
                 kind::DISCONNECT => Op::Disconnect,
-                kind::INIT_QP_ATTR => Op::InitQpAttr(match r.u8()? {
-                    1 => QpState::Init,
-                    2 => QpState::Rtr,
-                    3 => QpState::Rts,
-                    _ => return Err(ProtoError::BadValue("QP state")),
-                }),
+                kind::INIT_QP_ATTR => {
+                    Op::InitQpAttr(qp_state_from(r.u8()?).ok_or(ProtoError::BadValue("QP state"))?)
+                }
                 _ => Op::Query,
             };
             Command::Call(h, op)

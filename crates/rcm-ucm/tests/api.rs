@@ -282,6 +282,24 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     assert!(matches!(next(&cch).event(), Event::RouteResolved));
     c.connect(&ConnectOptions::default()).expect("connect");
     let child = next(&sch).id().clone();
+    // A connect request brings the child's INIT attributes only: its own PSN is chosen at
+    // accept, so RTR/RTS before that are the daemon's to answer.
+    let before = commands(&server_session);
+    assert_eq!(
+        child.init_qp_attr(Init).expect("child INIT").qp_state,
+        Some(Init)
+    );
+    assert_eq!(
+        commands(&server_session),
+        before + 1,
+        "the child's INIT asked the daemon"
+    );
+    let _ = child.init_qp_attr(Rtr);
+    assert_eq!(
+        commands(&server_session),
+        before + 3,
+        "the child's RTR before accept was answered without the daemon"
+    );
     child.accept(&AcceptOptions::default()).expect("accept");
     assert!(matches!(next(&cch).event(), Event::ConnectResponse { .. }));
     let before = commands(&session);

@@ -170,9 +170,10 @@ pub struct QpAttr {
 impl QpAttr {
     /// The attributes for `state` taken from the attributes for a later state: what
     /// [`CmId::init_qp_attr`] returns for `state` on the id these (RTS) attributes came from,
-    /// as long as the connection has not moved on. A provider's client answers
-    /// `init_qp_attr` with it from attributes the daemon sent along with an event, without a
-    /// round trip. `None` when `state` is later than these attributes'.
+    /// as long as the connection has not moved on (`init_qp_attr` itself builds the RTS
+    /// attributes and cuts them down with this). A provider's client answers `init_qp_attr`
+    /// with it from attributes the daemon sent along with an event, without a round trip.
+    /// `None` when `state` is later than these attributes'.
     pub fn for_state(&self, state: QpState) -> Option<QpAttr> {
         let rank = |s: QpState| match s {
             QpState::Init => 0,
@@ -182,8 +183,6 @@ impl QpAttr {
         if rank(state) > rank(self.qp_state?) {
             return None;
         }
-        let mut a = self.clone();
-        a.qp_state = Some(state);
         if state == QpState::Init {
             // INIT carries the port, partition and (UD) Q_Key only.
             return Some(QpAttr {
@@ -194,7 +193,10 @@ impl QpAttr {
                 ..QpAttr::default()
             });
         }
+        let mut a = self.clone();
+        a.qp_state = Some(state);
         if state == QpState::Rtr {
+            // The send side's fields belong to RTS.
             a.sq_psn = 0;
             a.timeout = 0;
             a.retry_cnt = 0;
@@ -1346,22 +1348,25 @@ impl CmId {
         let (Some(src), Some(dst)) = (g.src, g.dst) else {
             return Err(Error::InvalidState(g.state));
         };
+        // Built for RTS, the latest state, then cut down by `QpAttr::for_state`: which fields
+        // each state takes is decided there, once, for in-process ids and daemon clients.
         let mut a = QpAttr {
-            qp_state: Some(state),
+            qp_state: Some(QpState::Rts),
             port_num: 1,
             ..QpAttr::default()
         };
+        let cut = |a: QpAttr| a.for_state(state).unwrap_or(a);
         if is_ud(self.0.ps) {
             a.qkey = cma::RDMA_UDP_QKEY;
-            return Ok(a);
+            return Ok(cut(a));
         }
         if g.device.as_ref().is_some_and(|d| d.is_iwarp()) {
             // `iw_cm_init_qp_attr` gives only the access flags (remote read and write) for
             // INIT and RTR and nothing for RTS: the MPA exchange carries no QPN, PSN or path.
-            return Ok(a);
+            return Ok(cut(a));
         }
         if state == QpState::Init {
-            return Ok(a);
+            return Ok(cut(a));
         }
         if !matches!(g.state, State::Connect | State::Established) || g.conn.remote_qpn == 0 {
             return Err(Error::InvalidState(g.state));
@@ -1376,14 +1381,12 @@ impl CmId {
         a.flow_label = g.path.flow_label;
         a.hop_limit = g.path.hop_limit;
         a.traffic_class = g.path.traffic_class;
-        if state == QpState::Rts {
-            a.sq_psn = g.conn.local_psn;
-            a.timeout = g.conn.ack_timeout;
-            a.retry_cnt = g.conn.retry_count;
-            a.rnr_retry = g.conn.rnr_retry_count;
-            a.max_rd_atomic = g.conn.initiator_depth;
-        }
-        Ok(a)
+        a.sq_psn = g.conn.local_psn;
+        a.timeout = g.conn.ack_timeout;
+        a.retry_cnt = g.conn.retry_count;
+        a.rnr_retry = g.conn.rnr_retry_count;
+        a.max_rd_atomic = g.conn.initiator_depth;
+        Ok(cut(a))
     }
 
     /// Moves the id to another event channel (`rdma_migrate_id`). Events not yet taken move

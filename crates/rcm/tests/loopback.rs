@@ -241,6 +241,19 @@ fn channel_mode_connect_and_held_events() {
     for id in [&cli, &child] {
         let rts = id.init_qp_attr(QpState::Rts).unwrap();
         assert_ne!(rts.sq_psn, 0, "RC: RTS has a send PSN");
+        let rtr = id.init_qp_attr(QpState::Rtr).unwrap();
+        assert_eq!(
+            (
+                rtr.sq_psn,
+                rtr.timeout,
+                rtr.retry_cnt,
+                rtr.rnr_retry,
+                rtr.max_rd_atomic
+            ),
+            (0, 0, 0, 0, 0),
+            "RTR carries no send-side fields"
+        );
+        assert_eq!((rtr.dest_qp_num, rtr.rq_psn), (rts.dest_qp_num, rts.rq_psn));
         for s in [QpState::Init, QpState::Rtr, QpState::Rts] {
             assert_eq!(rts.for_state(s), Some(id.init_qp_attr(s).unwrap()), "{s:?}");
         }
