@@ -130,6 +130,10 @@ impl Drop for CallbacksHere {
 }
 
 impl Scheduler<Event> for Dispatcher {
+    fn discard(&self, ev: Event) {
+        crate::id::discard(ev);
+    }
+
     fn schedule(&self, slot: Arc<Slot<Event>>) {
         let Some(slot) = HERE.with(|h| match h.borrow_mut().as_mut() {
             Some(v) => {

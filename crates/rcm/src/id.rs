@@ -238,11 +238,11 @@ pub(crate) struct IdState {
     dst: Option<SocketAddr>,
     pub device: Option<Arc<DeviceInner>>,
     pub cep: Option<CepHandle>,
-    listen: Vec<(Arc<DeviceInner>, u64)>,
-    wildcard: bool,
-    backlog: usize,
+    /// Boxed: only listeners have it, and inline it would cost every id 40 bytes.
+    listening: Option<Box<Listening>>,
     path: PathParams,
-    qp: Option<Arc<Mutex<SoftQp>>>,
+    /// Inline: only ever touched under this state lock.
+    qp: Option<SoftQp>,
     conn: Conn,
     context: Option<Box<dyn Any + Send + Sync>>,
     removed: bool,
@@ -251,12 +251,26 @@ pub(crate) struct IdState {
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
-    /// A listener's children (boxed: only listeners have any, and an empty map inline
-    /// would cost every id 40 bytes).
-    #[allow(clippy::box_collection)]
-    children: Option<Box<std::collections::HashMap<u64, Weak<IdInner>>>>,
     /// iWARP: the device's TCP stream this id owns.
     iw: Option<ConnKey>,
+}
+
+/// What only a listener has.
+#[derive(Default)]
+struct Listening {
+    /// The engine listens it holds: per device, the service ID.
+    on: Vec<(Arc<DeviceInner>, u64)>,
+    wildcard: bool,
+    backlog: usize,
+    /// Its children (each leaves when destroyed).
+    children: std::collections::HashMap<u64, Weak<IdInner>>,
+}
+
+/// What few ids have.
+#[derive(Default)]
+struct Extra {
+    remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
+    mail: Mail,
 }
 
 /// What an id receives besides events.
@@ -281,10 +295,9 @@ pub(crate) struct IdInner {
     /// is held across engine calls; the state lock never is, because routing an engine event
     /// takes the state lock of the id it names.
     op: Mutex<()>,
-    /// Set when a provider (another process) owns this id; every operation goes there.
-    pub remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
-    /// Messages received for the id, made on first use (most ids never receive any).
-    mail: std::sync::OnceLock<Box<Mail>>,
+    /// What few ids have (a provider, received messages), made on first use: one pointer
+    /// on every id instead of a field for each.
+    extra: std::sync::OnceLock<Box<Extra>>,
     /// UD: the PSN of the next UD SEND.
     ud_psn: std::sync::atomic::AtomicU32,
 }
@@ -425,7 +438,7 @@ impl std::fmt::Debug for ChannelEvent {
     }
 }
 
-fn discard(ev: Event) {
+pub(crate) fn discard(ev: Event) {
     drop(ev);
 }
 
@@ -437,9 +450,7 @@ fn new_state() -> IdState {
         dst: None,
         device: None,
         cep: None,
-        listen: Vec::new(),
-        wildcard: false,
-        backlog: 0,
+        listening: None,
         path: PathParams::default(),
         qp: None,
         conn: Conn::default(),
@@ -449,7 +460,6 @@ fn new_state() -> IdState {
         disconnected_reported: false,
         listener: None,
         request_unseen: false,
-        children: None,
         iw: None,
     }
 }
@@ -482,18 +492,23 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         key,
         ps,
         fabric: fabric.clone(),
-        slot: Slot::new(target, fabric.scheduler(), discard),
+        slot: Slot::new(target, fabric.scheduler()),
         st: Mutex::new(new_state()),
         op: Mutex::new(()),
-        remote: std::sync::OnceLock::new(),
-        mail: std::sync::OnceLock::new(),
+        extra: std::sync::OnceLock::new(),
         ud_psn: std::sync::atomic::AtomicU32::new(0),
     });
-    let td = inner.clone();
-    inner.slot.set_teardown(Box::new(move || teardown(&td)));
-    let owner: Arc<dyn Any + Send + Sync> = inner.clone();
-    inner.slot.set_owner(Arc::downgrade(&owner));
+    inner.slot.set_owner(inner.clone());
     CmId(inner)
+}
+
+impl crate::slot::SlotOwner for IdInner {
+    fn teardown(self: Arc<Self>) {
+        teardown(&self);
+    }
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
 }
 
 /// Makes a fully built id visible to fabric-wide walks (device removal, shutdown).
@@ -569,7 +584,7 @@ impl Fabric {
         if let Some(p) = &self.0.provider {
             match p.create_id(ps, Sink(Arc::downgrade(&id.0))) {
                 Ok(r) => {
-                    let _ = id.0.remote.set(r);
+                    id.0.set_remote(r);
                 }
                 Err(e) => {
                     // Never published, no callback can have run: this destroy is immediate.
@@ -623,7 +638,7 @@ impl CmId {
         if !self.0.slot.is_live() {
             return State::Destroying;
         }
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return match self.remote_info() {
                 Ok(i) => i.state,
                 Err(_) => State::DeviceRemoval,
@@ -634,7 +649,7 @@ impl CmId {
 
     /// The local address and port, once bound.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return self.remote_info().ok().and_then(|i| i.local);
         }
         sync::lock(&self.0.st).src
@@ -642,7 +657,7 @@ impl CmId {
 
     /// The peer's address and port, once known.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return self.remote_info().ok().and_then(|i| i.peer);
         }
         sync::lock(&self.0.st).dst
@@ -650,7 +665,7 @@ impl CmId {
 
     /// The address of the device the id is bound to.
     pub fn device_addr(&self) -> Option<IpAddr> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return self.remote_info().ok().and_then(|i| i.device);
         }
         sync::lock(&self.0.st).device.as_ref().map(|d| d.ip)
@@ -658,7 +673,7 @@ impl CmId {
 
     /// Whether a provider in another process owns this id (see [`crate::remote`]).
     pub fn is_remote(&self) -> bool {
-        self.0.remote.get().is_some()
+        self.0.remote().is_some()
     }
 
     fn remote_info(&self) -> Result<IdInfo> {
@@ -671,7 +686,7 @@ impl CmId {
 
     /// For an id a provider owns: checks it is usable here, then carries `op` out there.
     fn forward(&self, op: impl FnOnce() -> Op) -> Option<Result<Reply>> {
-        let r = self.0.remote.get()?;
+        let r = self.0.remote()?;
         if !self.0.slot.is_live() {
             return Some(Err(Error::Destroyed));
         }
@@ -700,7 +715,7 @@ impl CmId {
             Op::Disconnect => done(self.disconnect()),
             Op::InitQpAttr(s) => self.init_qp_attr(s).map(Reply::QpAttr),
             Op::Query => {
-                if self.0.remote.get().is_some() {
+                if self.0.remote().is_some() {
                     return self.remote_info().map(Reply::Info);
                 }
                 if !self.0.slot.is_live() {
@@ -961,9 +976,10 @@ impl CmId {
             g.src = Some(src);
             g.bound = true;
         }
-        g.listen = done;
-        g.wildcard = wildcard;
-        g.backlog = backlog;
+        let l = g.listening.get_or_insert_with(Box::default);
+        l.on = done;
+        l.wildcard = wildcard;
+        l.backlog = backlog;
         g.state = State::Listen;
         drop(g);
         if wildcard {
@@ -986,11 +1002,11 @@ impl CmId {
             return Err(Error::QpBusy("the id already has a QP".into()));
         }
         let qpn = self.0.fabric.new_qpn();
-        g.qp = Some(Arc::new(Mutex::new(SoftQp {
+        g.qp = Some(SoftQp {
             qpn,
             in_use: false,
             destroyed: false,
-        })));
+        });
         Ok(qpn)
     }
 
@@ -999,17 +1015,18 @@ impl CmId {
         if let Some(r) = self.forward(|| Op::DestroyQp) {
             return r.map(drop);
         }
-        let g = sync::lock(&self.0.st);
-        let qp = g.qp.clone().ok_or(Error::QpBusy("no QP attached".into()))?;
-        sync::lock(&qp).destroyed = true;
+        let mut g = sync::lock(&self.0.st);
+        let qp =
+            g.qp.as_mut()
+                .ok_or(Error::QpBusy("no QP attached".into()))?;
+        qp.destroyed = true;
         Ok(())
     }
 
     /// Takes the QP for a connect/accept: not destroyed, not already in use.
-    fn claim_qp(g: &IdState, fallback: Option<u32>, fabric: &FabricInner) -> Result<u32> {
-        match &g.qp {
-            Some(qp) => {
-                let mut q = sync::lock(qp);
+    fn claim_qp(g: &mut IdState, fallback: Option<u32>, fabric: &FabricInner) -> Result<u32> {
+        match &mut g.qp {
+            Some(q) => {
                 if q.destroyed {
                     return Err(Error::QpBusy("the QP is being destroyed".into()));
                 }
@@ -1023,9 +1040,9 @@ impl CmId {
         }
     }
 
-    fn unclaim_qp(g: &IdState) {
-        if let Some(qp) = &g.qp {
-            sync::lock(qp).in_use = false;
+    fn unclaim_qp(g: &mut IdState) {
+        if let Some(qp) = &mut g.qp {
+            qp.in_use = false;
         }
     }
 
@@ -1046,7 +1063,7 @@ impl CmId {
             return self.iw_connect(&dev, opts);
         }
         let (dst, dev, qpn, path, pd) = {
-            let g = self.usable()?;
+            let mut g = self.usable()?;
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
             }
@@ -1066,7 +1083,7 @@ impl CmId {
                     max,
                 }
             })?;
-            let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
             (dst, dev, qpn, g.path, pd)
         };
         // Connect before the REQ can leave: a reply routed during the engine call must find
@@ -1086,7 +1103,7 @@ impl CmId {
                     g.state = State::RouteResolved;
                 }
                 g.conn.local_qpn = 0;
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 return Err(e);
             }
         }
@@ -1147,7 +1164,7 @@ impl CmId {
                     g.state = State::RouteResolved;
                 }
                 g.conn.local_qpn = 0;
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 drop(g);
                 unregister_ud(&dev, qpn, &self.0);
                 Err(e.into())
@@ -1168,7 +1185,7 @@ impl CmId {
             return self.iw_accept(&dev, key, opts);
         }
         let (dev, cep, qpn) = {
-            let g = self.usable()?;
+            let mut g = self.usable()?;
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
             }
@@ -1176,7 +1193,7 @@ impl CmId {
             let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
                 return Err(Error::InvalidState(g.state));
             };
-            let qpn = Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
             (dev, cep, qpn)
         };
         let psn = rand::random::<u32>() & 0xFF_FFFF;
@@ -1186,7 +1203,7 @@ impl CmId {
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
                 let mut g = sync::lock(&self.0.st);
                 g.conn.local_qpn = 0;
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 return Err(e);
             }
         }
@@ -1222,7 +1239,7 @@ impl CmId {
                 Ok(())
             }
             Err(e) => {
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 if is_ud(self.0.ps) {
                     g.conn.local_qpn = 0;
                     drop(g);
@@ -1517,18 +1534,16 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
-    let (dev, cep, listen, src, bound, ctx, children, wildcard, listener, iwk, ud_qpn) = {
+    let (dev, cep, listening, src, bound, ctx, listener, iwk, ud_qpn) = {
         let mut g = sync::lock(&inner.st);
         g.state = State::Destroying;
         (
             g.device.clone(),
             g.cep.take(),
-            std::mem::take(&mut g.listen),
+            g.listening.take().map(|l| *l).unwrap_or_default(),
             g.src,
             g.bound,
             g.context.take(),
-            std::mem::take(&mut g.children),
-            g.wildcard,
             g.listener.clone(),
             g.iw.take(),
             Some(g.conn.local_qpn).filter(|&q| q != 0 && is_ud(inner.ps)),
@@ -1536,14 +1551,14 @@ fn teardown(inner: &Arc<IdInner>) {
     };
     // A child leaves its listener's list (the list must not grow with every connection).
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
-        if let Some(c) = sync::lock(&l.st).children.as_mut() {
-            c.remove(&inner.key);
+        if let Some(l) = sync::lock(&l.st).listening.as_mut() {
+            l.children.remove(&inner.key);
         }
     }
     if let (Some(dev), Some(key)) = (&dev, iwk) {
         iw_destroy(dev, key);
     }
-    let mail = inner.mail.get();
+    let mail = inner.mail_if_any();
     if let Some(m) = mail {
         sync::lock(&m.inbox).clear();
     }
@@ -1562,6 +1577,12 @@ fn teardown(inner: &Arc<IdInner>) {
             let _ = ep.destroy(now, cep);
         });
     }
+    let Listening {
+        on: listen,
+        wildcard,
+        children,
+        ..
+    } = listening;
     for (d, sid) in listen {
         unregister_listen(&d, sid, inner);
     }
@@ -1570,11 +1591,7 @@ fn teardown(inner: &Arc<IdInner>) {
             .retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, inner)));
     }
     // Connect requests nobody has seen die with their listener (rejected).
-    for c in children
-        .iter()
-        .flat_map(|m| m.values())
-        .filter_map(Weak::upgrade)
-    {
+    for c in children.values().filter_map(Weak::upgrade) {
         let unseen = sync::lock(&c.st).request_unseen;
         if unseen {
             drop(CmId(c).begin_destroy());
@@ -1583,7 +1600,7 @@ fn teardown(inner: &Arc<IdInner>) {
     if let (true, Some(src)) = (bound, src) {
         sync::lock(&inner.fabric.ports).release(inner.ps, src, inner.key);
     }
-    if let Some(r) = inner.remote.get() {
+    if let Some(r) = inner.remote() {
         r.release();
     }
     sync::lock(&inner.fabric.ids).remove(&inner.key);
@@ -1621,7 +1638,7 @@ pub(crate) fn remote_connect_request(
         return None;
     };
     let child = build(&lst.fabric, lst.ps, target);
-    let _ = child.0.remote.set(remote);
+    child.0.set_remote(remote);
     {
         let mut g = sync::lock(&child.0.st);
         g.state = State::Connect;
@@ -1637,8 +1654,9 @@ pub(crate) fn remote_connect_request(
             drop(child.begin_destroy());
             return None;
         }
-        g.children
+        g.listening
             .get_or_insert_with(Box::default)
+            .children
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
     publish(&child);
@@ -1777,8 +1795,9 @@ pub(crate) fn on_connect_request(
             drop(child.begin_destroy());
             return;
         }
-        g.children
+        g.listening
             .get_or_insert_with(Box::default)
+            .children
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
     // Fully built (device set): visible to device removal from here on.
@@ -1796,7 +1815,22 @@ pub(crate) fn on_connect_request(
 
 impl IdInner {
     fn mail(&self) -> &Mail {
-        self.mail.get_or_init(Box::default)
+        &self.extra.get_or_init(Box::default).mail
+    }
+
+    /// The id's messages, if it ever received any.
+    fn mail_if_any(&self) -> Option<&Mail> {
+        self.extra.get().map(|e| &e.mail)
+    }
+
+    /// The provider (another process) that owns this id, if one does: every operation
+    /// goes there.
+    pub(crate) fn remote(&self) -> Option<&Arc<dyn RemoteId>> {
+        self.extra.get()?.remote.get()
+    }
+
+    fn set_remote(&self, r: Arc<dyn RemoteId>) {
+        let _ = self.extra.get_or_init(Box::default).remote.set(r);
     }
 
     fn slot_target(&self) -> Option<Target<Event>> {
@@ -1876,7 +1910,7 @@ pub(crate) fn on_engine_event(
                 ..
             } => {
                 g.state = State::Disconnect;
-                CmId::unclaim_qp(&g);
+                CmId::unclaim_qp(&mut g);
                 out = Some(Event::Rejected {
                     reason,
                     private_data,
@@ -1992,14 +2026,18 @@ pub(crate) fn on_device_added(fabric: &Arc<FabricInner>, dev: &Arc<DeviceInner>)
             {
                 continue;
             }
-            (cma::service_id(l.ps, src.port()), g.backlog)
+            let backlog = g.listening.as_ref().map_or(0, |l| l.backlog);
+            (cma::service_id(l.ps, src.port()), backlog)
         };
         if register_listen(dev, sid, backlog, Arc::downgrade(&l)).is_err() {
             continue;
         }
         let mut g = sync::lock(&l.st);
         if g.state == State::Listen {
-            g.listen.push((dev.clone(), sid));
+            g.listening
+                .get_or_insert_with(Box::default)
+                .on
+                .push((dev.clone(), sid));
         } else {
             drop(g);
             unregister_listen(dev, sid, &l);
@@ -2022,14 +2060,13 @@ pub(crate) fn on_device_removed(
         let mut g = sync::lock(&id.st);
         // Wildcard listeners lose their per-device listen silently (as rdma_cm's internal
         // listen ids are destroyed on removal).
-        if g.wildcard {
-            let mine: Vec<(Arc<DeviceInner>, u64)> = g
-                .listen
-                .iter()
-                .filter(|(d, _)| Arc::ptr_eq(d, dev))
-                .cloned()
-                .collect();
-            g.listen.retain(|(d, _)| !Arc::ptr_eq(d, dev));
+        if let Some(l) = g.listening.as_mut().filter(|l| l.wildcard) {
+            let mine: Vec<(Arc<DeviceInner>, u64)> =
+                l.on.iter()
+                    .filter(|(d, _)| Arc::ptr_eq(d, dev))
+                    .cloned()
+                    .collect();
+            l.on.retain(|(d, _)| !Arc::ptr_eq(d, dev));
             drop(g);
             for (d, sid) in mine {
                 unregister_listen(&d, sid, &id);
@@ -2110,7 +2147,7 @@ impl CmId {
     /// port, then an MPA revision-2 Request with the user's private data as is.
     fn iw_connect(&self, dev: &Arc<DeviceInner>, opts: &ConnectOptions) -> Result<()> {
         let (dst, qpn) = {
-            let g = self.usable()?;
+            let mut g = self.usable()?;
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
             }
@@ -2121,7 +2158,7 @@ impl CmId {
             }
             iw_pd(opts.private_data.len())?;
             let dst = g.dst.ok_or(Error::InvalidState(g.state))?;
-            (dst, Self::claim_qp(&g, opts.qpn, &self.0.fabric)?)
+            (dst, Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?)
         };
         sync::lock(&self.0.st).state = State::Connect;
         let max = dev
@@ -2160,7 +2197,7 @@ impl CmId {
                 if g.state == State::Connect {
                     g.state = State::RouteResolved;
                 }
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 Err(e)
             }
         }
@@ -2168,12 +2205,12 @@ impl CmId {
 
     fn iw_accept(&self, dev: &Arc<DeviceInner>, key: ConnKey, opts: &AcceptOptions) -> Result<()> {
         {
-            let g = self.usable()?;
+            let mut g = self.usable()?;
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
             }
             iw_pd(opts.private_data.len())?;
-            Self::claim_qp(&g, opts.qpn, &self.0.fabric)?;
+            Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
         }
         let p = iw::AcceptParams {
             ird: u16::from(opts.responder_resources),
@@ -2191,12 +2228,12 @@ impl CmId {
                 Ok(())
             }
             Some(Err(e)) => {
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 Err(iw_err(e, g.state))
             }
             // The stream is already gone (the peer closed it): `Disconnected` is queued.
             None => {
-                Self::unclaim_qp(&g);
+                Self::unclaim_qp(&mut g);
                 Err(Error::InvalidState(State::Disconnect))
             }
         }
@@ -2252,7 +2289,7 @@ impl CmId {
     /// [`CmId::recv_message`]. On RoCE (rcm does not carry RoCE's data path), on a daemon's
     /// id, and on a connection that is not established this fails, sending nothing.
     pub fn send(&self, msg: &[u8]) -> Result<()> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return Err(Error::InvalidArgument(
                 "messages are not carried through a provider".into(),
             ));
@@ -2302,7 +2339,7 @@ impl CmId {
 
     /// The next message already received, if any.
     pub fn try_recv_message(&self) -> Option<Vec<u8>> {
-        sync::lock(&self.0.mail.get()?.inbox).pop_front()
+        sync::lock(&self.0.mail_if_any()?.inbox).pop_front()
     }
 }
 
@@ -2332,7 +2369,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                     return;
                 }
                 g.state = State::Disconnect;
-                CmId::unclaim_qp(&g);
+                CmId::unclaim_qp(&mut g);
                 // Nobody listens on that TCP port: the RST is what IB's REJ "invalid service
                 // ID" is on RoCE, and rdma_cm reports -ECONNREFUSED as REJECTED.
                 Some(if kind == std::io::ErrorKind::ConnectionRefused {
@@ -2362,7 +2399,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                     }
                     iw::ConnectReply::Rejected { private_data, .. } => {
                         g.state = State::Disconnect;
-                        CmId::unclaim_qp(&g);
+                        CmId::unclaim_qp(&mut g);
                         Event::Rejected {
                             reason: RejReason::ConsumerDefined,
                             private_data,
@@ -2370,7 +2407,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                     }
                     iw::ConnectReply::Error(e) => {
                         g.state = State::Disconnect;
-                        CmId::unclaim_qp(&g);
+                        CmId::unclaim_qp(&mut g);
                         // `cma_iw_handler`: -ETIMEDOUT → UNREACHABLE, -ECONNRESET →
                         // REJECTED, anything else → CONNECT_ERROR.
                         match e {
@@ -2418,7 +2455,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                 }
                 g.state = State::Disconnect;
                 g.disconnected_reported = true;
-                CmId::unclaim_qp(&g);
+                CmId::unclaim_qp(&mut g);
                 Some(Event::Disconnected)
             }
             IwEvent::Cep(iw::Event::Message(m)) => {
@@ -2492,8 +2529,9 @@ fn on_iw_connect_request(
             drop(child.begin_destroy());
             return;
         }
-        g.children
+        g.listening
             .get_or_insert_with(Box::default)
+            .children
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
     publish(&child);
@@ -2517,7 +2555,7 @@ impl CmId {
     /// sends with it as the DETH source QP. `None` before `connect`/`accept` (and on a
     /// provider's id).
     pub fn qp_num(&self) -> Option<u32> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return None;
         }
         let q = sync::lock(&self.0.st).conn.local_qpn;
@@ -2557,7 +2595,7 @@ impl CmId {
     }
 
     fn ud_send(&self, dst: IpAddr, ud: UdParam, imm: Option<u32>, payload: &[u8]) -> Result<()> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return Err(Error::InvalidArgument(
                 "UD datagrams are not carried through a provider".into(),
             ));
@@ -2627,7 +2665,7 @@ impl CmId {
     /// IPv4 ID it covers). Datagrams are not events: they need no ack and do not hold the
     /// id; after destroy this returns `None`.
     pub fn recv_ud(&self, timeout: std::time::Duration) -> Option<UdMessage> {
-        if self.0.remote.get().is_some() {
+        if self.0.remote().is_some() {
             return None;
         }
         let end = std::time::Instant::now() + timeout;
@@ -2653,7 +2691,7 @@ impl CmId {
         if !self.0.slot.is_live() {
             return None;
         }
-        sync::lock(&self.0.mail.get()?.ud_inbox).pop_front()
+        sync::lock(&self.0.mail_if_any()?.ud_inbox).pop_front()
     }
 }
 

@@ -84,7 +84,13 @@ impl Ports {
             }
             addr.port()
         };
-        self.taken.entry((ps, port)).or_default().push(Binding {
+        // Most ports have one holder: a Vec's first push would reserve four (128 bytes for
+        // every connected id).
+        let holders = self
+            .taken
+            .entry((ps, port))
+            .or_insert_with(|| Vec::with_capacity(1));
+        holders.push(Binding {
             ip,
             key,
             reuse,

@@ -1,11 +1,11 @@
 //! The concurrency core: one `Slot` per id serialises its callbacks, and destroy, deferred
 //! destroy, non-blocking destroy and device removal meet here. It knows nothing of the CM:
-//! events are an opaque `E`, the id's teardown an opaque closure.
+//! events are an opaque `E`, the id an opaque [`SlotOwner`] whose teardown it runs.
 //!
 //! Invariants (each checked by the loom models in `tests/loom.rs` and the stress test):
 //! 1. At most one callback per slot runs at a time; events run in the order pushed.
 //! 2. After the phase leaves `Live`, no callback starts and pushes are discarded.
-//! 3. The teardown closure and the target (handler or channel, with what it captured) are
+//! 3. The owner's teardown and the target (handler or channel, with what it captured) are
 //!    dropped exactly once, after the last callback returned and the last held event was acked.
 //! 4. A blocking destroy returns only once 3 has happened, except when it would have to wait
 //!    for a callback from inside a callback (its own or another id's): then it returns
@@ -42,7 +42,17 @@ pub enum DestroyOutcome {
     Deferred,
 }
 
-/// The slot's owner (if still alive) and the event. Children share their listener's callback,
+/// What a slot serialises (the upper layer's id). The slot holds it strongly until the
+/// teardown, which it runs exactly once, after the last callback: an id whose handles were
+/// all dropped lives until it is destroyed.
+pub(crate) trait SlotOwner: Send + Sync {
+    /// Releases what the owner holds.
+    fn teardown(self: std::sync::Arc<Self>);
+    /// Itself, for callbacks and channel consumers to downcast.
+    fn as_any(self: std::sync::Arc<Self>) -> std::sync::Arc<dyn std::any::Any + Send + Sync>;
+}
+
+/// The slot's owner (until its teardown) and the event. Children share their listener's callback,
 /// so the callback learns which id it runs for from the slot.
 pub(crate) type Callback<E> =
     Arc<dyn Fn(Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>, E) -> Flow + Send + Sync>;
@@ -89,11 +99,10 @@ pub fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) ->
 /// Runs a scheduled slot's pending events (a dispatcher pool, or inline in tests).
 pub(crate) trait Scheduler<E>: Send + Sync {
     fn schedule(&self, slot: Arc<Slot<E>>);
+    /// Called for every event that is discarded undelivered (so its resources can be
+    /// released, e.g. a connect request's child id rejected).
+    fn discard(&self, ev: E);
 }
-
-/// Called for every event that is discarded undelivered (so its resources can be released,
-/// e.g. a connect request's child id rejected).
-pub(crate) type Discard<E> = fn(E);
 
 struct Inner<E> {
     phase: Phase,
@@ -101,15 +110,17 @@ struct Inner<E> {
     scheduled: bool,
     running: Option<sync::thread::ThreadId>,
     /// Channel events handed to the user and not yet acked.
-    held: usize,
+    held: u32,
     teardown_started: bool,
     removal_queued: bool,
     /// Destroy was asked from inside this slot's own running callback.
     deferred: bool,
-    wakers: Vec<Waker>,
+    /// Async destroys waiting (boxed: few ids are ever destroyed that way).
+    #[allow(clippy::box_collection)]
+    wakers: Option<Box<Vec<Waker>>>,
     /// Threads waiting on the slot's condition variable: a state change with none waiting
     /// makes no wake-up system call (one per callback otherwise).
-    waiters: usize,
+    waiters: u32,
 }
 
 /// One id's serialisation domain.
@@ -117,11 +128,12 @@ pub(crate) struct Slot<E> {
     inner: Mutex<Inner<E>>,
     cond: Condvar,
     target: Mutex<Option<Target<E>>>,
-    teardown: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// Runs the slot's callbacks, and takes its discarded events (one pointer for both: the
+    /// fabric's, shared by every id).
     sched: Arc<dyn Scheduler<E>>,
-    discard: Discard<E>,
-    /// The object this slot serialises (the upper layer's id), for channel consumers.
-    owner: Mutex<Option<std::sync::Weak<dyn std::any::Any + Send + Sync>>>,
+    /// What this slot serialises, until the teardown takes it (one field for both: every id
+    /// has one, and a separate teardown closure cost each id a field and an allocation).
+    owner: Mutex<Option<std::sync::Arc<dyn SlotOwner>>>,
 }
 
 #[cfg(not(loom))]
@@ -143,11 +155,7 @@ fn current_is<E>(s: &Slot<E>) -> bool {
 }
 
 impl<E: Send + 'static> Slot<E> {
-    pub(crate) fn new(
-        target: Target<E>,
-        sched: Arc<dyn Scheduler<E>>,
-        discard: Discard<E>,
-    ) -> Arc<Self> {
+    pub(crate) fn new(target: Target<E>, sched: Arc<dyn Scheduler<E>>) -> Arc<Self> {
         Arc::new(Slot {
             inner: Mutex::new(Inner {
                 phase: Phase::Live,
@@ -158,38 +166,30 @@ impl<E: Send + 'static> Slot<E> {
                 teardown_started: false,
                 removal_queued: false,
                 deferred: false,
-                wakers: Vec::new(),
+                wakers: None,
                 waiters: 0,
             }),
             cond: Condvar::new(),
             target: Mutex::new(Some(target)),
-            teardown: Mutex::new(None),
             sched,
-            discard,
             owner: Mutex::new(None),
         })
     }
 
-    /// Records the object this slot belongs to.
-    pub(crate) fn set_owner(&self, o: std::sync::Weak<dyn std::any::Any + Send + Sync>) {
+    /// Records what this slot belongs to; its teardown runs when the slot is torn down.
+    pub(crate) fn set_owner(&self, o: std::sync::Arc<dyn SlotOwner>) {
         *sync::lock(&self.owner) = Some(o);
     }
 
-    /// The object this slot belongs to, while it lives.
+    /// What this slot belongs to, until its teardown.
     pub(crate) fn owner(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
-        sync::lock(&self.owner)
-            .as_ref()
-            .and_then(std::sync::Weak::upgrade)
+        let o = sync::lock(&self.owner).clone();
+        o.map(SlotOwner::as_any)
     }
 
     /// A clone of the target (children inherit their listener's).
     pub(crate) fn target_clone(&self) -> Option<Target<E>> {
         self.target()
-    }
-
-    /// Sets the closure run exactly once when the slot is torn down.
-    pub(crate) fn set_teardown(&self, f: Box<dyn FnOnce() + Send>) {
-        *sync::lock(&self.teardown) = Some(f);
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -238,7 +238,7 @@ impl<E: Send + 'static> Slot<E> {
         if g.phase != Phase::Live || g.removal_queued || target.is_none() {
             drop(g);
             drop(target);
-            (self.discard)(ev);
+            self.sched.discard(ev);
             return false;
         }
         let mut dropped = Vec::new();
@@ -270,7 +270,7 @@ impl<E: Send + 'static> Slot<E> {
             None => drop(target),
         }
         for d in dropped {
-            (self.discard)(d);
+            self.sched.discard(d);
         }
         true
     }
@@ -330,7 +330,7 @@ impl<E: Send + 'static> Slot<E> {
                 self.cond.notify_all();
             }
             for d in dropped {
-                (self.discard)(d);
+                self.sched.discard(d);
             }
             if finish {
                 self.run_teardown();
@@ -364,7 +364,7 @@ impl<E: Send + 'static> Slot<E> {
                 }
                 // Waiting for held events the caller may hold itself would hang (as in `Live`).
                 if g.held > 0 {
-                    return Err(g.held);
+                    return Err(g.held as usize);
                 }
                 while g.phase != Phase::Destroyed {
                     g = self.wait(g);
@@ -374,7 +374,7 @@ impl<E: Send + 'static> Slot<E> {
             Phase::Live => {}
         }
         if block && g.held > 0 {
-            return Err(g.held);
+            return Err(g.held as usize);
         }
         g.phase = Phase::Destroying;
         let dropped: Vec<E> = g.queue.drain(..).collect();
@@ -390,11 +390,11 @@ impl<E: Send + 'static> Slot<E> {
         drop(g);
         if let Some(ch) = self.channel() {
             for d in ch.purge(self) {
-                (self.discard)(d);
+                self.sched.discard(d);
             }
         }
         for d in dropped {
-            (self.discard)(d);
+            self.sched.discard(d);
         }
         if start_now {
             self.run_teardown();
@@ -432,9 +432,9 @@ impl<E: Send + 'static> Slot<E> {
     }
 
     fn run_teardown(&self) {
-        let f = sync::lock(&self.teardown).take();
-        if let Some(f) = f {
-            f();
+        let o = sync::lock(&self.owner).take();
+        if let Some(o) = o {
+            o.teardown();
         }
         // Dropping the target drops the handler and whatever it captured: after the last
         // callback, exactly once.
@@ -442,7 +442,7 @@ impl<E: Send + 'static> Slot<E> {
         drop(t);
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
-        let wakers = std::mem::take(&mut g.wakers);
+        let wakers = g.wakers.take().map(|w| *w).unwrap_or_default();
         let wake = g.waiters > 0;
         drop(g);
         if wake {
@@ -482,8 +482,9 @@ impl<E: Send + 'static> Slot<E> {
         if g.phase == Phase::Destroyed {
             return true;
         }
-        if !g.wakers.iter().any(|x| x.will_wake(w)) {
-            g.wakers.push(w.clone());
+        let wakers = g.wakers.get_or_insert_with(Box::default);
+        if !wakers.iter().any(|x| x.will_wake(w)) {
+            wakers.push(w.clone());
         }
         false
     }
@@ -673,9 +674,8 @@ impl<E: Send + 'static> ChannelCore<E> {
                 if s.hold() {
                     return Some((s, ev));
                 }
-                let d = s.discard;
                 drop(q);
-                d(ev);
+                s.sched.discard(ev);
                 q = sync::lock(&self.q);
             }
             if !polled {
@@ -719,7 +719,7 @@ impl<E: Send + 'static> ChannelCore<E> {
                 return Some((s, ev));
             }
             drop(q);
-            (s.discard)(ev);
+            s.sched.discard(ev);
             q = sync::lock(&self.q);
         }
         None
@@ -750,11 +750,33 @@ pub mod loom_api {
         Destroyed,
     }
 
-    struct FnSched<E>(Box<dyn Fn(SlotHandle<E>) + Send + Sync>);
+    struct FnSched<E>(Box<dyn Fn(SlotHandle<E>) + Send + Sync>, fn(E));
 
     impl<E> Scheduler<E> for FnSched<E> {
         fn schedule(&self, slot: Arc<Slot<E>>) {
             (self.0)(SlotHandle(slot));
+        }
+        fn discard(&self, ev: E) {
+            (self.1)(ev);
+        }
+    }
+
+    /// A teardown closure as a slot's owner.
+    struct ClosureOwner(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+    impl super::SlotOwner for ClosureOwner {
+        fn teardown(self: std::sync::Arc<Self>) {
+            let f = self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(f) = f {
+                f();
+            }
+        }
+        fn as_any(self: std::sync::Arc<Self>) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {
+            self
         }
     }
 
@@ -800,8 +822,7 @@ pub mod loom_api {
             let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
             SlotHandle(Slot::new(
                 Target::Callback(cb),
-                Arc::new(FnSched(Box::new(sched))),
-                discard,
+                Arc::new(FnSched(Box::new(sched), discard)),
             ))
         }
 
@@ -809,14 +830,16 @@ pub mod loom_api {
         pub fn with_channel(ch: &Channel<E>, discard: fn(E)) -> Self {
             SlotHandle(Slot::new(
                 Target::Channel(ch.0.clone()),
-                Arc::new(FnSched(Box::new(|_| {}))),
-                discard,
+                Arc::new(FnSched(Box::new(|_| {}), discard)),
             ))
         }
 
-        /// Sets the teardown closure.
+        /// Sets the teardown closure (the slot's owner is then that closure).
         pub fn set_teardown(&self, f: impl FnOnce() + Send + 'static) {
-            self.0.set_teardown(Box::new(f));
+            self.0
+                .set_owner(std::sync::Arc::new(ClosureOwner(std::sync::Mutex::new(
+                    Some(Box::new(f)),
+                ))));
         }
 
         /// `Slot::push`.
@@ -930,6 +953,7 @@ mod tests {
         fn schedule(&self, slot: Arc<Slot<u32>>) {
             self.0.lock().unwrap().push(slot);
         }
+        fn discard(&self, _: u32) {}
     }
 
     /// Once its events ran, an id holds no event buffer (at 100,000 idle ids the buffers
@@ -946,7 +970,7 @@ mod tests {
             c2.fetch_add(1, Ordering::SeqCst);
             Flow::Continue
         });
-        let slot = Slot::new(Target::Callback(cb), sched.clone(), |_| {});
+        let slot = Slot::new(Target::Callback(cb), sched.clone());
         for round in 0..3u32 {
             for i in 0..10 {
                 slot.push(round * 10 + i);
