@@ -100,9 +100,17 @@ pub struct Report {
     pub baseline_conn_per_s: Option<f64>,
     /// What went wrong, if anything.
     pub failures: Vec<String>,
-    /// Resident memory added per established connection (both ends, in this process), bytes;
-    /// measured with every connection established at once.
+    /// Resident memory added per established connection in this process, bytes; measured
+    /// with every connection established at once. Which ends this process holds is in
+    /// `rss_scope`.
     pub rss_per_conn_bytes: f64,
+    /// The same once the allocator has given back the free pages the connect burst left
+    /// inside its heap (glibc `malloc_trim`; 0 where not measured): what a long-lived
+    /// process that trims holds.
+    pub rss_after_trim_per_conn_bytes: f64,
+    /// What the memory figures cover: "both ends" (server and client in this process),
+    /// "client ends" (`--server`), or "client handles" (`--daemon`: the ids live there).
+    pub rss_scope: String,
     /// Connect latencies (for plots), microseconds.
     #[serde(skip)]
     pub latencies_us: Vec<f64>,
@@ -236,6 +244,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut failed = vec![false; n];
     let rss_before = rss_bytes();
     let mut rss_established = 0u64;
+    let mut rss_trimmed = 0u64;
 
     let create_start = Instant::now();
     for i in 0..n {
@@ -445,6 +454,9 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         t_est += est_start.elapsed();
         if range.end == n {
             rss_established = rss_bytes();
+            if trim_heap() {
+                rss_trimmed = rss_bytes();
+            }
         }
         for i in range.clone() {
             if skip[i] && !early[i] {
@@ -549,6 +561,19 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         } else {
             rss_established.saturating_sub(rss_before) as f64 / established as f64
         },
+        rss_after_trim_per_conn_bytes: if o.serial || established == 0 || rss_trimmed == 0 {
+            0.0
+        } else {
+            rss_trimmed.saturating_sub(rss_before) as f64 / established as f64
+        },
+        rss_scope: if o.daemon.is_some() {
+            "client handles"
+        } else if o.server.is_some() {
+            "client ends"
+        } else {
+            "both ends"
+        }
+        .into(),
         steps,
         baseline_conn_per_s: None,
         failures,
@@ -625,6 +650,24 @@ fn progress(o: &BenchOpts, n: usize) -> Option<indicatif::ProgressBar> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     Some(pb)
+}
+
+/// Asks the allocator to give back the free pages inside its heap; whether it could be
+/// asked (glibc only).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_heap() -> bool {
+    extern "C" {
+        fn malloc_trim(pad: usize) -> std::ffi::c_int;
+    }
+    // SAFETY: glibc's malloc_trim takes a byte count and only releases free memory of the
+    // allocator's own arenas (under their locks); it touches no memory this program holds.
+    unsafe { malloc_trim(0) };
+    true
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_heap() -> bool {
+    false
 }
 
 /// Resident set size of this process, from /proc/self/statm (0 where unavailable).
@@ -933,9 +976,17 @@ pub fn print_table(r: &Report) {
         );
     }
     if r.rss_per_conn_bytes > 0.0 {
+        let trimmed = if r.rss_after_trim_per_conn_bytes > 0.0 {
+            format!(
+                "; {:.0} once the allocator returns the burst's free pages",
+                r.rss_after_trim_per_conn_bytes
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "memory: {:.0} bytes of RSS per established connection (both ends, all {} up at once)",
-            r.rss_per_conn_bytes, r.connections
+            "memory: {:.0} bytes of RSS per established connection ({}, all {} up at once){trimmed}",
+            r.rss_per_conn_bytes, r.rss_scope, r.connections
         );
     }
     if let Some(b) = r.baseline_conn_per_s {
