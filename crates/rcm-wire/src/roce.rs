@@ -547,9 +547,27 @@ impl<'a> RocePacket<'a> {
 /// Builds the UDP payload of a UD packet (BTH, DETH, payload, pad, ICRC) for a datagram from
 /// `sport` to port 4791, computing the ICRC against `ip`. The BTH pad count is set here.
 pub fn emit_ud(ip: &IpForIcrc, sport: u16, bth: &Bth, deth: &Deth, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    emit_ud_into(&mut out, ip, sport, bth, deth, payload);
+    out.drain(..8);
+    out
+}
+
+/// [`emit_ud`] into `out`, whose capacity is reused (a sender keeps one buffer rather than
+/// allocating per packet): `out` is cleared, then holds the UDP header the ICRC covers
+/// followed by the UDP payload, which is returned.
+pub fn emit_ud_into<'a>(
+    out: &'a mut Vec<u8>,
+    ip: &IpForIcrc,
+    sport: u16,
+    bth: &Bth,
+    deth: &Deth,
+    payload: &[u8],
+) -> &'a [u8] {
     let pad = payload.len().wrapping_neg() & 3;
     let len = BTH_LEN + DETH_LEN + payload.len() + pad + ICRC_LEN;
-    let mut out = vec![0u8; 8 + len];
+    out.clear();
+    out.resize(8 + len, 0);
     let udp_len = out.len() as u16;
     out[0..2].copy_from_slice(&sport.to_be_bytes());
     out[2..4].copy_from_slice(&ROCE_V2_UDP_PORT.to_be_bytes());
@@ -563,13 +581,23 @@ pub fn emit_ud(ip: &IpForIcrc, sport: u16, bth: &Bth, deth: &Deth, payload: &[u8
     let crc_at = out.len() - ICRC_LEN;
     let crc = icrc(ip, &out[..crc_at]);
     out[crc_at..].copy_from_slice(&crc.to_le_bytes());
-    out.drain(..8);
-    out
+    &out[8..]
 }
 
 /// Builds the 280-byte UDP payload of a GSI MAD datagram as rxe sends it.
 pub fn emit_gsi(ip: &IpForIcrc, sport: u16, psn: u32, mad: &[u8; MAD_LEN]) -> Vec<u8> {
     emit_ud(ip, sport, &Bth::gsi(psn), &Deth::GSI, mad)
+}
+
+/// [`emit_gsi`] into a reused buffer (see [`emit_ud_into`]); returns the UDP payload.
+pub fn emit_gsi_into<'a>(
+    out: &'a mut Vec<u8>,
+    ip: &IpForIcrc,
+    sport: u16,
+    psn: u32,
+    mad: &[u8; MAD_LEN],
+) -> &'a [u8] {
+    emit_ud_into(out, ip, sport, &Bth::gsi(psn), &Deth::GSI, mad)
 }
 
 /// A GSI MAD datagram received from the network: the BTH, DETH and the 256-byte MAD.
@@ -681,6 +709,24 @@ pub fn rxe_qp_sport(qpn: u32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn emitting_into_a_reused_buffer_gives_the_same_bytes() {
+        let ip = IpForIcrc::v4([198, 18, 0, 1].into(), [198, 18, 0, 2].into());
+        let mut buf = Vec::new();
+        for psn in [1u32, 2, 0xFF_FFFF] {
+            let mad = [psn as u8; MAD_LEN];
+            let want = emit_gsi(&ip, 49152, psn, &mad);
+            assert_eq!(emit_gsi_into(&mut buf, &ip, 49152, psn, &mad), &want[..]);
+        }
+        // A shorter UD payload after a longer one: no stale tail, pad and length right.
+        let ud = emit_ud(&ip, 49152, &Bth::gsi(7), &Deth::GSI, &[5; 13]);
+        assert_eq!(
+            emit_ud_into(&mut buf, &ip, 49152, &Bth::gsi(7), &Deth::GSI, &[5; 13]),
+            &ud[..]
+        );
+        assert_eq!(ud.len(), BTH_LEN + DETH_LEN + 16 + ICRC_LEN);
+    }
 
     #[test]
     fn helper_vectors_match_the_reference() {

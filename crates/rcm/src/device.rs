@@ -176,16 +176,26 @@ impl DeviceInner {
         f: impl FnOnce(&mut Endpoint, Instant) -> R,
     ) -> R {
         let now = Instant::now();
-        let (r, tx, next) = {
+        // The thread's transmit list is reused (a nested call, from a callback this one
+        // routes, finds it taken and uses a fresh one).
+        let mut tx = TX_LIST.with(|l| std::mem::take(&mut *l.borrow_mut()));
+        let (r, next) = {
             let mut ep = sync::lock(&self.engine);
             let r = f(&mut ep, now);
-            let tx: Vec<Transmit> = std::iter::from_fn(|| ep.poll_transmit()).collect();
+            tx.extend(std::iter::from_fn(|| ep.poll_transmit()));
             let mut p = sync::lock(&self.pending);
             p.events.extend(std::iter::from_fn(|| ep.poll_event()));
             drop(p);
-            (r, tx, ep.poll_timeout())
+            (r, ep.poll_timeout())
         };
         self.send_all(&tx);
+        tx.clear();
+        TX_LIST.with(|l| {
+            let mut l = l.borrow_mut();
+            if l.capacity() < tx.capacity() {
+                *l = tx;
+            }
+        });
         self.maybe_wake(next);
         self.route_pending();
         r
@@ -218,19 +228,22 @@ impl DeviceInner {
             return;
         }
         let Some(sock) = self.socket() else { return };
-        for t in tx {
-            let ip = match (self.ip, t.dst) {
-                (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
-                (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
-                _ => continue,
-            };
-            let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
-            let payload = roce::emit_gsi(&ip, self.port, psn, &t.mad);
-            match sock.send_to(&payload, SocketAddr::new(t.dst, self.port)) {
-                Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
-                Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
-            };
-        }
+        TX_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            for t in tx {
+                let ip = match (self.ip, t.dst) {
+                    (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
+                    (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
+                    _ => continue,
+                };
+                let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+                let payload = roce::emit_gsi_into(&mut buf, &ip, self.port, psn, &t.mad);
+                match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
+                    Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        });
     }
 
     /// Wakes the I/O thread when a command armed a timer earlier than the one it sleeps to.
@@ -288,9 +301,13 @@ impl DeviceInner {
 
     /// Feeds a batch of received datagrams to the engine under one lock; then queues the UD
     /// SENDs among them to their ids (outside the engine lock).
-    fn handle_batch(self: &Arc<Self>, batch: &[(SocketAddr, Vec<u8>)]) {
+    fn handle_batch<'a>(
+        self: &Arc<Self>,
+        batch: impl ExactSizeIterator<Item = (SocketAddr, &'a [u8])>,
+    ) {
         let mut bad = 0;
         let mut ud = Vec::new();
+        let n = batch.len();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
                 if buf.len() == 1 && from.ip() == self.ip {
@@ -304,9 +321,7 @@ impl DeviceInner {
                 }
             }
         });
-        self.stats
-            .rx
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.stats.rx.fetch_add(n as u64, Ordering::Relaxed);
         self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
         for (src, d) in ud {
             self.deliver_ud(src, d);
@@ -442,10 +457,60 @@ fn wait_readable(sock: &UdpSocket, d: Duration) {
     let _ = poll(&mut fds, t.as_ref());
 }
 
+/// Received datagrams, in buffers kept from batch to batch: the receive loop allocates
+/// nothing per datagram (a fresh buffer per datagram was the first allocation of every
+/// packet, and what the connect burst's leftovers in the heap were made of).
+struct RxBatch {
+    slots: Vec<(SocketAddr, usize, Box<[u8]>)>,
+    len: usize,
+}
+
+impl RxBatch {
+    fn new() -> Self {
+        RxBatch {
+            slots: Vec::with_capacity(BATCH),
+            len: 0,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Takes what `sock` has queued, without waiting, until the batch is full.
+    fn fill(&mut self, sock: &UdpSocket) {
+        while self.len < BATCH {
+            if self.len == self.slots.len() {
+                // The largest UD message (an IB MTU of 4096) with its headers fits whole.
+                let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+                self.slots
+                    .push((unspecified, 0, vec![0u8; RX_BUF].into_boxed_slice()));
+            }
+            let Some((from, n, buf)) = self.slots.get_mut(self.len) else {
+                return;
+            };
+            match rustix::net::recvfrom(sock, &mut buf[..], rustix::net::RecvFlags::DONTWAIT) {
+                Ok((got, _, Some(a))) => {
+                    let Ok(a) = SocketAddr::try_from(a) else {
+                        continue;
+                    };
+                    (*from, *n) = (a, got.min(buf.len()));
+                    self.len += 1;
+                }
+                _ => return,
+            }
+        }
+    }
+
+    fn datagrams(&self) -> impl ExactSizeIterator<Item = (SocketAddr, &[u8])> {
+        self.slots[..self.len]
+            .iter()
+            .map(|(from, n, buf)| (*from, buf.get(..*n).unwrap_or_default()))
+    }
+}
+
 fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
-    // The largest UD message (an IB MTU of 4096) with its headers fits whole.
-    let mut buf = vec![0u8; RX_BUF];
-    let mut batch: Vec<(SocketAddr, Vec<u8>)> = Vec::with_capacity(BATCH);
+    let mut batch = RxBatch::new();
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -454,41 +519,36 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
         let wait = run_timers(&d);
         drop(d);
         // Take what is queued, up to a batch, and feed it to the engine under one lock.
-        let mut take = |batch: &mut Vec<(SocketAddr, Vec<u8>)>| {
-            while batch.len() < BATCH {
-                let Some(d) = recv_nowait(sock, &mut buf) else {
-                    break;
-                };
-                batch.push(d);
-            }
-        };
-        take(&mut batch);
+        batch.fill(sock);
         if batch.is_empty() {
             // Poll a while (`FabricConfig::spin`), then sleep in poll(2) up to the next timer.
             let until = Instant::now() + wait;
             let polled = crate::slot::spin_until(spin.min(wait), || {
-                take(&mut batch);
+                batch.fill(sock);
                 !batch.is_empty()
             });
             if !polled {
                 let left = until.saturating_duration_since(Instant::now());
                 if !left.is_zero() {
                     wait_readable(sock, left);
-                    take(&mut batch);
+                    batch.fill(sock);
                 }
             }
         }
-        if !feed(dev, &batch) {
+        if !feed(dev, batch.datagrams()) {
             return;
         }
-        batch.clear();
+        batch.len = 0;
     }
 }
 
 /// Hands a received batch to the device's engine; false once the device is gone or
 /// stopping (the receive loop then ends).
-fn feed(dev: &Weak<DeviceInner>, batch: &[(SocketAddr, Vec<u8>)]) -> bool {
-    if batch.is_empty() {
+fn feed<'a>(
+    dev: &Weak<DeviceInner>,
+    batch: impl ExactSizeIterator<Item = (SocketAddr, &'a [u8])>,
+) -> bool {
+    if batch.len() == 0 {
         return true;
     }
     let Some(d) = dev.upgrade() else { return false };
@@ -591,7 +651,7 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
         }
         // The UDP socket's copies of the same datagrams.
         while recv_nowait(sock, &mut sink).is_some() {}
-        if !feed(dev, &batch) {
+        if !feed(dev, batch.iter().map(|(a, d)| (*a, d.as_slice()))) {
             return;
         }
     }
@@ -613,6 +673,14 @@ fn verify(hdr: &[u8], udp: &[u8], port: u16) -> rcm_wire::Result<()> {
 
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
+
+std::thread_local! {
+    /// The thread's list of datagrams an engine call queued (see `with_engine`).
+    static TX_LIST: std::cell::RefCell<Vec<Transmit>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The thread's buffer for building a datagram (one per packet was most of the
+    /// allocations of a connection).
+    static TX_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// Receive buffer: more than a UD SEND of the largest IB MTU (4096) with BTH, DETH, ImmDt,
 /// pad and ICRC; a longer datagram is truncated by the socket and then fails to parse.

@@ -45,7 +45,8 @@ pub enum State {
 /// A message waiting for its answer, retransmitted until it comes or the policy gives up.
 #[derive(Debug, Clone)]
 pub(crate) struct Outstanding {
-    pub mad: Box<[u8; 256]>,
+    /// Inline: the endpoint boxes the whole `Outstanding`, one allocation per message.
+    pub mad: [u8; 256],
     pub retries_done: u8,
     pub next_wait: Duration,
     pub deadline: Option<Instant>,

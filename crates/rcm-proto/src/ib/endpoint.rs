@@ -215,12 +215,13 @@ impl Endpoint {
         }
     }
 
-    fn send(&mut self, dst: IpAddr, tid: u64, msg: CmMessage) -> Option<Box<[u8; 256]>> {
+    /// Queues `msg` for `dst`; the MAD sent (for a tracked send to keep).
+    fn send(&mut self, dst: IpAddr, tid: u64, msg: CmMessage) -> Option<[u8; 256]> {
         match CmMad::send(tid, msg).emit() {
             Ok(mad) => {
                 self.stats.tx += 1;
                 self.transmits.push_back(Transmit { dst, mad });
-                Some(Box::new(mad))
+                Some(mad)
             }
             // Only caller-supplied data can fail to encode, and commands check it first.
             Err(_) => None,
@@ -897,7 +898,7 @@ impl Endpoint {
         let expired = out.retries_done >= max_retries || out.deadline.is_some_and(|d| now >= d);
         if !expired {
             out.retries_done += 1;
-            let mad = *out.mad;
+            let mad = out.mad;
             let wait = match policy {
                 RetryPolicy::Classic => out.next_wait,
                 RetryPolicy::Backoff { max_wait, .. } => {
@@ -1025,7 +1026,7 @@ impl Endpoint {
                 }
                 State::RepSent | State::MraRepRcvd => {
                     if let Some(out) = c.out.as_ref() {
-                        let (dst, mad) = (c.peer, *out.mad);
+                        let (dst, mad) = (c.peer, out.mad);
                         self.stats.tx += 1;
                         self.transmits.push_back(Transmit { dst, mad });
                     }
