@@ -27,8 +27,9 @@ pub struct BenchOpts {
     pub listen: bool,
     /// Connect to a server elsewhere instead of running both sides here.
     pub server: Option<IpAddr>,
-    /// Local address (client side with `server`, server side with `listen`).
-    pub bind: Option<IpAddr>,
+    /// Local addresses (client side with `server`, ids spread over them; server side with
+    /// `listen`, one).
+    pub bind: Vec<IpAddr>,
     /// rdma_cm port.
     pub port: u16,
     /// UDP port of the RoCEv2 devices (4791 on a real network).
@@ -800,8 +801,8 @@ pub fn tcp_baseline(n: usize) -> std::io::Result<f64> {
 }
 
 /// The fabric of one side: the daemon's (a session of it), or a fresh one with a device
-/// on `bind`.
-fn side_fabric(o: &BenchOpts, bind: Option<IpAddr>) -> Result<(Fabric, IpAddr), String> {
+/// on each of `binds`; the addresses its ids use.
+fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>), String> {
     let cfg = FabricConfig {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
@@ -812,29 +813,40 @@ fn side_fabric(o: &BenchOpts, bind: Option<IpAddr>) -> Result<(Fabric, IpAddr), 
         let f = rcm_ucm::fabric_with(path, cfg)
             .map_err(|e| format!("daemon {}: {e}", path.display()))?;
         let devs = f.device_addrs();
-        let ip = match bind {
-            Some(b) if devs.contains(&b) => b,
-            Some(b) => return Err(format!("the daemon has no device on {b} (it has {devs:?})")),
-            None => *devs.first().ok_or("the daemon has no devices")?,
+        if let Some(b) = binds.iter().find(|b| !devs.contains(b)) {
+            return Err(format!("the daemon has no device on {b} (it has {devs:?})"));
+        }
+        let ips = if binds.is_empty() {
+            vec![*devs.first().ok_or("the daemon has no devices")?]
+        } else {
+            binds.to_vec()
         };
-        return Ok((f, ip));
+        return Ok((f, ips));
     }
-    let bind = bind.ok_or("--bind is required with --listen or --server")?;
+    if binds.is_empty() {
+        return Err("--bind is required with --listen or --server".into());
+    }
     let f = Fabric::new(cfg);
-    if o.iwarp {
-        f.add_iwarp_device(bind)
-    } else {
-        f.add_device(bind)
+    for &bind in binds {
+        if o.iwarp {
+            f.add_iwarp_device(bind)
+        } else {
+            f.add_device(bind)
+        }
+        .map_err(|e| format!("device on {bind}: {e}"))?;
     }
-    .map_err(|e| format!("device on {bind}: {e}"))?;
-    Ok((f, bind))
+    Ok((f, binds.to_vec()))
 }
 
 /// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
 /// interrupted (returns `None`), `--server` runs the client from `--bind`.
 pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
-    let (fabric, bind) = side_fabric(o, o.bind)?;
+    if o.listen && o.bind.len() > 1 {
+        return Err("--listen serves on one --bind address".into());
+    }
+    let (fabric, binds) = side_fabric(o, &o.bind)?;
     if o.listen {
+        let bind = *binds.first().ok_or("no address to serve on")?;
         let served = Arc::new(AtomicUsize::new(0));
         let _srv = serve(
             &fabric,
@@ -856,7 +868,7 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
         }
     }
     let server = o.server.ok_or("--server is required")?;
-    let r = run_client(&fabric, &[bind], SocketAddr::new(server, o.port), o);
+    let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o);
     fabric.shutdown();
     Ok(Some(r))
 }
@@ -865,8 +877,9 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
 /// it (as two processes would be); the server listens on the daemon's first device and the
 /// client connects from the others (or the same one, when it has only one).
 pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
-    let (sf, server_ip) = side_fabric(o, o.bind)?;
-    let (cf, _) = side_fabric(o, None)?;
+    let (sf, server_ips) = side_fabric(o, &o.bind)?;
+    let server_ip = *server_ips.first().ok_or("the daemon has no devices")?;
+    let (cf, _) = side_fabric(o, &[])?;
     let mut srcs: Vec<IpAddr> = cf
         .device_addrs()
         .into_iter()

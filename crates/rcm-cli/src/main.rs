@@ -104,9 +104,11 @@ struct BenchArgs {
     /// Run only the client, against a server on this address.
     #[arg(long, value_name = "IP", requires = "bind")]
     server: Option<std::net::IpAddr>,
-    /// Local address of this side (its device).
+    /// Local address of this side (its device). The client (--server) takes it more than
+    /// once to spread its ids over several devices: one address has ~28,000 ephemeral
+    /// ports, so 100,000 connections need four.
     #[arg(long, value_name = "IP")]
-    bind: Option<std::net::IpAddr>,
+    bind: Vec<std::net::IpAddr>,
     /// Seconds to wait for any one step before giving up.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
@@ -468,7 +470,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         serial: a.serial,
         listen: a.listen,
         server: a.server,
-        bind: a.bind,
+        bind: a.bind.clone(),
         port: a.port,
         udp_port: a.udp_port,
         threads: a.threads as usize,

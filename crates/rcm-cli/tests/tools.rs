@@ -196,6 +196,56 @@ fn ping_separate_server_and_client_processes() {
 }
 
 #[test]
+fn bench_client_on_several_addresses_against_a_separate_server() {
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "bench",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "--udp-port",
+            "26801",
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--server",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "--bind",
+        "127.0.0.3",
+        "-c",
+        "40",
+        "--udp-port",
+        "26801",
+        "--json",
+    ]);
+    server.kill().unwrap();
+    let _ = server.wait();
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["established"], 40, "{out}");
+    assert_eq!(v["errors"], 0, "{out}");
+    // This process holds only the client ends, and says so.
+    assert_eq!(v["rss_scope"], "client ends", "{out}");
+    // A server serves on one address.
+    let (code, _, err) = rcm(&[
+        "bench",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("one --bind"), "{err}");
+}
+
+#[test]
 fn ping_against_nobody_fails_with_the_reason() {
     let (code, out, _) = rcm(&[
         "ping",
