@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -117,38 +117,90 @@ pub struct Report {
     pub latencies_us: Vec<f64>,
 }
 
+/// Per-connection durations of one step. Atomics, so that one thread starts connections
+/// while another, handling their events, ends them (see `issue_and_wait`).
 struct Timing {
-    start: Vec<Option<Instant>>,
-    dur: Vec<Option<Duration>>,
+    base: Instant,
+    /// Nanoseconds from `base` to the start, plus one; 0: not started.
+    start: Vec<AtomicU64>,
+    /// The duration in nanoseconds, plus one; 0: not ended.
+    dur: Vec<AtomicU64>,
 }
 
 impl Timing {
     fn new(n: usize) -> Self {
         Timing {
-            start: vec![None; n],
-            dur: vec![None; n],
+            base: Instant::now(),
+            start: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            dur: (0..n).map(|_| AtomicU64::new(0)).collect(),
         }
     }
-    fn begin(&mut self, i: usize) {
-        self.start[i] = Some(Instant::now());
+    fn now(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
     }
-    fn end(&mut self, i: usize) {
-        if let Some(s) = self.start[i] {
-            self.dur[i].get_or_insert(s.elapsed());
+    fn begin(&self, i: usize) {
+        if let Some(s) = self.start.get(i) {
+            s.store(self.now(), Ordering::Release);
         }
+    }
+    /// Ends connection `i` (the first end counts).
+    fn end(&self, i: usize) {
+        let (Some(s), Some(d)) = (self.start.get(i), self.dur.get(i)) else {
+            return;
+        };
+        let s = s.load(Ordering::Acquire);
+        if s != 0 {
+            let took = self.now().saturating_sub(s) + 1;
+            let _ = d.compare_exchange(0, took, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+    fn durations(&self) -> impl Iterator<Item = Duration> + '_ {
+        self.dur
+            .iter()
+            .map(|d| d.load(Ordering::Relaxed))
+            .filter(|&d| d != 0)
+            .map(|d| Duration::from_nanos(d - 1))
     }
     fn done(&self) -> usize {
-        self.dur.iter().filter(|d| d.is_some()).count()
+        self.durations().count()
     }
 }
 
+/// Starts the connections of `chunk` with `issue` and handles their events with `wait`.
+/// In a burst the calls are made from a helper thread while this one already handles the
+/// events (as cmtime's event thread does): the first connections' events are not left
+/// queued until the last call is made, and the calls' own work (sending, on loopback also
+/// the peer's receive processing) is not serialised with the event handling. One at a time
+/// (`serial`), both run here in turn. Returns the calls' errors.
+fn issue_and_wait(
+    serial: bool,
+    chunk: &[CmId],
+    issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
+    wait: impl FnOnce(),
+) -> Vec<String> {
+    let run = || -> Vec<String> {
+        chunk
+            .iter()
+            .enumerate()
+            .filter_map(|(k, id)| issue(k, id))
+            .collect()
+    };
+    if serial {
+        let errs = run();
+        wait();
+        return errs;
+    }
+    std::thread::scope(|sc| {
+        let issuer = sc.spawn(run);
+        wait();
+        issuer
+            .join()
+            .unwrap_or_else(|_| vec!["the issuing thread panicked".into()])
+    })
+}
+
 fn step(name: &'static str, total: Duration, t: &Timing, n: usize) -> Step {
-    let ds: Vec<f64> = t
-        .dur
-        .iter()
-        .flatten()
-        .map(|d| d.as_secs_f64() * 1e6)
-        .collect();
+    let ds: Vec<f64> = t.durations().map(|d| d.as_secs_f64() * 1e6).collect();
     let sum: f64 = ds.iter().sum();
     let n = n.max(1) as f64;
     Step {
@@ -173,7 +225,7 @@ fn sync_step(
     f: impl Fn(&CmId) -> rcm::Result<()>,
     failures: &mut Vec<String>,
 ) -> Step {
-    let mut t = Timing::new(ids.len());
+    let t = Timing::new(ids.len());
     let start = Instant::now();
     for (i, id) in ids.iter().enumerate() {
         t.begin(i);
@@ -229,19 +281,19 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     ch.set_spin(o.spin);
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
-    let mut t = Timing::new(n);
+    let t = Timing::new(n);
     let mut ids = Vec::with_capacity(n);
     let mut index: HashMap<u64, usize> = HashMap::with_capacity(n);
-    let mut resolve_addr = Timing::new(n);
-    let mut resolve_route = Timing::new(n);
-    let mut connect = Timing::new(n);
-    let mut establish = Timing::new(n);
-    let mut rtr = Timing::new(n);
-    let mut rts = Timing::new(n);
-    let mut latency = Timing::new(n);
-    let mut disconnect = Timing::new(n);
-    let mut qp_timing = Timing::new(n);
-    let mut init_timing = Timing::new(n);
+    let resolve_addr = Timing::new(n);
+    let resolve_route = Timing::new(n);
+    let connect = Timing::new(n);
+    let establish = Timing::new(n);
+    let rtr = Timing::new(n);
+    let rts = Timing::new(n);
+    let latency = Timing::new(n);
+    let disconnect = Timing::new(n);
+    let qp_timing = Timing::new(n);
+    let init_timing = Timing::new(n);
     let mut failed = vec![false; n];
     let rss_before = rss_bytes();
     let mut rss_established = 0u64;
@@ -289,51 +341,65 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         let full_start = Instant::now();
         // resolve addr
         let s = Instant::now();
-        for (k, id) in chunk_ids.iter().enumerate() {
-            resolve_addr.begin(chunk_start + k);
-            if let Err(e) = id.resolve_addr(None, dst) {
-                failures.push(format!("resolve addr: {e}"));
-            }
-        }
-        wait(
-            &ch,
-            &index,
-            &range,
-            o.step_timeout,
-            &mut failures,
-            &mut failed,
-            |i, ev, _| match ev {
-                Event::AddrResolved => {
-                    resolve_addr.end(i);
-                    true
-                }
-                _ => false,
+        let errs = issue_and_wait(
+            o.serial,
+            chunk_ids,
+            |k, id| {
+                resolve_addr.begin(chunk_start + k);
+                id.resolve_addr(None, dst)
+                    .err()
+                    .map(|e| format!("resolve addr: {e}"))
+            },
+            || {
+                wait(
+                    &ch,
+                    &index,
+                    &range,
+                    o.step_timeout,
+                    &mut failures,
+                    &mut failed,
+                    |i, ev, _| match ev {
+                        Event::AddrResolved => {
+                            resolve_addr.end(i);
+                            true
+                        }
+                        _ => false,
+                    },
+                );
             },
         );
+        failures.extend(errs);
         t_addr += s.elapsed();
         // resolve route
         let s = Instant::now();
-        for (k, id) in chunk_ids.iter().enumerate() {
-            resolve_route.begin(chunk_start + k);
-            if let Err(e) = id.resolve_route() {
-                failures.push(format!("resolve route: {e}"));
-            }
-        }
-        wait(
-            &ch,
-            &index,
-            &range,
-            o.step_timeout,
-            &mut failures,
-            &mut failed,
-            |i, ev, _| match ev {
-                Event::RouteResolved => {
-                    resolve_route.end(i);
-                    true
-                }
-                _ => false,
+        let errs = issue_and_wait(
+            o.serial,
+            chunk_ids,
+            |k, id| {
+                resolve_route.begin(chunk_start + k);
+                id.resolve_route()
+                    .err()
+                    .map(|e| format!("resolve route: {e}"))
+            },
+            || {
+                wait(
+                    &ch,
+                    &index,
+                    &range,
+                    o.step_timeout,
+                    &mut failures,
+                    &mut failed,
+                    |i, ev, _| match ev {
+                        Event::RouteResolved => {
+                            resolve_route.end(i);
+                            true
+                        }
+                        _ => false,
+                    },
+                );
             },
         );
+        failures.extend(errs);
         t_route += s.elapsed();
         // create qp: as cmtime -m, QPs are mimicked: a QPN is invented, no QP is attached, so
         // the active side gets CONNECT_RESPONSE and finishes with RTR/RTS + establish.
@@ -352,7 +418,9 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         init_attr += s.elapsed();
         // cm connect: REQ out, REP back (CONNECT_RESPONSE).
         let s = Instant::now();
-        for (k, id) in chunk_ids.iter().enumerate() {
+        let mut early = vec![false; n];
+        let mut responded = vec![false; n];
+        let issue = |k: usize, id: &CmId| {
             let i = chunk_start + k;
             connect.begin(i);
             latency.begin(i);
@@ -363,64 +431,63 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                 private_data: b"rcm bench connect".to_vec(),
                 ..ConnectOptions::default()
             };
-            if let Err(e) = id.connect(&opts) {
-                failures.push(format!("connect: {e}"));
-            }
-        }
-        let mut early = vec![false; n];
-        let mut responded = vec![false; n];
-        wait(
-            &ch,
-            &index,
-            &range,
-            o.step_timeout,
-            &mut failures,
-            &mut failed,
-            |i, ev, id| match ev {
-                // iWARP has no CONNECT_RESPONSE: the MPA Reply is ESTABLISHED (iw_cm's
-                // CONNECT_REPLY), so connect ends here and the QP steps and establish are
-                // the same instant (what cmtime shows on siw). Told apart by the missing
-                // response, so it also works through a daemon whose transport we don't know.
-                Event::Established { .. } if !responded[i] => {
-                    connect.end(i);
-                    rtr.begin(i);
-                    let _ = id.init_qp_attr(QpState::Rtr);
-                    rtr.end(i);
-                    rts.begin(i);
-                    let _ = id.init_qp_attr(QpState::Rts);
-                    rts.end(i);
-                    establish.begin(i);
-                    establish.end(i);
-                    latency.end(i);
-                    early[i] = true;
-                    true
-                }
-                // The RTU goes out inside establish(), so ESTABLISHED can overtake other
-                // connections' responses: note it for the next step.
-                Event::Established { .. } => {
-                    establish.end(i);
-                    latency.end(i);
-                    early[i] = true;
-                    false
-                }
-                Event::ConnectResponse { .. } => {
-                    responded[i] = true;
-                    connect.end(i);
-                    rtr.begin(i);
-                    let _ = id.init_qp_attr(QpState::Rtr);
-                    rtr.end(i);
-                    rts.begin(i);
-                    let _ = id.init_qp_attr(QpState::Rts);
-                    rts.end(i);
-                    establish.begin(i);
-                    if id.establish().is_err() {
-                        return false;
+            id.connect(&opts).err().map(|e| format!("connect: {e}"))
+        };
+        let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
+            wait(
+                &ch,
+                &index,
+                &range,
+                o.step_timeout,
+                &mut failures,
+                &mut failed,
+                |i, ev, id| match ev {
+                    // iWARP has no CONNECT_RESPONSE: the MPA Reply is ESTABLISHED (iw_cm's
+                    // CONNECT_REPLY), so connect ends here and the QP steps and establish are
+                    // the same instant (what cmtime shows on siw). Told apart by the missing
+                    // response, so it also works through a daemon whose transport we don't know.
+                    Event::Established { .. } if !responded[i] => {
+                        connect.end(i);
+                        rtr.begin(i);
+                        let _ = id.init_qp_attr(QpState::Rtr);
+                        rtr.end(i);
+                        rts.begin(i);
+                        let _ = id.init_qp_attr(QpState::Rts);
+                        rts.end(i);
+                        establish.begin(i);
+                        establish.end(i);
+                        latency.end(i);
+                        early[i] = true;
+                        true
                     }
-                    true
-                }
-                _ => false,
-            },
-        );
+                    // The RTU goes out inside establish(), so ESTABLISHED can overtake other
+                    // connections' responses: note it for the next step.
+                    Event::Established { .. } => {
+                        establish.end(i);
+                        latency.end(i);
+                        early[i] = true;
+                        false
+                    }
+                    Event::ConnectResponse { .. } => {
+                        responded[i] = true;
+                        connect.end(i);
+                        rtr.begin(i);
+                        let _ = id.init_qp_attr(QpState::Rtr);
+                        rtr.end(i);
+                        rts.begin(i);
+                        let _ = id.init_qp_attr(QpState::Rts);
+                        rts.end(i);
+                        establish.begin(i);
+                        if id.establish().is_err() {
+                            return false;
+                        }
+                        true
+                    }
+                    _ => false,
+                },
+            );
+        });
+        failures.extend(errs);
         t_conn += s.elapsed();
         // establish: RTU out, ESTABLISHED reported.
         let est_start = Instant::now();
@@ -467,31 +534,33 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         full += full_start.elapsed();
         // disconnect
         let s = Instant::now();
-        for (k, id) in chunk_ids.iter().enumerate() {
+        let skip = failed.clone();
+        let issue = |k: usize, id: &CmId| {
             let i = chunk_start + k;
-            if failed[i] {
-                continue;
+            if skip[i] {
+                return None;
             }
             disconnect.begin(i);
-            if let Err(e) = id.disconnect() {
-                failures.push(format!("disconnect: {e}"));
-            }
-        }
-        wait(
-            &ch,
-            &index,
-            &range,
-            o.step_timeout,
-            &mut failures,
-            &mut failed,
-            |i, ev, _| match ev {
-                Event::Disconnected => {
-                    disconnect.end(i);
-                    true
-                }
-                _ => false,
-            },
-        );
+            id.disconnect().err().map(|e| format!("disconnect: {e}"))
+        };
+        let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
+            wait(
+                &ch,
+                &index,
+                &range,
+                o.step_timeout,
+                &mut failures,
+                &mut failed,
+                |i, ev, _| match ev {
+                    Event::Disconnected => {
+                        disconnect.end(i);
+                        true
+                    }
+                    _ => false,
+                },
+            );
+        });
+        failures.extend(errs);
         t_disc += s.elapsed();
         cycle += full_start.elapsed();
     }
@@ -521,12 +590,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     steps.insert(0, full_step);
 
     let established = latency.done();
-    let lat: Vec<f64> = latency
-        .dur
-        .iter()
-        .flatten()
-        .map(|d| d.as_secs_f64() * 1e6)
-        .collect();
+    let lat: Vec<f64> = latency.durations().map(|d| d.as_secs_f64() * 1e6).collect();
     let mut h = Histogram::<u64>::new(3).unwrap_or_else(|_| Histogram::new(2).expect("histogram"));
     for v in &lat {
         let _ = h.record(v.max(1.0) as u64);
@@ -1050,4 +1114,71 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
         ml = m - 5.0,
     );
     std::fs::write(path, svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timing_counts_the_first_end_after_its_start_from_any_thread() {
+        let t = Timing::new(3);
+        t.end(0); // never started: not counted
+        t.begin(1);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(2));
+                t.end(1);
+            });
+        });
+        let first = t.durations().next().unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        t.end(1); // a second end changes nothing
+        t.end(7); // out of range: ignored
+        assert_eq!(t.done(), 1);
+        assert_eq!(t.durations().next(), Some(first));
+        assert!(first >= Duration::from_millis(2), "{first:?}");
+    }
+
+    #[test]
+    fn issuing_and_waiting_run_concurrently_in_a_burst_and_in_turn_one_at_a_time() {
+        let f = Fabric::new(FabricConfig::default());
+        let ids: Vec<CmId> = (0..4)
+            .map(|_| f.create_id_on(PortSpace::Tcp, &EventChannel::new()))
+            .collect();
+        for serial in [false, true] {
+            let issued = AtomicUsize::new(0);
+            let seen_by_wait = AtomicUsize::new(usize::MAX);
+            let errs = issue_and_wait(
+                serial,
+                &ids,
+                |k, _| {
+                    if serial {
+                        issued.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        // The burst's waiter runs meanwhile: wait (boundedly, so that a
+                        // sequential version fails instead of hanging) for it to start.
+                        let end = Instant::now() + Duration::from_secs(5);
+                        while seen_by_wait.load(Ordering::SeqCst) == usize::MAX
+                            && Instant::now() < end
+                        {
+                            std::thread::yield_now();
+                        }
+                        issued.fetch_add(1, Ordering::SeqCst);
+                    }
+                    (k == 2).then(|| "third failed".to_string())
+                },
+                || seen_by_wait.store(issued.load(Ordering::SeqCst), Ordering::SeqCst),
+            );
+            assert_eq!(errs, vec!["third failed".to_string()]);
+            assert_eq!(issued.load(Ordering::SeqCst), 4);
+            let seen = seen_by_wait.load(Ordering::SeqCst);
+            if serial {
+                assert_eq!(seen, 4, "one at a time, the wait comes after every call");
+            } else {
+                assert_eq!(seen, 0, "in a burst, the wait starts before the calls");
+            }
+        }
+        f.shutdown();
+    }
 }
