@@ -237,7 +237,8 @@ pub(crate) struct IdState {
     bound: bool,
     dst: Option<SocketAddr>,
     pub device: Option<Arc<DeviceInner>>,
-    pub cep: Option<CepHandle>,
+    /// The engine's endpoint (its handles start at 1: the niche keeps this 8 bytes).
+    cep: Option<std::num::NonZeroU64>,
     /// Boxed: only listeners have it, and inline it would cost every id 40 bytes.
     listening: Option<Box<Listening>>,
     path: PathParams,
@@ -252,7 +253,8 @@ pub(crate) struct IdState {
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
     /// iWARP: the device's TCP stream this id owns.
-    iw: Option<ConnKey>,
+    /// (Keys start at 1: the niche keeps this 8 bytes.)
+    iw: Option<std::num::NonZeroUsize>,
 }
 
 /// What only a listener has.
@@ -271,6 +273,8 @@ struct Listening {
 struct Extra {
     remote: std::sync::OnceLock<Arc<dyn RemoteId>>,
     mail: Mail,
+    /// UD: the PSN of the next UD SEND.
+    ud_psn: std::sync::atomic::AtomicU32,
 }
 
 /// What an id receives besides events.
@@ -298,8 +302,6 @@ pub(crate) struct IdInner {
     /// What few ids have (a provider, received messages), made on first use: one pointer
     /// on every id instead of a field for each.
     extra: std::sync::OnceLock<Box<Extra>>,
-    /// UD: the PSN of the next UD SEND.
-    ud_psn: std::sync::atomic::AtomicU32,
 }
 
 /// The largest payload of one UD datagram ([`CmId::send_ud`]): the largest IB MTU. The path
@@ -496,10 +498,19 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
         st: Mutex::new(new_state()),
         op: Mutex::new(()),
         extra: std::sync::OnceLock::new(),
-        ud_psn: std::sync::atomic::AtomicU32::new(0),
     });
     inner.slot.set_owner(inner.clone());
     CmId(inner)
+}
+
+impl IdState {
+    fn cep(&self) -> Option<CepHandle> {
+        self.cep.map(|h| CepHandle(h.get()))
+    }
+
+    fn set_cep(&mut self, h: CepHandle) {
+        self.cep = std::num::NonZeroU64::new(h.0);
+    }
 }
 
 impl crate::slot::SlotOwner for IdInner {
@@ -1151,7 +1162,7 @@ impl CmId {
                 Err(Error::Destroyed)
             }
             Ok(h) => {
-                g.cep = Some(h);
+                g.set_cep(h);
                 g.conn.local_qpn = qpn;
                 g.conn.local_psn = psn;
                 g.conn.retry_count = p.retry_count;
@@ -1190,7 +1201,7 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             }
             check_pd(self.0.ps, "accept", &opts.private_data)?;
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
                 return Err(Error::InvalidState(g.state));
             };
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
@@ -1266,7 +1277,7 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             }
             check_pd(self.0.ps, "reject", private_data)?;
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1305,7 +1316,7 @@ impl CmId {
             if g.state != State::Connect || g.listener.is_some() {
                 return Err(Error::InvalidState(g.state));
             }
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1329,7 +1340,7 @@ impl CmId {
             if g.state != State::Established || is_ud(self.0.ps) {
                 return Err(Error::InvalidState(g.state));
             }
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1539,13 +1550,13 @@ fn teardown(inner: &Arc<IdInner>) {
         g.state = State::Destroying;
         (
             g.device.clone(),
-            g.cep.take(),
+            g.cep.take().map(|h| CepHandle(h.get())),
             g.listening.take().map(|l| *l).unwrap_or_default(),
             g.src,
             g.bound,
             g.context.take(),
             g.listener.clone(),
-            g.iw.take(),
+            g.iw.take().map(std::num::NonZeroUsize::get),
             Some(g.conn.local_qpn).filter(|&q| q != 0 && is_ud(inner.ps)),
         )
     };
@@ -1761,7 +1772,7 @@ pub(crate) fn on_connect_request(
         g.src = Some(SocketAddr::new(hdr.dst, local_port));
         g.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
         g.device = Some(dev.clone());
-        g.cep = Some(cep);
+        g.set_cep(cep);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
         if let Incoming::Rc(info) = inc {
@@ -2136,7 +2147,7 @@ impl CmId {
     /// The iWARP device and stream of this id, if it has one.
     fn iw_conn(&self) -> Result<Option<(Arc<DeviceInner>, ConnKey)>> {
         let g = self.usable()?;
-        Ok(match (&g.device, g.iw) {
+        Ok(match (&g.device, g.iw.map(std::num::NonZeroUsize::get)) {
             (Some(d), Some(k)) if d.is_iwarp() => Some((d.clone(), k)),
             (Some(d), None) if d.is_iwarp() => return Err(Error::InvalidState(g.state)),
             _ => None,
@@ -2189,7 +2200,7 @@ impl CmId {
                 Err(Error::Destroyed)
             }
             Ok(k) => {
-                g.iw = Some(k);
+                g.iw = std::num::NonZeroUsize::new(k);
                 g.conn.local_qpn = qpn;
                 Ok(())
             }
@@ -2296,7 +2307,7 @@ impl CmId {
         }
         let (dev, key) = {
             let g = self.usable()?;
-            match (&g.device, g.iw) {
+            match (&g.device, g.iw.map(std::num::NonZeroUsize::get)) {
                 (Some(d), Some(k)) if d.is_iwarp() => {
                     if g.state != State::Established {
                         return Err(Error::InvalidState(g.state));
@@ -2511,7 +2522,7 @@ fn on_iw_connect_request(
         g.src = Some(SocketAddr::new(dev.ip, port));
         g.dst = Some(peer);
         g.device = Some(dev.clone());
-        g.iw = Some(key);
+        g.iw = std::num::NonZeroUsize::new(key);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
         g.conn.responder_resources = param.initiator_depth;
@@ -2634,6 +2645,8 @@ impl CmId {
         };
         let psn = self
             .0
+            .extra
+            .get_or_init(Box::default)
             .ud_psn
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             & 0xFF_FFFF;
