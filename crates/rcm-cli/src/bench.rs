@@ -334,72 +334,55 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut init_attr = Duration::ZERO;
     let mut full = Duration::ZERO;
     let mut cycle = Duration::ZERO;
+    let events = Events {
+        ch: &ch,
+        index: &index,
+        timeout: o.step_timeout,
+    };
 
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);
         let chunk_ids = &ids[range.clone()];
         let full_start = Instant::now();
-        // resolve addr
-        let s = Instant::now();
-        let errs = issue_and_wait(
-            o.serial,
-            chunk_ids,
-            |k, id| {
-                resolve_addr.begin(chunk_start + k);
-                id.resolve_addr(None, dst)
-                    .err()
-                    .map(|e| format!("resolve addr: {e}"))
-            },
-            || {
-                wait(
-                    &ch,
-                    &index,
-                    &range,
-                    o.step_timeout,
-                    &mut failures,
-                    &mut failed,
-                    |i, ev, _| match ev {
-                        Event::AddrResolved => {
-                            resolve_addr.end(i);
-                            true
+        // The resolve steps: each connection ends with one event.
+        let mut one_event_step = |timing: &Timing,
+                                  what: &str,
+                                  call: &(dyn Fn(&CmId) -> rcm::Result<()> + Sync),
+                                  want: fn(&Event) -> bool| {
+            let errs = issue_and_wait(
+                o.serial,
+                chunk_ids,
+                |k, id| {
+                    timing.begin(chunk_start + k);
+                    call(id).err().map(|e| format!("{what}: {e}"))
+                },
+                || {
+                    wait(&events, &range, &mut failures, &mut failed, |i, ev, _| {
+                        let hit = want(ev);
+                        if hit {
+                            timing.end(i);
                         }
-                        _ => false,
-                    },
-                );
-            },
+                        hit
+                    });
+                },
+            );
+            failures.extend(errs);
+        };
+        let s = Instant::now();
+        one_event_step(
+            &resolve_addr,
+            "resolve addr",
+            &|id| id.resolve_addr(None, dst),
+            |e| matches!(e, Event::AddrResolved),
         );
-        failures.extend(errs);
         t_addr += s.elapsed();
-        // resolve route
         let s = Instant::now();
-        let errs = issue_and_wait(
-            o.serial,
-            chunk_ids,
-            |k, id| {
-                resolve_route.begin(chunk_start + k);
-                id.resolve_route()
-                    .err()
-                    .map(|e| format!("resolve route: {e}"))
-            },
-            || {
-                wait(
-                    &ch,
-                    &index,
-                    &range,
-                    o.step_timeout,
-                    &mut failures,
-                    &mut failed,
-                    |i, ev, _| match ev {
-                        Event::RouteResolved => {
-                            resolve_route.end(i);
-                            true
-                        }
-                        _ => false,
-                    },
-                );
-            },
+        one_event_step(
+            &resolve_route,
+            "resolve route",
+            &|id| id.resolve_route(),
+            |e| matches!(e, Event::RouteResolved),
         );
-        failures.extend(errs);
         t_route += s.elapsed();
         // create qp: as cmtime -m, QPs are mimicked: a QPN is invented, no QP is attached, so
         // the active side gets CONNECT_RESPONSE and finishes with RTR/RTS + establish.
@@ -420,6 +403,18 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         let s = Instant::now();
         let mut early = vec![false; n];
         let mut responded = vec![false; n];
+        // The connection answered: connect ends, the QP goes to RTR and RTS (mimicked, as
+        // cmtime -m), and establish starts.
+        let qp_steps = |i: usize, id: &CmId| {
+            connect.end(i);
+            rtr.begin(i);
+            let _ = id.init_qp_attr(QpState::Rtr);
+            rtr.end(i);
+            rts.begin(i);
+            let _ = id.init_qp_attr(QpState::Rts);
+            rts.end(i);
+            establish.begin(i);
+        };
         let issue = |k: usize, id: &CmId| {
             let i = chunk_start + k;
             connect.begin(i);
@@ -435,10 +430,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         };
         let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
             wait(
-                &ch,
-                &index,
+                &events,
                 &range,
-                o.step_timeout,
                 &mut failures,
                 &mut failed,
                 |i, ev, id| match ev {
@@ -447,14 +440,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                     // the same instant (what cmtime shows on siw). Told apart by the missing
                     // response, so it also works through a daemon whose transport we don't know.
                     Event::Established { .. } if !responded[i] => {
-                        connect.end(i);
-                        rtr.begin(i);
-                        let _ = id.init_qp_attr(QpState::Rtr);
-                        rtr.end(i);
-                        rts.begin(i);
-                        let _ = id.init_qp_attr(QpState::Rts);
-                        rts.end(i);
-                        establish.begin(i);
+                        qp_steps(i, id);
                         establish.end(i);
                         latency.end(i);
                         early[i] = true;
@@ -470,14 +456,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                     }
                     Event::ConnectResponse { .. } => {
                         responded[i] = true;
-                        connect.end(i);
-                        rtr.begin(i);
-                        let _ = id.init_qp_attr(QpState::Rtr);
-                        rtr.end(i);
-                        rts.begin(i);
-                        let _ = id.init_qp_attr(QpState::Rts);
-                        rts.end(i);
-                        establish.begin(i);
+                        qp_steps(i, id);
                         if id.establish().is_err() {
                             return false;
                         }
@@ -501,10 +480,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         // Connections that failed to connect have nothing to establish either.
         let mut skip: Vec<bool> = early.iter().zip(&failed).map(|(e, f)| *e || *f).collect();
         wait(
-            &ch,
-            &index,
+            &events,
             &range,
-            o.step_timeout,
             &mut failures,
             &mut skip,
             |i, ev, _| match ev {
@@ -545,10 +522,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         };
         let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
             wait(
-                &ch,
-                &index,
+                &events,
                 &range,
-                o.step_timeout,
                 &mut failures,
                 &mut failed,
                 |i, ev, _| match ev {
@@ -646,16 +621,23 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     }
 }
 
+/// Where a run's events come from: its channel, which connection each id is, and how long a
+/// step may wait.
+struct Events<'a> {
+    ch: &'a EventChannel,
+    index: &'a HashMap<u64, usize>,
+    timeout: Duration,
+}
+
 /// Takes events until every live connection in `range` satisfied `on` (or failed).
 fn wait(
-    ch: &EventChannel,
-    index: &HashMap<u64, usize>,
+    from: &Events<'_>,
     range: &std::ops::Range<usize>,
-    timeout: Duration,
     failures: &mut Vec<String>,
     failed: &mut [bool],
     mut on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
+    let (ch, index, timeout) = (from.ch, from.index, from.timeout);
     let mut pending: usize = range.clone().filter(|i| !failed[*i]).count();
     let end = Instant::now() + timeout;
     let mut done = vec![false; range.len()];
