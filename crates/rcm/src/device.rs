@@ -177,8 +177,11 @@ impl DeviceInner {
     ) -> R {
         let now = Instant::now();
         // The thread's transmit list is reused (a nested call, from a callback this one
-        // routes, finds it taken and uses a fresh one).
-        let mut tx = TX_LIST.with(|l| std::mem::take(&mut *l.borrow_mut()));
+        // routes, finds it taken and uses a fresh one; so does a call made while the thread's
+        // locals are being torn down).
+        let mut tx = TX_LIST
+            .try_with(|l| std::mem::take(&mut *l.borrow_mut()))
+            .unwrap_or_default();
         let (r, next) = {
             let mut ep = sync::lock(&self.engine);
             let r = f(&mut ep, now);
@@ -190,7 +193,7 @@ impl DeviceInner {
         };
         self.send_all(&tx);
         tx.clear();
-        TX_LIST.with(|l| {
+        let _ = TX_LIST.try_with(|l| {
             let mut l = l.borrow_mut();
             if l.capacity() < tx.capacity() {
                 *l = tx;
@@ -228,22 +231,23 @@ impl DeviceInner {
             return;
         }
         let Some(sock) = self.socket() else { return };
-        TX_BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            for t in tx {
-                let ip = match (self.ip, t.dst) {
-                    (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
-                    (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
-                    _ => continue,
-                };
-                let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
-                let payload = roce::emit_gsi_into(&mut buf, &ip, self.port, psn, &t.mad);
-                match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
-                    Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
-                    Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
-                };
-            }
-        });
+        let mut buf = TX_BUF
+            .try_with(|b| std::mem::take(&mut *b.borrow_mut()))
+            .unwrap_or_default();
+        for t in tx {
+            let ip = match (self.ip, t.dst) {
+                (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
+                (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
+                _ => continue,
+            };
+            let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+            let payload = roce::emit_gsi_into(&mut buf, &ip, self.port, psn, &t.mad);
+            match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
+                Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
+                Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+        let _ = TX_BUF.try_with(|b| *b.borrow_mut() = buf);
     }
 
     /// Wakes the I/O thread when a command armed a timer earlier than the one it sleeps to.

@@ -102,7 +102,9 @@ pub struct CallbacksHere {
 impl CallbacksHere {
     /// Starts deferring this thread's scheduled callbacks to the drop.
     pub fn begin() -> Self {
-        HERE.with(|h| {
+        // While the thread's locals are torn down the guard does nothing: callbacks go to
+        // the dispatcher as usual.
+        HERE.try_with(|h| {
             let mut h = h.borrow_mut();
             if h.is_some() {
                 CallbacksHere { outermost: false }
@@ -111,6 +113,7 @@ impl CallbacksHere {
                 CallbacksHere { outermost: true }
             }
         })
+        .unwrap_or(CallbacksHere { outermost: false })
     }
 }
 
@@ -120,7 +123,11 @@ impl Drop for CallbacksHere {
             return;
         }
         // Taken first: what these callbacks schedule in turn goes to the dispatcher.
-        let slots = HERE.with(|h| h.borrow_mut().take()).unwrap_or_default();
+        let slots = HERE
+            .try_with(|h| h.borrow_mut().take())
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         for s in slots {
             // Each was scheduled (its `scheduled` flag set) for this thread alone, so no
             // dispatcher thread runs it meanwhile: this is the dispatcher's own loop.
@@ -135,13 +142,13 @@ impl Scheduler<Event> for Dispatcher {
     }
 
     fn schedule(&self, slot: Arc<Slot<Event>>) {
-        let Some(slot) = HERE.with(|h| match h.borrow_mut().as_mut() {
-            Some(v) => {
-                v.push(slot);
-                None
+        let mut slot = Some(slot);
+        let _ = HERE.try_with(|h| {
+            if let Some(v) = h.borrow_mut().as_mut() {
+                v.extend(slot.take());
             }
-            None => Some(slot),
-        }) else {
+        });
+        let Some(slot) = slot else {
             return;
         };
         let mut q = sync::lock(&self.ready);
