@@ -144,8 +144,8 @@ struct DaemonArgs {
     /// Microseconds an idle device, callback or client-reading thread polls for work before
     /// it sleeps (0: sleep at once). Waking a sleeping thread costs tens of µs per hop. A
     /// connect through the daemon crosses its threads several times a few hundred µs apart:
-    /// 1000 keeps them awake in between (one at a time, connect p50 about a fifth lower on
-    /// a 2-core VM) at the cost of CPU while clients are busy.
+    /// 1000 keeps them awake in between (one at a time, connect p50 5-20 % lower in
+    /// interleaved runs on a 2-core VM) at the cost of CPU while clients are busy.
     #[arg(long, value_name = "US", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=100_000))]
     spin_us: u64,
