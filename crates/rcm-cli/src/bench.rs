@@ -338,6 +338,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         ch: &ch,
         index: &index,
         timeout: o.step_timeout,
+        serial: o.serial,
     };
 
     for chunk_start in (0..n).step_by(batch) {
@@ -349,24 +350,23 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                                   what: &str,
                                   call: &(dyn Fn(&CmId) -> rcm::Result<()> + Sync),
                                   want: fn(&Event) -> bool| {
-            let errs = issue_and_wait(
-                o.serial,
+            run_step(
+                &events,
                 chunk_ids,
+                &range,
+                (&mut failures, &mut failed),
                 |k, id| {
                     timing.begin(chunk_start + k);
                     call(id).err().map(|e| format!("{what}: {e}"))
                 },
-                || {
-                    wait(&events, &range, &mut failures, &mut failed, |i, ev, _| {
-                        let hit = want(ev);
-                        if hit {
-                            timing.end(i);
-                        }
-                        hit
-                    });
+                |i, ev, _| {
+                    let hit = want(ev);
+                    if hit {
+                        timing.end(i);
+                    }
+                    hit
                 },
             );
-            failures.extend(errs);
         };
         let s = Instant::now();
         one_event_step(
@@ -428,45 +428,43 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             };
             id.connect(&opts).err().map(|e| format!("connect: {e}"))
         };
-        let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
-            wait(
-                &events,
-                &range,
-                &mut failures,
-                &mut failed,
-                |i, ev, id| match ev {
-                    // iWARP has no CONNECT_RESPONSE: the MPA Reply is ESTABLISHED (iw_cm's
-                    // CONNECT_REPLY), so connect ends here and the QP steps and establish are
-                    // the same instant (what cmtime shows on siw). Told apart by the missing
-                    // response, so it also works through a daemon whose transport we don't know.
-                    Event::Established { .. } if !responded[i] => {
-                        qp_steps(i, id);
-                        establish.end(i);
-                        latency.end(i);
-                        early[i] = true;
-                        true
+        run_step(
+            &events,
+            chunk_ids,
+            &range,
+            (&mut failures, &mut failed),
+            issue,
+            |i, ev, id| match ev {
+                // iWARP has no CONNECT_RESPONSE: the MPA Reply is ESTABLISHED (iw_cm's
+                // CONNECT_REPLY), so connect ends here and the QP steps and establish are
+                // the same instant (what cmtime shows on siw). Told apart by the missing
+                // response, so it also works through a daemon whose transport we don't know.
+                Event::Established { .. } if !responded[i] => {
+                    qp_steps(i, id);
+                    establish.end(i);
+                    latency.end(i);
+                    early[i] = true;
+                    true
+                }
+                // The RTU goes out inside establish(), so ESTABLISHED can overtake other
+                // connections' responses: note it for the next step.
+                Event::Established { .. } => {
+                    establish.end(i);
+                    latency.end(i);
+                    early[i] = true;
+                    false
+                }
+                Event::ConnectResponse { .. } => {
+                    responded[i] = true;
+                    qp_steps(i, id);
+                    if id.establish().is_err() {
+                        return false;
                     }
-                    // The RTU goes out inside establish(), so ESTABLISHED can overtake other
-                    // connections' responses: note it for the next step.
-                    Event::Established { .. } => {
-                        establish.end(i);
-                        latency.end(i);
-                        early[i] = true;
-                        false
-                    }
-                    Event::ConnectResponse { .. } => {
-                        responded[i] = true;
-                        qp_steps(i, id);
-                        if id.establish().is_err() {
-                            return false;
-                        }
-                        true
-                    }
-                    _ => false,
-                },
-            );
-        });
-        failures.extend(errs);
+                    true
+                }
+                _ => false,
+            },
+        );
         t_conn += s.elapsed();
         // establish: RTU out, ESTABLISHED reported.
         let est_start = Instant::now();
@@ -520,22 +518,20 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             disconnect.begin(i);
             id.disconnect().err().map(|e| format!("disconnect: {e}"))
         };
-        let errs = issue_and_wait(o.serial, chunk_ids, issue, || {
-            wait(
-                &events,
-                &range,
-                &mut failures,
-                &mut failed,
-                |i, ev, _| match ev {
-                    Event::Disconnected => {
-                        disconnect.end(i);
-                        true
-                    }
-                    _ => false,
-                },
-            );
-        });
-        failures.extend(errs);
+        run_step(
+            &events,
+            chunk_ids,
+            &range,
+            (&mut failures, &mut failed),
+            issue,
+            |i, ev, _| match ev {
+                Event::Disconnected => {
+                    disconnect.end(i);
+                    true
+                }
+                _ => false,
+            },
+        );
         t_disc += s.elapsed();
         cycle += full_start.elapsed();
     }
@@ -621,12 +617,30 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     }
 }
 
-/// Where a run's events come from: its channel, which connection each id is, and how long a
-/// step may wait.
+/// Where a run's events come from: its channel, which connection each id is, how long a
+/// step may wait, and whether connections go one at a time.
 struct Events<'a> {
     ch: &'a EventChannel,
     index: &'a HashMap<u64, usize>,
     timeout: Duration,
+    serial: bool,
+}
+
+/// One asynchronous step for the connections of `range`: `issue` starts each (see
+/// `issue_and_wait`), `on` sees their events until each is done (see `wait`); the calls'
+/// errors join the failures.
+fn run_step(
+    from: &Events<'_>,
+    chunk: &[CmId],
+    range: &std::ops::Range<usize>,
+    (failures, failed): (&mut Vec<String>, &mut [bool]),
+    issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
+    on: impl FnMut(usize, &Event, &CmId) -> bool,
+) {
+    let errs = issue_and_wait(from.serial, chunk, issue, || {
+        wait(from, range, failures, failed, on);
+    });
+    failures.extend(errs);
 }
 
 /// Takes events until every live connection in `range` satisfied `on` (or failed).

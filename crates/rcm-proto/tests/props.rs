@@ -563,7 +563,7 @@ struct World {
     start: Instant,
     nodes: Vec<NodeState>,
     conns: Vec<Conn>,
-    index: HashMap<(usize, u16, u64), usize>,
+    index: HashMap<(usize, u16, CepHandle), usize>,
     agenda: BinaryHeap<Reverse<(Instant, u64, Action)>>,
     seq: u64,
     next_qpn: u32,
@@ -719,12 +719,12 @@ impl World {
     }
 
     fn key_of(&self, n: usize, h: CepHandle) -> Option<usize> {
-        self.index.get(&(n, self.nodes[n].gen, h.0)).copied()
+        self.index.get(&(n, self.nodes[n].gen, h)).copied()
     }
 
     fn add_conn(&mut self, c: Conn) -> usize {
         let i = self.conns.len();
-        self.index.insert((c.node, c.gen, c.h.0), i);
+        self.index.insert((c.node, c.gen, c.h), i);
         self.conns.push(c);
         i
     }
@@ -898,7 +898,7 @@ impl World {
     fn on_req_received(&mut self, n: usize, cep: CepHandle, info: &rcm_proto::ib::ReqInfo) -> Res {
         let gen = self.nodes[n].gen;
         ensure!(
-            !self.index.contains_key(&(n, gen, cep.0)),
+            !self.index.contains_key(&(n, gen, cep)),
             "ReqReceived names existing handle {cep:?} on node {n}"
         );
         let Some((TOK_REQ, a)) = parse_token(&info.private_data) else {
@@ -1015,7 +1015,7 @@ impl World {
     ) -> Res {
         let gen = self.nodes[n].gen;
         ensure!(
-            !self.index.contains_key(&(n, gen, cep.0)),
+            !self.index.contains_key(&(n, gen, cep)),
             "SidrReqReceived names existing handle {cep:?}"
         );
         let Some((TOK_SIDR, a)) = parse_token(pd) else {

@@ -1244,7 +1244,10 @@ fn commands_in_the_wrong_state_are_refused() {
         t.ep.accept(t.now, h, &AcceptParams::default()),
         Err(CmError::InvalidState(State::ReqSent))
     );
-    assert_eq!(t.ep.establish(CepHandle(999)), Err(CmError::UnknownHandle));
+    assert_eq!(
+        t.ep.establish(CepHandle(std::num::NonZeroU64::new(999).unwrap())),
+        Err(CmError::UnknownHandle)
+    );
     let mut p = ConnectParams::new(ip(PEER), SID, 1);
     p.private_data = vec![0; 93];
     assert!(matches!(t.ep.connect(t.now, &p), Err(CmError::Wire(_))));

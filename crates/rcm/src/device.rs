@@ -441,14 +441,12 @@ fn run_timers(d: &Arc<DeviceInner>) -> Duration {
     wait
 }
 
-/// One datagram if one is queued (never waits; the socket itself stays blocking, so the
-/// other threads' sends on it are never refused for a full buffer).
-fn recv_nowait(sock: &UdpSocket, buf: &mut [u8]) -> Option<(SocketAddr, Vec<u8>)> {
+/// One datagram into `buf` if one is queued: its sender and length (never waits; the socket
+/// itself stays blocking, so the other threads' sends on it are never refused for a full
+/// buffer).
+fn recv_nowait(sock: &UdpSocket, buf: &mut [u8]) -> Option<(SocketAddr, usize)> {
     match rustix::net::recvfrom(sock, &mut *buf, rustix::net::RecvFlags::DONTWAIT) {
-        Ok((n, _, Some(from))) => {
-            let from = SocketAddr::try_from(from).ok()?;
-            Some((from, buf.get(..n)?.to_vec()))
-        }
+        Ok((n, _, Some(from))) => Some((SocketAddr::try_from(from).ok()?, n.min(buf.len()))),
         _ => None,
     }
 }
@@ -493,16 +491,11 @@ impl RxBatch {
             let Some((from, n, buf)) = self.slots.get_mut(self.len) else {
                 return;
             };
-            match rustix::net::recvfrom(sock, &mut buf[..], rustix::net::RecvFlags::DONTWAIT) {
-                Ok((got, _, Some(a))) => {
-                    let Ok(a) = SocketAddr::try_from(a) else {
-                        continue;
-                    };
-                    (*from, *n) = (a, got.min(buf.len()));
-                    self.len += 1;
-                }
-                _ => return,
-            }
+            let Some(got) = recv_nowait(sock, buf) else {
+                return;
+            };
+            (*from, *n) = got;
+            self.len += 1;
         }
     }
 

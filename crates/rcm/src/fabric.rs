@@ -137,10 +137,6 @@ impl Drop for CallbacksHere {
 }
 
 impl Scheduler<Event> for Dispatcher {
-    fn discard(&self, ev: Event) {
-        crate::id::discard(ev);
-    }
-
     fn schedule(&self, slot: Arc<Slot<Event>>) {
         let mut slot = Some(slot);
         let _ = HERE.try_with(|h| {

@@ -237,8 +237,7 @@ pub(crate) struct IdState {
     bound: bool,
     dst: Option<SocketAddr>,
     pub device: Option<Arc<DeviceInner>>,
-    /// The engine's endpoint (its handles start at 1: the niche keeps this 8 bytes).
-    cep: Option<std::num::NonZeroU64>,
+    cep: Option<CepHandle>,
     /// Boxed: only listeners have it, and inline it would cost every id 40 bytes.
     listening: Option<Box<Listening>>,
     path: PathParams,
@@ -440,10 +439,6 @@ impl std::fmt::Debug for ChannelEvent {
     }
 }
 
-pub(crate) fn discard(ev: Event) {
-    drop(ev);
-}
-
 fn new_state() -> IdState {
     IdState {
         state: State::Idle,
@@ -501,16 +496,6 @@ fn build(fabric: &Arc<FabricInner>, ps: PortSpace, target: Target<Event>) -> CmI
     });
     inner.slot.set_owner(inner.clone());
     CmId(inner)
-}
-
-impl IdState {
-    fn cep(&self) -> Option<CepHandle> {
-        self.cep.map(|h| CepHandle(h.get()))
-    }
-
-    fn set_cep(&mut self, h: CepHandle) {
-        self.cep = std::num::NonZeroU64::new(h.0);
-    }
 }
 
 impl crate::slot::SlotOwner for IdInner {
@@ -1162,7 +1147,7 @@ impl CmId {
                 Err(Error::Destroyed)
             }
             Ok(h) => {
-                g.set_cep(h);
+                g.cep = Some(h);
                 g.conn.local_qpn = qpn;
                 g.conn.local_psn = psn;
                 g.conn.retry_count = p.retry_count;
@@ -1201,7 +1186,7 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             }
             check_pd(self.0.ps, "accept", &opts.private_data)?;
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
                 return Err(Error::InvalidState(g.state));
             };
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
@@ -1277,7 +1262,7 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             }
             check_pd(self.0.ps, "reject", private_data)?;
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1316,7 +1301,7 @@ impl CmId {
             if g.state != State::Connect || g.listener.is_some() {
                 return Err(Error::InvalidState(g.state));
             }
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1340,7 +1325,7 @@ impl CmId {
             if g.state != State::Established || is_ud(self.0.ps) {
                 return Err(Error::InvalidState(g.state));
             }
-            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep()) else {
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
                 return Err(Error::InvalidState(g.state));
             };
             (dev, cep)
@@ -1421,13 +1406,13 @@ impl CmId {
     /// with it, in order; events already held stay valid and ack to this id.
     pub fn migrate(&self, to: &EventChannel) -> Result<()> {
         let _g = self.usable()?;
-        if self.0.slot.migrate(&to.0) {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(
-                "only channel-mode ids can migrate".into(),
-            ))
-        }
+        self.0.slot.migrate(&to.0).map_err(|u| match u {
+            crate::slot::Unmoved::NotChannel => {
+                Error::InvalidArgument("only channel-mode ids can migrate".into())
+            }
+            // Destroyed between the liveness check above and the move.
+            crate::slot::Unmoved::TornDown => Error::Destroyed,
+        })
     }
 
     /// Destroys the id (`rdma_destroy_id`), blocking until no callback is running and none
@@ -1550,7 +1535,7 @@ fn teardown(inner: &Arc<IdInner>) {
         g.state = State::Destroying;
         (
             g.device.clone(),
-            g.cep.take().map(|h| CepHandle(h.get())),
+            g.cep.take(),
             g.listening.take().map(|l| *l).unwrap_or_default(),
             g.src,
             g.bound,
@@ -1772,7 +1757,7 @@ pub(crate) fn on_connect_request(
         g.src = Some(SocketAddr::new(hdr.dst, local_port));
         g.dst = Some(SocketAddr::new(hdr.src, hdr.src_port));
         g.device = Some(dev.clone());
-        g.set_cep(cep);
+        g.cep = Some(cep);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
         if let Incoming::Rc(info) = inc {

@@ -99,9 +99,11 @@ pub fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) ->
 /// Runs a scheduled slot's pending events (a dispatcher pool, or inline in tests).
 pub(crate) trait Scheduler<E>: Send + Sync {
     fn schedule(&self, slot: Arc<Slot<E>>);
-    /// Called for every event that is discarded undelivered (so its resources can be
-    /// released, e.g. a connect request's child id rejected).
-    fn discard(&self, ev: E);
+    /// Called for every event that is discarded undelivered. Dropping it is the default:
+    /// an event's own `Drop` releases what it holds (a connect request's child is rejected).
+    fn discard(&self, ev: E) {
+        drop(ev);
+    }
 }
 
 struct Inner<E> {
@@ -549,13 +551,17 @@ impl<E: Send + 'static> Slot<E> {
     }
 
     /// Moves the slot to another channel: events not yet taken move with it, in order.
-    pub(crate) fn migrate(self: &Arc<Self>, to: &Arc<ChannelCore<E>>) -> bool {
+    pub(crate) fn migrate(self: &Arc<Self>, to: &Arc<ChannelCore<E>>) -> Result<(), Unmoved> {
         let mut t = sync::lock(&self.target);
-        let Some(Target::Channel(from)) = t.as_ref() else {
-            return false;
+        let from = match t.as_ref() {
+            Some(Target::Channel(from)) => from,
+            Some(Target::Callback(_)) => return Err(Unmoved::NotChannel),
+            // Only the teardown takes the target: a destroy got there first, after the
+            // caller last saw the slot live.
+            None => return Err(Unmoved::TornDown),
         };
         if Arc::ptr_eq(from, to) {
-            return true;
+            return Ok(());
         }
         let moved = from.purge(self);
         *t = Some(Target::Channel(to.clone()));
@@ -564,8 +570,17 @@ impl<E: Send + 'static> Slot<E> {
             to.push(self.clone(), ev);
         }
         drop(t);
-        true
+        Ok(())
     }
+}
+
+/// Why `Slot::migrate` moved nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unmoved {
+    /// The slot's events go to a callback.
+    NotChannel,
+    /// The slot was torn down.
+    TornDown,
 }
 
 /// See [`Slot::enter`].
@@ -869,7 +884,7 @@ pub mod loom_api {
 
         /// `Slot::migrate`.
         pub fn migrate(&self, to: &Channel<E>) -> bool {
-            self.0.migrate(&to.0)
+            self.0.migrate(&to.0).is_ok()
         }
 
         /// `Slot::wait_destroyed`.
@@ -953,7 +968,6 @@ mod tests {
         fn schedule(&self, slot: Arc<Slot<u32>>) {
             self.0.lock().unwrap().push(slot);
         }
-        fn discard(&self, _: u32) {}
     }
 
     /// Once its events ran, an id holds no event buffer (at 100,000 idle ids the buffers
@@ -985,5 +999,24 @@ mod tests {
         }
         assert_eq!(calls.load(Ordering::SeqCst), 30);
         assert_eq!(*seen.lock().unwrap(), (0..30).collect::<Vec<u32>>());
+    }
+
+    /// A migrate that comes after the teardown says so, rather than calling the id a
+    /// callback-mode one (bug 1's test once saw that answer in a migrate/destroy race).
+    #[test]
+    fn migrating_a_torn_down_slot_is_told_apart_from_a_callback_slot() {
+        let sched = Arc::new(Collect::default());
+        let (from, to) = (super::ChannelCore::new(), super::ChannelCore::new());
+        let slot = Slot::new(Target::Channel(from), sched.clone());
+        assert_eq!(slot.migrate(&to), Ok(()));
+        assert_eq!(
+            slot.destroy(true),
+            Ok(super::DestroyOutcome::Done),
+            "nothing held or running"
+        );
+        assert_eq!(slot.migrate(&to), Err(super::Unmoved::TornDown));
+        let cb: super::Callback<u32> = Arc::new(|_, _| Flow::Continue);
+        let slot = Slot::new(Target::Callback(cb), sched);
+        assert_eq!(slot.migrate(&to), Err(super::Unmoved::NotChannel));
     }
 }

@@ -76,9 +76,7 @@ pub(crate) struct Cep {
     /// The REQ's TID, kept for RTU/MRA resends after a DREQ changed `tid`.
     pub req_tid: u64,
     /// The listener whose backlog this unanswered passive endpoint counts against.
-    /// (A handle's number, never 0: the niche keeps this 8 bytes in a table of every
-    /// endpoint.)
-    listener: Option<std::num::NonZeroU64>,
+    pub listener: Option<CepHandle>,
     pub out: Option<Box<Outstanding>>,
     /// Classic retry interval for this connection, in ms.
     pub timeout_ms: u32,
@@ -98,20 +96,6 @@ pub(crate) struct Cep {
 }
 
 impl Cep {
-    pub(crate) fn listener(&self) -> Option<CepHandle> {
-        self.listener.map(|h| CepHandle(h.get()))
-    }
-
-    pub(crate) fn set_listener(&mut self, l: Option<CepHandle>) {
-        self.listener = l.and_then(|h| std::num::NonZeroU64::new(h.0));
-    }
-
-    pub(crate) fn take_listener(&mut self) -> Option<CepHandle> {
-        let l = self.listener();
-        self.listener = None;
-        l
-    }
-
     pub(crate) fn new(state: State, local_id: u32, peer: IpAddr) -> Self {
         Cep {
             state,

@@ -61,7 +61,7 @@ pub struct Endpoint {
     rng: StdRng,
     id_operand: u32,
     next_index: u32,
-    next_handle: u64,
+    next_handle: std::num::NonZeroU64,
     ceps: HashMap<CepHandle, Cep>,
     local_ids: HashMap<u32, CepHandle>,
     remote_ids: HashMap<(u32, u64), CepHandle>,
@@ -94,7 +94,7 @@ impl Endpoint {
             rng,
             id_operand,
             next_index,
-            next_handle: 1,
+            next_handle: std::num::NonZeroU64::MIN,
             ceps: HashMap::new(),
             local_ids: HashMap::new(),
             remote_ids: HashMap::new(),
@@ -189,7 +189,7 @@ impl Endpoint {
 
     fn new_handle(&mut self) -> CepHandle {
         let h = CepHandle(self.next_handle);
-        self.next_handle += 1;
+        self.next_handle = self.next_handle.saturating_add(1);
         h
     }
 
@@ -314,7 +314,7 @@ impl Endpoint {
             self.local_ids.remove(&c.local_id);
         }
         self.unlink_remote(&c, h);
-        if let Some(l) = c.listener().and_then(|l| self.listeners.get_mut(&l)) {
+        if let Some(l) = c.listener.and_then(|l| self.listeners.get_mut(&l)) {
             l.pending = l.pending.saturating_sub(1);
         }
     }
@@ -336,7 +336,7 @@ impl Endpoint {
 
     /// Leaves the listener's backlog (the request was answered one way or another).
     fn unlink_listener(&mut self, h: CepHandle) {
-        let l = self.ceps.get_mut(&h).and_then(Cep::take_listener);
+        let l = self.ceps.get_mut(&h).and_then(|c| c.listener.take());
         if let Some(l) = l.and_then(|l| self.listeners.get_mut(&l)) {
             l.pending = l.pending.saturating_sub(1);
         }
@@ -764,8 +764,8 @@ impl Endpoint {
                     }
                 }
                 for c in self.ceps.values_mut() {
-                    if c.listener() == Some(h) {
-                        c.set_listener(None);
+                    if c.listener == Some(h) {
+                        c.listener = None;
                     }
                 }
                 self.ceps.remove(&h);
@@ -1074,7 +1074,7 @@ impl Endpoint {
         c.service_id = req.service_id;
         c.tid = tid;
         c.req_tid = tid;
-        c.set_listener(Some(lh));
+        c.listener = Some(lh);
         // The passive side takes the path's packet lifetime as the ACK timeout − 1 and the
         // peer's own response timeout and retry count for its REP.
         let plt = req.primary_path.local_ack_timeout.saturating_sub(1);
@@ -1411,7 +1411,7 @@ impl Endpoint {
         c.remote_id = req.request_id;
         c.service_id = req.service_id;
         c.tid = tid;
-        c.set_listener(Some(lh));
+        c.listener = Some(lh);
         let h = self.new_handle();
         self.conn_ceps += 1;
         self.ceps.insert(h, c);

@@ -5,9 +5,10 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 /// Names one connection endpoint (or listener, or SIDR exchange) of an [`super::Endpoint`].
-/// Handles are never reused within one endpoint.
+/// Handles are never reused within one endpoint. Never zero, so an `Option<CepHandle>`
+/// (one per id and per endpoint) takes 8 bytes, not 16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CepHandle(pub u64);
+pub struct CepHandle(pub std::num::NonZeroU64);
 
 /// `cm_convert_to_ms`: IBA time value t (4.096 µs × 2^t) as Linux rounds it, `1 << max(t-8, 0)`.
 pub fn ibta_time_ms(t: u8) -> u64 {
