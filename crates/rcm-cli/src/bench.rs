@@ -48,6 +48,9 @@ pub struct BenchOpts {
     pub iwarp: bool,
     /// How long idle threads poll before sleeping (`FabricConfig::spin`).
     pub spin: std::time::Duration,
+    /// Send datagrams together where calls come in a row (`rcm::SendBatch`, and
+    /// `FabricConfig::batch_callback_sends` for the server's callbacks).
+    pub send_batch: bool,
 }
 
 /// One row of the table.
@@ -173,12 +176,14 @@ impl Timing {
 /// the peer's receive processing) is not serialised with the event handling. One at a time
 /// (`serial`), both run here in turn. Returns the calls' errors.
 fn issue_and_wait(
-    serial: bool,
+    (serial, send_batch): (bool, bool),
     chunk: &[CmId],
     issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
     wait: impl FnOnce(),
 ) -> Vec<String> {
     let run = || -> Vec<String> {
+        // The calls' datagrams go out together, 64 at a time and when the loop ends.
+        let _batch = send_batch.then(rcm::SendBatch::begin);
         chunk
             .iter()
             .enumerate()
@@ -339,6 +344,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         index: &index,
         timeout: o.step_timeout,
         serial: o.serial,
+        send_batch: o.send_batch,
     };
 
     for chunk_start in (0..n).step_by(batch) {
@@ -624,6 +630,7 @@ struct Events<'a> {
     index: &'a HashMap<u64, usize>,
     timeout: Duration,
     serial: bool,
+    send_batch: bool,
 }
 
 /// One asynchronous step for the connections of `range`: `issue` starts each (see
@@ -637,7 +644,7 @@ fn run_step(
     issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
     on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
-    let errs = issue_and_wait(from.serial, chunk, issue, || {
+    let errs = issue_and_wait((from.serial, from.send_batch), chunk, issue, || {
         wait(from, range, failures, failed, on);
     });
     failures.extend(errs);
@@ -652,6 +659,9 @@ fn wait(
     mut on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
     let (ch, index, timeout) = (from.ch, from.index, from.timeout);
+    // What the handlers send (RTUs) goes out when no event is waiting (get_event sends it
+    // before it sleeps) or when this returns.
+    let _batch = from.send_batch.then(rcm::SendBatch::begin);
     let mut pending: usize = range.clone().filter(|i| !failed[*i]).count();
     let end = Instant::now() + timeout;
     let mut done = vec![false; range.len()];
@@ -867,6 +877,8 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
         spin: o.spin,
+        // The bench's callbacks never block.
+        batch_callback_sends: o.send_batch,
         ..FabricConfig::default()
     };
     if let Some(path) = &o.daemon {
@@ -972,6 +984,8 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
         spin: o.spin,
+        // The bench's callbacks never block.
+        batch_callback_sends: o.send_batch,
         ..FabricConfig::default()
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).
@@ -1146,7 +1160,7 @@ mod tests {
             let issued = AtomicUsize::new(0);
             let seen_by_wait = AtomicUsize::new(usize::MAX);
             let errs = issue_and_wait(
-                serial,
+                (serial, true),
                 &ids,
                 |k, _| {
                     if serial {

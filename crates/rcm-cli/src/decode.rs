@@ -115,7 +115,7 @@ pub fn decode(cap: &Capture) -> (Vec<Record>, Totals) {
                 Transport::Udp {
                     src_port, dst_port, ..
                 } if *dst_port == ROCE_V2_UDP_PORT || *src_port == ROCE_V2_UDP_PORT => {
-                    out.push(decode_roce(pkt, time));
+                    decode_roce(pkt, time, &mut out);
                 }
                 Transport::Tcp { .. } => iwarp.push(pkt, time, &mut out),
                 _ => totals.skipped += 1,
@@ -166,18 +166,79 @@ fn kv(k: &str, v: impl std::fmt::Display) -> (String, String) {
     (k.to_owned(), v.to_string())
 }
 
-fn decode_roce(pkt: &CapturedPacket, time: f64) -> Record {
+/// Decodes a RoCEv2 frame: one datagram, or a run of GSI datagrams sent as one segmented
+/// send (`UDP_SEGMENT`) and captured before the kernel cut it, as a capture on the sending
+/// host shows one. A run is told by its ICRCs: the whole carries none that verifies, and
+/// every 280-byte piece verifies for the IP header the kernel gives it (IPv4 ID counted on
+/// from the run's, lengths its own). Each piece is then a record of the frame.
+fn decode_roce(pkt: &CapturedPacket, time: f64, out: &mut Vec<Record>) {
     let Ok(net) = &pkt.net else {
-        return malformed(pkt.index, time, "no IP");
+        out.push(malformed(pkt.index, time, "no IP"));
+        return;
     };
     let Transport::Udp {
         header, payload, ..
     } = &net.transport
     else {
-        return malformed(pkt.index, time, "not UDP");
+        out.push(malformed(pkt.index, time, "not UDP"));
+        return;
     };
+    let whole = decode_datagram(pkt.index, time, net, &net.ip.header, *header, payload);
+    let seg = roce::GSI_UDP_PAYLOAD_LEN;
+    if whole.crc == Some("ok") || payload.len() <= seg || payload.len() % seg != 0 {
+        out.push(whole);
+        return;
+    }
+    let n = payload.len() / seg;
+    let mut pieces = Vec::with_capacity(n);
+    for (k, piece) in payload.chunks(seg).enumerate() {
+        let Some((ip, udp)) = segment_headers(&net.ip.header, *header, k, piece.len()) else {
+            out.push(whole);
+            return;
+        };
+        let mut r = decode_datagram(pkt.index, time, net, &ip, udp, piece);
+        if r.crc != Some("ok") {
+            out.push(whole);
+            return;
+        }
+        r.summary.push(kv("segment", format!("{}/{n}", k + 1)));
+        pieces.push(r);
+    }
+    out.extend(pieces);
+}
+
+/// The IP and UDP headers of the `k`th datagram (`len` bytes of payload) the kernel cuts a
+/// segmented send into; `None` for a header this cannot rewrite.
+fn segment_headers(ip: &[u8], udp: [u8; 8], k: usize, len: usize) -> Option<(Vec<u8>, [u8; 8])> {
+    let mut ip = ip.to_vec();
+    let udp_len = u16::try_from(8 + len).ok()?;
+    match ip.first()? >> 4 {
+        4 => {
+            let ihl = usize::from(ip[0] & 0x0F) * 4;
+            let total = u16::try_from(ihl + 8 + len).ok()?;
+            ip.get_mut(2..4)?.copy_from_slice(&total.to_be_bytes());
+            let id = u16::from_be_bytes([*ip.get(4)?, *ip.get(5)?]).wrapping_add(k as u16);
+            ip.get_mut(4..6)?.copy_from_slice(&id.to_be_bytes());
+        }
+        6 => ip.get_mut(4..6)?.copy_from_slice(&udp_len.to_be_bytes()),
+        _ => return None,
+    }
+    let mut u = udp;
+    u[4..6].copy_from_slice(&udp_len.to_be_bytes());
+    Some((ip, u))
+}
+
+/// One RoCEv2 datagram with the IP and UDP headers it travelled under.
+fn decode_datagram(
+    frame: usize,
+    time: f64,
+    net: &crate::capture::NetPacket,
+    ip_header: &[u8],
+    header: [u8; 8],
+    payload: &[u8],
+) -> Record {
     let mut rec = Record {
-        frame: pkt.index,
+        frame,
         time,
         src: net.src(),
         dst: net.dst(),
@@ -189,9 +250,9 @@ fn decode_roce(pkt: &CapturedPacket, time: f64) -> Record {
         detail: None,
     };
     let mut udp = Vec::with_capacity(8 + payload.len());
-    udp.extend_from_slice(header);
+    udp.extend_from_slice(&header);
     udp.extend_from_slice(payload);
-    let icrc = roce::verify_icrc(&net.ip.header, &udp);
+    let icrc = roce::verify_icrc(ip_header, &udp);
     rec.crc = Some(if icrc.is_ok() { "ok" } else { "bad" });
     let p = match RocePacket::parse(payload) {
         Ok(p) => p,

@@ -121,6 +121,11 @@ struct BenchArgs {
     #[arg(long, value_name = "US", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=100_000))]
     spin_us: u64,
+    /// Send each datagram on its own. By default the calls a burst makes in a row, and the
+    /// answers its event loop and callbacks make while more events are waiting, send their
+    /// datagrams together (`rcm::SendBatch`: one system call per peer and batch).
+    #[arg(long)]
+    no_send_batch: bool,
 }
 
 #[derive(clap::Args)]
@@ -483,6 +488,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         daemon: a.daemon.clone(),
         iwarp: a.transport == "iwarp",
         spin: std::time::Duration::from_micros(a.spin_us),
+        send_batch: !a.no_send_batch,
     };
     let r = if a.listen || a.server.is_some() {
         bench::run_remote(&o)

@@ -222,3 +222,50 @@ fn corrupt_packets_are_reported() {
     assert!(err.contains("/nonexistent/x.pcap"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A run of REPs that `rcm bench --listen` sent in one segmented send (`UDP_SEGMENT`),
+/// captured on the sending host's veth before the kernel cut it (the Linux kernel's rxe
+/// accepted every REP): decode shows each REP with its ICRC verified for the IP header the
+/// kernel gave it; a run with one REP damaged is one corrupt frame, not 25 messages.
+#[test]
+fn a_segmented_send_captured_before_it_was_cut_decodes_as_its_datagrams() {
+    let run =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/segmented/rep-run.pcap");
+    let (code, out, err) = rcm(&["decode", run.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let frame = |n: &str| -> Vec<&str> {
+        out.lines()
+            .filter(|l| l.split_whitespace().next() == Some(n))
+            .collect()
+    };
+    let first = frame("1");
+    assert_eq!(first.len(), 25, "{out}");
+    for (k, l) in first.iter().enumerate() {
+        assert!(l.contains(" REP ") && l.contains("crc=ok"), "{l}");
+        assert!(l.contains(&format!("segment={}/25", k + 1)), "{l}");
+    }
+    assert_eq!(frame("2").len(), 2);
+    assert_eq!(frame("3").len(), 1);
+    assert!(!frame("3")[0].contains("segment="));
+    assert!(err.contains("28 messages, 0 corrupt"), "{err}");
+
+    // One byte of the third REP's MAD changed: the frame is one corrupt record.
+    let mut bad = std::fs::read(&run).unwrap();
+    // pcap header 24, record header 16, Ethernet 14, IPv4 20, UDP 8, two datagrams 560,
+    // then into the third one's BTH+DETH (20) and MAD.
+    bad[24 + 16 + 14 + 20 + 8 + 2 * 280 + 20 + 40] ^= 0xFF;
+    let dir = std::env::temp_dir().join(format!("rcm-decode-seg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("bad-run.pcap");
+    std::fs::write(&p, &bad).unwrap();
+    let (code, out, err) = rcm(&["decode", p.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    let first: Vec<&str> = out
+        .lines()
+        .filter(|l| l.split_whitespace().next() == Some("1"))
+        .collect();
+    assert_eq!(first.len(), 1, "{out}");
+    assert!(first[0].contains("crc=bad"), "{}", first[0]);
+    assert!(err.contains(" 1 corrupt"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -50,6 +50,10 @@ pub struct DeviceStats {
     pub tx: AtomicU64,
     /// Send errors.
     pub tx_errors: AtomicU64,
+    /// System calls that sent several datagrams at once (see `send_group`).
+    pub tx_segmented: AtomicU64,
+    /// Receives that brought several datagrams at once (`UDP_GRO`).
+    pub rx_coalesced: AtomicU64,
 }
 
 pub(crate) struct DeviceInner {
@@ -75,6 +79,10 @@ pub(crate) struct DeviceInner {
     /// Engine events in engine order, waiting to be routed by one thread at a time.
     pending: Mutex<Pending>,
     psn: AtomicU32,
+    /// Datagrams to one destination go out in one segmented send (`UDP_SEGMENT`): off with
+    /// ICRC verification (whose raw socket would see a batch as one packet) and once the
+    /// kernel refused one.
+    gso: AtomicBool,
     pub stats: DeviceStats,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
@@ -99,6 +107,10 @@ impl DeviceInner {
             crate::sys::pmtudisc_do(&sock)?;
         }
         crate::sys::grow_buffers(&sock, 16 << 20);
+        // Segmented sends need the receiver to take them whole or the kernel to cut them: a
+        // UDP socket does either (with `UDP_GRO` it takes them whole, see `RxBatch`); the raw
+        // socket of ICRC verification would see one packet.
+        let gso = raw.is_none() && crate::sys::enable_gro(&sock).is_ok();
         let sock = Arc::new(sock);
         let io_sock = sock.clone();
         let dev = Arc::new(DeviceInner {
@@ -115,16 +127,20 @@ impl DeviceInner {
             wake_at: Mutex::new(None),
             pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
+            gso: AtomicBool::new(gso),
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: None,
         });
         let weak = Arc::downgrade(&dev);
+        // Made here, not on the thread: the device's memory is all taken when it opens.
+        let rx = raw.is_none().then(RxBatch::new);
         let h = std::thread::Builder::new()
             .name(format!("rcm-dev-{ip}"))
-            .spawn(move || match raw {
-                Some(raw) => raw_io_loop(&weak, &io_sock, &raw),
-                None => io_loop(&weak, &io_sock, spin),
+            .spawn(move || match (raw, rx) {
+                (Some(raw), _) => raw_io_loop(&weak, &io_sock, &raw),
+                (None, Some(rx)) => io_loop(&weak, &io_sock, spin, rx),
+                (None, None) => {}
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&dev.thread) = Some(h);
@@ -152,6 +168,7 @@ impl DeviceInner {
             wake_at: Mutex::new(None),
             pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
+            gso: AtomicBool::new(false),
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: Some(crate::iwarp::IwDev::new(cfg)?),
@@ -191,7 +208,9 @@ impl DeviceInner {
             drop(p);
             (r, ep.poll_timeout())
         };
-        self.send_all(&tx);
+        if !hold(self, &mut tx) {
+            self.send_all(&tx);
+        }
         tx.clear();
         let _ = TX_LIST.try_with(|l| {
             let mut l = l.borrow_mut();
@@ -234,20 +253,115 @@ impl DeviceInner {
         let mut buf = TX_BUF
             .try_with(|b| std::mem::take(&mut *b.borrow_mut()))
             .unwrap_or_default();
-        for t in tx {
-            let ip = match (self.ip, t.dst) {
-                (IpAddr::V4(s), IpAddr::V4(d)) => IpForIcrc::v4(s, d),
-                (IpAddr::V6(s), IpAddr::V6(d)) => IpForIcrc::V6 { src: s, dst: d },
-                _ => continue,
-            };
-            let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
-            let payload = roce::emit_gsi_into(&mut buf, &ip, self.port, psn, &t.mad);
-            match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
-                Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
-                Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
-            };
+        if tx.len() > 1 && self.gso.load(Ordering::Relaxed) {
+            let mut batch = TX_BATCH
+                .try_with(|b| std::mem::take(&mut *b.borrow_mut()))
+                .unwrap_or_default();
+            // Each destination's datagrams, in their order, a batch at a time; destinations
+            // in order of first appearance (the lists are short: O(n·destinations)).
+            for (i, t) in tx.iter().enumerate() {
+                if tx[..i].iter().any(|u| u.dst == t.dst) {
+                    continue;
+                }
+                let mut same = tx[i..].iter().filter(|u| u.dst == t.dst).peekable();
+                while same.peek().is_some() {
+                    let group: Vec<&Transmit> =
+                        same.by_ref().take(crate::sys::MAX_SEGMENTS).collect();
+                    self.send_group(&sock, &mut buf, &mut batch, &group);
+                }
+            }
+            let _ = TX_BATCH.try_with(|b| *b.borrow_mut() = batch);
+        } else {
+            for t in tx {
+                self.send_one(&sock, &mut buf, t);
+            }
         }
         let _ = TX_BUF.try_with(|b| *b.borrow_mut() = buf);
+    }
+
+    /// The IP header the ICRC of the `nth` datagram of a segmented send covers; `None` for a
+    /// destination of the other address family.
+    fn ip_for_icrc(&self, dst: IpAddr, nth: usize) -> Option<IpForIcrc> {
+        match (self.ip, dst) {
+            // An unconnected socket with DF sends ID 0; the kernel numbers the datagrams a
+            // segmented send is cut into from there, one by one (`inet_gso_segment`), and
+            // the ICRC covers the ID.
+            (IpAddr::V4(s), IpAddr::V4(d)) => Some(IpForIcrc::V4 {
+                src: s,
+                dst: d,
+                ident: nth as u16,
+                dont_fragment: true,
+            }),
+            (IpAddr::V6(s), IpAddr::V6(d)) => Some(IpForIcrc::V6 { src: s, dst: d }),
+            _ => None,
+        }
+    }
+
+    fn send_one(&self, sock: &UdpSocket, buf: &mut Vec<u8>, t: &Transmit) {
+        let Some(ip) = self.ip_for_icrc(t.dst, 0) else {
+            return;
+        };
+        let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+        let payload = roce::emit_gsi_into(buf, &ip, self.port, psn, &t.mad);
+        match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
+            Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
+            Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+
+    /// Sends datagrams to one destination in one system call (every GSI datagram has the
+    /// same size, which is what a segmented send needs); one at a time when there is one, or
+    /// when the kernel refuses segmented sends on this route (then never again here).
+    fn send_group(
+        &self,
+        sock: &UdpSocket,
+        buf: &mut Vec<u8>,
+        batch: &mut Vec<u8>,
+        group: &[&Transmit],
+    ) {
+        let Some(&first) = group.first() else { return };
+        if group.len() == 1 || !self.gso.load(Ordering::Relaxed) {
+            for t in group {
+                self.send_one(sock, buf, t);
+            }
+            return;
+        }
+        batch.clear();
+        for (nth, t) in group.iter().enumerate() {
+            let Some(ip) = self.ip_for_icrc(t.dst, nth) else {
+                return;
+            };
+            let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
+            batch.extend_from_slice(roce::emit_gsi_into(buf, &ip, self.port, psn, &t.mad));
+        }
+        let seg = roce::GSI_UDP_PAYLOAD_LEN as u16;
+        let dst = SocketAddr::new(first.dst, self.port);
+        match crate::sys::send_segments(sock, dst, batch, seg) {
+            Ok(_) => {
+                self.stats
+                    .tx
+                    .fetch_add(group.len() as u64, Ordering::Relaxed);
+                self.stats.tx_segmented.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EIO | libc::EINVAL | libc::ENOPROTOOPT | libc::EOPNOTSUPP)
+                ) =>
+            {
+                // Nothing was sent: a route whose device cannot checksum segments, or a
+                // kernel without them.
+                self.gso.store(false, Ordering::Relaxed);
+                for t in group {
+                    self.send_one(sock, buf, t);
+                }
+            }
+            Err(_) => {
+                self.stats
+                    .tx_errors
+                    .fetch_add(group.len() as u64, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Wakes the I/O thread when a command armed a timer earlier than the one it sleeps to.
@@ -307,11 +421,11 @@ impl DeviceInner {
     /// SENDs among them to their ids (outside the engine lock).
     fn handle_batch<'a>(
         self: &Arc<Self>,
-        batch: impl ExactSizeIterator<Item = (SocketAddr, &'a [u8])>,
+        n: usize,
+        batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
     ) {
         let mut bad = 0;
         let mut ud = Vec::new();
-        let n = batch.len();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
                 if buf.len() == 1 && from.ip() == self.ip {
@@ -459,55 +573,89 @@ fn wait_readable(sock: &UdpSocket, d: Duration) {
     let _ = poll(&mut fds, t.as_ref());
 }
 
-/// Received datagrams, in buffers kept from batch to batch: the receive loop allocates
+/// Received datagrams, in one buffer kept from batch to batch: the receive loop allocates
 /// nothing per datagram (a fresh buffer per datagram was the first allocation of every
-/// packet, and what the connect burst's leftovers in the heap were made of).
+/// packet, and what the connect burst's leftovers in the heap were made of). With `UDP_GRO`
+/// one receive may bring several datagrams of one sender, cut here by their size.
 struct RxBatch {
-    slots: Vec<(SocketAddr, usize, Box<[u8]>)>,
-    len: usize,
+    /// Allocated zeroed, so pages no receive reached cost no memory.
+    area: Box<[u8]>,
+    /// Sender, start in `area`, length, and the size of the datagrams it holds.
+    got: Vec<(SocketAddr, usize, usize, usize)>,
+    used: usize,
+    cmsg: Vec<u8>,
 }
+
+/// The receive area of a device. A receive needs room for the largest coalesced run
+/// ([`RX_MAX`]); a batch ends when less is left, after at least 192 KiB (about 700 GSI
+/// datagrams).
+const RX_AREA: usize = 256 << 10;
+/// The most one receive can bring (a UDP datagram, or a coalesced run, is at most 64 KiB).
+const RX_MAX: usize = 1 << 16;
 
 impl RxBatch {
     fn new() -> Self {
         RxBatch {
-            slots: Vec::with_capacity(BATCH),
-            len: 0,
+            area: vec![0u8; RX_AREA].into_boxed_slice(),
+            got: Vec::with_capacity(BATCH),
+            used: 0,
+            cmsg: crate::sys::gro_cmsg_space(),
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.len == 0
+        self.got.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.got.clear();
+        self.used = 0;
     }
 
     /// Takes what `sock` has queued, without waiting, until the batch is full.
     fn fill(&mut self, sock: &UdpSocket) {
-        while self.len < BATCH {
-            if self.len == self.slots.len() {
-                // The largest UD message (an IB MTU of 4096) with its headers fits whole.
-                let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
-                self.slots
-                    .push((unspecified, 0, vec![0u8; RX_BUF].into_boxed_slice()));
-            }
-            let Some((from, n, buf)) = self.slots.get_mut(self.len) else {
+        while self.got.len() < BATCH {
+            let Some(room) = self.area.get_mut(self.used..self.used + RX_MAX) else {
                 return;
             };
-            let Some(got) = recv_nowait(sock, buf) else {
+            let Some((from, n, stride)) = crate::sys::recv_segments(sock, room, &mut self.cmsg)
+            else {
                 return;
             };
-            (*from, *n) = got;
-            self.len += 1;
+            self.got.push((from, self.used, n, stride.max(1)));
+            // The next receive starts on a fresh cache line.
+            self.used += n.next_multiple_of(64);
         }
     }
 
-    fn datagrams(&self) -> impl ExactSizeIterator<Item = (SocketAddr, &[u8])> {
-        self.slots[..self.len]
+    /// Receives that brought more than one datagram.
+    fn coalesced(&self) -> u64 {
+        self.got
             .iter()
-            .map(|(from, n, buf)| (*from, buf.get(..*n).unwrap_or_default()))
+            .filter(|&&(_, _, n, stride)| n > stride)
+            .count() as u64
+    }
+
+    /// How many datagrams [`RxBatch::datagrams`] gives.
+    fn count(&self) -> usize {
+        self.got
+            .iter()
+            .map(|&(_, _, n, stride)| n.div_ceil(stride).max(1))
+            .sum()
+    }
+
+    fn datagrams(&self) -> impl Iterator<Item = (SocketAddr, &[u8])> {
+        self.got.iter().flat_map(move |&(from, at, n, stride)| {
+            let d = self.area.get(at..at + n).unwrap_or_default();
+            // An empty datagram is one too (garbage, counted as such).
+            d.chunks(stride)
+                .chain(d.is_empty().then_some(d))
+                .map(move |d| (from, d))
+        })
     }
 }
 
-fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
-    let mut batch = RxBatch::new();
+fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration, mut batch: RxBatch) {
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -532,10 +680,16 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
                 }
             }
         }
-        if !feed(dev, batch.datagrams()) {
+        let coalesced = batch.coalesced();
+        if coalesced > 0 {
+            if let Some(d) = dev.upgrade() {
+                d.stats.rx_coalesced.fetch_add(coalesced, Ordering::Relaxed);
+            }
+        }
+        if !feed(dev, batch.count(), batch.datagrams()) {
             return;
         }
-        batch.len = 0;
+        batch.clear();
     }
 }
 
@@ -543,16 +697,17 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration) {
 /// stopping (the receive loop then ends).
 fn feed<'a>(
     dev: &Weak<DeviceInner>,
-    batch: impl ExactSizeIterator<Item = (SocketAddr, &'a [u8])>,
+    n: usize,
+    batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
 ) -> bool {
-    if batch.len() == 0 {
+    if n == 0 {
         return true;
     }
     let Some(d) = dev.upgrade() else { return false };
     if d.stop.load(Ordering::SeqCst) {
         return false;
     }
-    d.handle_batch(batch);
+    d.handle_batch(n, batch);
     true
 }
 
@@ -648,7 +803,11 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
         }
         // The UDP socket's copies of the same datagrams.
         while recv_nowait(sock, &mut sink).is_some() {}
-        if !feed(dev, batch.iter().map(|(a, d)| (*a, d.as_slice()))) {
+        if !feed(
+            dev,
+            batch.len(),
+            batch.iter().map(|(a, d)| (*a, d.as_slice())),
+        ) {
             return;
         }
     }
@@ -668,15 +827,93 @@ fn verify(hdr: &[u8], udp: &[u8], port: u16) -> rcm_wire::Result<()> {
     roce::verify_icrc(hdr, &u)
 }
 
+/// Datagrams a [`crate::SendBatch`] of this thread holds, by device.
+#[derive(Default)]
+struct Held {
+    depth: u32,
+    count: usize,
+    by_dev: Vec<(Arc<DeviceInner>, Vec<Transmit>)>,
+}
+
+/// Keeps `tx` (emptied) for the thread's send batch if one is open; false if none is.
+fn hold(dev: &Arc<DeviceInner>, tx: &mut Vec<Transmit>) -> bool {
+    if tx.is_empty() {
+        return false;
+    }
+    let full = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        if h.depth == 0 {
+            return None;
+        }
+        h.count += tx.len();
+        match h.by_dev.iter_mut().find(|(d, _)| Arc::ptr_eq(d, dev)) {
+            Some((_, l)) => l.append(tx),
+            None => h.by_dev.push((dev.clone(), std::mem::take(tx))),
+        }
+        Some(h.count >= crate::sys::MAX_SEGMENTS)
+    });
+    match full {
+        Ok(Some(full)) => {
+            if full {
+                flush_held();
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Opens a send batch on this thread (they nest).
+pub(crate) fn hold_begin() {
+    let _ = HELD.try_with(|h| h.borrow_mut().depth += 1);
+}
+
+/// Closes a send batch; the outermost sends what was held.
+pub(crate) fn hold_end() {
+    let last = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        h.depth = h.depth.saturating_sub(1);
+        h.depth == 0
+    });
+    if last == Ok(true) {
+        flush_held();
+    }
+}
+
+/// Whether this thread holds datagrams.
+pub(crate) fn holding() -> bool {
+    HELD.try_with(|h| h.borrow().count > 0).unwrap_or(false)
+}
+
+/// Sends the datagrams this thread's send batch holds. Called before the thread waits in
+/// rcm, so a batch never holds back what the wait is for.
+pub(crate) fn flush_held() {
+    let Ok(lists) = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        h.count = 0;
+        std::mem::take(&mut h.by_dev)
+    }) else {
+        return;
+    };
+    // The devices are not kept past this (a removed one is freed).
+    for (d, l) in lists {
+        d.send_all(&l);
+    }
+}
+
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
 
 std::thread_local! {
+    /// What the thread's send batch holds (see [`crate::SendBatch`]).
+    static HELD: std::cell::RefCell<Held> = std::cell::RefCell::new(Held::default());
     /// The thread's list of datagrams an engine call queued (see `with_engine`).
     static TX_LIST: std::cell::RefCell<Vec<Transmit>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The thread's buffer for building a datagram (one per packet was most of the
     /// allocations of a connection).
     static TX_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The thread's buffer for datagrams sent together (see `send_group`).
+    static TX_BATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Receive buffer: more than a UD SEND of the largest IB MTU (4096) with BTH, DETH, ImmDt,

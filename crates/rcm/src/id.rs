@@ -359,7 +359,20 @@ impl EventChannel {
         let end = timeout.map(|t| std::time::Instant::now() + t);
         loop {
             let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
-            let (slot, event) = self.0.take(left)?;
+            let ready = if crate::device::holding() {
+                // Held datagrams go out before this thread waits (see `SendBatch`).
+                let r = self.0.take(Some(std::time::Duration::ZERO));
+                if r.is_none() {
+                    crate::fabric::before_wait();
+                }
+                r
+            } else {
+                None
+            };
+            let (slot, event) = match ready {
+                Some(r) => r,
+                None => self.0.take(left)?,
+            };
             let Some(id) = owner_of(&slot) else {
                 slot.ack();
                 continue;
@@ -1423,6 +1436,7 @@ impl CmId {
     /// running callback returns. With channel events of this id still held it fails with
     /// [`Error::EventsOutstanding`], changing nothing.
     pub fn destroy(&self) -> Result<DestroyOutcome> {
+        crate::fabric::before_wait();
         self.0.slot.destroy(true).map_err(Error::EventsOutstanding)
     }
 
@@ -1440,11 +1454,13 @@ pub struct DestroyHandle(Arc<Slot<Event>>);
 impl DestroyHandle {
     /// Blocks until the id is destroyed.
     pub fn wait(&self) {
+        crate::fabric::before_wait();
         self.0.wait_destroyed();
     }
 
     /// Blocks up to `d`; returns whether the id is destroyed.
     pub fn wait_for(&self, d: std::time::Duration) -> bool {
+        crate::fabric::before_wait();
         self.0.wait_destroyed_for(d)
     }
 
@@ -2318,6 +2334,7 @@ impl CmId {
     /// kept in arrival order until taken (not events: they need no ack and do not hold the
     /// id); those not taken are dropped when the id is destroyed.
     pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
+        crate::fabric::before_wait();
         let end = std::time::Instant::now() + timeout;
         let mail = self.0.mail();
         let mut q = sync::lock(&mail.inbox);
@@ -2666,6 +2683,7 @@ impl CmId {
         if self.0.remote().is_some() {
             return None;
         }
+        crate::fabric::before_wait();
         let end = std::time::Instant::now() + timeout;
         let mail = self.0.mail();
         let mut q = sync::lock(&mail.ud_inbox);

@@ -68,7 +68,9 @@ pub use error::{Error, Result};
 #[cfg(not(loom))]
 pub use event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 #[cfg(not(loom))]
-pub use fabric::{CallbacksHere, Device, Fabric, FabricConfig, Removal, UdStats, DEFAULT_SPIN};
+pub use fabric::{
+    CallbacksHere, Device, Fabric, FabricConfig, Removal, SendBatch, UdStats, DEFAULT_SPIN,
+};
 #[cfg(not(loom))]
 pub use id::{
     any_addr, AcceptOptions, ChannelEvent, CmId, ConnectOptions, DestroyHandle, EventChannel,

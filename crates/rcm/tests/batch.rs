@@ -1,0 +1,234 @@
+//! Send batches (`rcm::SendBatch`, `FabricConfig::batch_callback_sends`): datagrams a thread
+//! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
+//! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
+//! 28400–28404.
+#![cfg(not(loom))]
+
+mod common;
+
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, Device, Event, EventChannel, Fabric, FabricConfig, Flow,
+    PortSpace, SendBatch,
+};
+use rcm_proto::ib::RetryPolicy;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SERVICE: u16 = 7900;
+
+/// A fabric whose engines retransmit only after 5 s: within a test, every datagram that
+/// arrives was sent by the call that made it, never by a retry.
+fn slow_retry(port: u16) -> FabricConfig {
+    FabricConfig {
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_secs(5),
+            max_wait: Duration::from_secs(5),
+            deadline: Duration::from_secs(20),
+        },
+        ..common::config(port)
+    }
+}
+
+/// Server device 127.0.0.1 with an accepting listener (counting requests), client device
+/// 127.0.0.2.
+fn setup(cfg: FabricConfig) -> (Fabric, Device, Device, Arc<AtomicUsize>) {
+    let f = Fabric::new(cfg);
+    let d1 = f.add_device(common::ip(1)).expect("device 1");
+    let d2 = f.add_device(common::ip(2)).expect("device 2");
+    let requests = Arc::new(AtomicUsize::new(0));
+    let r = requests.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            r.fetch_add(1, Ordering::SeqCst);
+            id.accept(&AcceptOptions::default()).expect("accept");
+        }
+        Flow::Continue
+    });
+    l.bind(common::addr(1, SERVICE)).expect("bind");
+    l.listen(1024).expect("listen");
+    (f, d1, d2, requests)
+}
+
+fn next(ch: &EventChannel, timeout: Duration) -> Option<Event> {
+    ch.get_event(Some(timeout)).and_then(|mut e| e.take())
+}
+
+/// `n` client ids on `ch`, addresses and routes resolved to `dst`.
+fn resolved(f: &Fabric, ch: &EventChannel, n: usize, dst: SocketAddr) -> Vec<CmId> {
+    let ids: Vec<CmId> = (0..n).map(|_| f.create_id_on(PortSpace::Tcp, ch)).collect();
+    for id in &ids {
+        id.resolve_addr(Some(common::ip(2)), dst).expect("resolve");
+        assert!(matches!(next(ch, common::T), Some(Event::AddrResolved)));
+        id.resolve_route().expect("route");
+        assert!(matches!(next(ch, common::T), Some(Event::RouteResolved)));
+    }
+    ids
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let end = Instant::now() + common::T;
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_batch_holds_its_datagrams_until_it_ends_then_sends_them_in_one_call() {
+    let (f, d1, d2, requests) = setup(slow_retry(28400));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 20, common::addr(1, SERVICE));
+    let (_, tx0) = d2.traffic();
+    let (seg0, _) = d2.batched_io();
+    let (rx0, _) = d1.traffic();
+    {
+        let _b = SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(d2.traffic().1, tx0, "a REQ left while the batch held it");
+        assert_eq!(requests.load(Ordering::SeqCst), 0);
+    }
+    // The 20 REQs left in one system call and arrived as 20 datagrams.
+    assert_eq!(d2.traffic().1, tx0 + 20);
+    assert_eq!(d2.batched_io().0, seg0 + 1, "one segmented send");
+    wait_until("20 connect requests", || {
+        requests.load(Ordering::SeqCst) == 20
+    });
+    assert!(d1.traffic().0 >= rx0 + 20);
+    for _ in 0..20 {
+        let ev = next(&ch, common::T);
+        assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+    }
+    f.shutdown();
+}
+
+#[test]
+fn a_batch_sends_what_it_holds_before_its_thread_waits_for_an_event() {
+    let (f, _d1, _d2, _requests) = setup(slow_retry(28401));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 1, common::addr(1, SERVICE));
+    let b = SendBatch::begin();
+    ids[0].connect(&ConnectOptions::default()).expect("connect");
+    // Held, the REQ would only leave as the engine's retry 5 s later: the answer within 2 s
+    // shows get_event sent it before waiting.
+    let ev = next(&ch, Duration::from_secs(2));
+    assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+    drop(b);
+    f.shutdown();
+}
+
+#[test]
+fn a_batch_sends_every_64_datagrams_it_holds() {
+    let (f, _d1, d2, requests) = setup(slow_retry(28402));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 70, common::addr(1, SERVICE));
+    let (_, tx0) = d2.traffic();
+    let b = SendBatch::begin();
+    for id in &ids {
+        id.connect(&ConnectOptions::default()).expect("connect");
+    }
+    assert_eq!(d2.traffic().1, tx0 + 64, "the first 64 left, 6 are held");
+    wait_until("64 connect requests", || {
+        requests.load(Ordering::SeqCst) == 64
+    });
+    drop(b);
+    assert_eq!(d2.traffic().1, tx0 + 70);
+    wait_until("70 connect requests", || {
+        requests.load(Ordering::SeqCst) == 70
+    });
+    f.shutdown();
+}
+
+#[test]
+fn batched_callbacks_answer_a_burst_and_every_connection_is_established() {
+    let cfg = FabricConfig {
+        batch_callback_sends: true,
+        dispatcher_threads: 1,
+        ..common::config(28403)
+    };
+    let (f, _d1, _d2, requests) = setup(cfg);
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 200, common::addr(1, SERVICE));
+    {
+        let _b = SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+    }
+    let mut established = 0;
+    // The RTUs the loop sends go out together, when get_event would wait.
+    let b = SendBatch::begin();
+    while established < ids.len() {
+        let e = ch.get_event(Some(common::T)).expect("an event");
+        match e.event() {
+            Event::ConnectResponse { .. } => e.id().establish().expect("establish"),
+            Event::Established { .. } => established += 1,
+            ev => panic!("after {established} established: {}", ev.name()),
+        }
+    }
+    drop(b);
+    assert_eq!(requests.load(Ordering::SeqCst), ids.len());
+    f.shutdown();
+}
+
+/// The ICRC covers the IPv4 Identification, and the kernel numbers the datagrams it cuts a
+/// segmented send into 0, 1, 2, … (an unconnected socket with DF sends ID 0): each datagram
+/// of a batch carries the ICRC for its own number. A plain socket stands where a peer's
+/// device would be (127.0.0.3) and takes the datagrams one by one.
+#[test]
+fn each_datagram_of_a_batch_carries_the_icrc_of_its_own_ip_header() {
+    const PORT: u16 = 28404;
+    let (f, _d1, d2, _requests) = setup(slow_retry(PORT));
+    let peer = UdpSocket::bind(("127.0.0.3", PORT)).expect("peer socket");
+    peer.set_read_timeout(Some(common::T)).expect("timeout");
+    let ch = EventChannel::new();
+    let ids = resolved(
+        &f,
+        &ch,
+        5,
+        SocketAddr::new(IpAddr::from([127, 0, 0, 3]), SERVICE),
+    );
+    let (seg0, _) = d2.batched_io();
+    {
+        let _b = SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+    }
+    assert_eq!(d2.batched_io().0, seg0 + 1, "one segmented send");
+    let mut buf = [0u8; 2048];
+    for nth in 0..5u16 {
+        let (n, from) = peer.recv_from(&mut buf).expect("a REQ");
+        assert_eq!(from, common::addr(2, PORT));
+        assert_eq!(
+            n,
+            rcm_wire::roce::GSI_UDP_PAYLOAD_LEN,
+            "one datagram, not a run"
+        );
+        let mut udp = Vec::with_capacity(8 + n);
+        udp.extend_from_slice(&PORT.to_be_bytes());
+        udp.extend_from_slice(&rcm_wire::roce::ROCE_V2_UDP_PORT.to_be_bytes());
+        udp.extend_from_slice(&((8 + n) as u16).to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(&buf[..n]);
+        let total = (20 + udp.len()) as u16;
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0];
+        ip[2..4].copy_from_slice(&total.to_be_bytes());
+        ip[4..6].copy_from_slice(&nth.to_be_bytes());
+        ip.extend_from_slice(&[127, 0, 0, 2, 127, 0, 0, 3]);
+        rcm_wire::roce::verify_icrc(&ip, &udp)
+            .unwrap_or_else(|e| panic!("datagram {nth} of the batch: {e}"));
+        if nth > 0 {
+            ip[4..6].copy_from_slice(&0u16.to_be_bytes());
+            assert!(
+                rcm_wire::roce::verify_icrc(&ip, &udp).is_err(),
+                "datagram {nth}'s ICRC is the one for ID 0"
+            );
+        }
+    }
+    f.shutdown();
+}
