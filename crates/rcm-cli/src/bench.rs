@@ -48,8 +48,8 @@ pub struct BenchOpts {
     pub iwarp: bool,
     /// How long idle threads poll before sleeping (`FabricConfig::spin`).
     pub spin: std::time::Duration,
-    /// Send datagrams together where calls come in a row (`rcm::SendBatch`, and
-    /// `FabricConfig::batch_callback_sends` for the server's callbacks).
+    /// Send datagrams together where calls come in a row (`rcm::SendBatch`), and run the
+    /// server's callbacks on its device threads (`rcm::CallbackMode::Inline`).
     pub send_batch: bool,
 }
 
@@ -878,7 +878,11 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
         dispatcher_threads: o.threads,
         spin: o.spin,
         // The bench's callbacks never block.
-        batch_callback_sends: o.send_batch,
+        callbacks: if o.send_batch {
+            rcm::CallbackMode::Inline
+        } else {
+            rcm::CallbackMode::Threads
+        },
         ..FabricConfig::default()
     };
     if let Some(path) = &o.daemon {
@@ -985,7 +989,11 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         dispatcher_threads: o.threads,
         spin: o.spin,
         // The bench's callbacks never block.
-        batch_callback_sends: o.send_batch,
+        callbacks: if o.send_batch {
+            rcm::CallbackMode::Inline
+        } else {
+            rcm::CallbackMode::Threads
+        },
         ..FabricConfig::default()
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).

@@ -83,6 +83,8 @@ pub(crate) struct DeviceInner {
     /// ICRC verification (whose raw socket would see a batch as one packet) and once the
     /// kernel refused one.
     gso: AtomicBool,
+    /// `CallbackMode::Inline`: callbacks of received events run on the receive loop.
+    inline_callbacks: bool,
     pub stats: DeviceStats,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
@@ -96,6 +98,7 @@ impl DeviceInner {
         engine: Endpoint,
         verify_icrc: bool,
         spin: Duration,
+        inline_callbacks: bool,
     ) -> crate::Result<Arc<Self>> {
         let raw = if verify_icrc {
             Some(raw_receiver(ip)?)
@@ -128,6 +131,7 @@ impl DeviceInner {
             pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
             gso: AtomicBool::new(gso),
+            inline_callbacks,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: None,
@@ -169,6 +173,7 @@ impl DeviceInner {
             pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
             gso: AtomicBool::new(false),
+            inline_callbacks: false,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: Some(crate::iwarp::IwDev::new(cfg)?),
@@ -707,6 +712,10 @@ fn feed<'a>(
     if d.stop.load(Ordering::SeqCst) {
         return false;
     }
+    // `CallbackMode::Inline`: the batch's callbacks run here when `_here` drops, and what
+    // they and the engine send goes out together when `_b` drops, after them.
+    let _b = d.inline_callbacks.then(crate::SendBatch::begin);
+    let _here = d.inline_callbacks.then(crate::CallbacksHere::begin);
     d.handle_batch(n, batch);
     true
 }

@@ -69,7 +69,8 @@ pub use error::{Error, Result};
 pub use event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 #[cfg(not(loom))]
 pub use fabric::{
-    CallbacksHere, Device, Fabric, FabricConfig, Removal, SendBatch, UdStats, DEFAULT_SPIN,
+    CallbackMode, CallbacksHere, Device, Fabric, FabricConfig, Removal, SendBatch, UdStats,
+    DEFAULT_SPIN,
 };
 #[cfg(not(loom))]
 pub use id::{

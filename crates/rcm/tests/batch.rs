@@ -1,7 +1,7 @@
-//! Send batches (`rcm::SendBatch`, `FabricConfig::batch_callback_sends`): datagrams a thread
+//! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28404.
+//! 28400–28405.
 #![cfg(not(loom))]
 
 mod common;
@@ -146,7 +146,7 @@ fn a_batch_sends_every_64_datagrams_it_holds() {
 #[test]
 fn batched_callbacks_answer_a_burst_and_every_connection_is_established() {
     let cfg = FabricConfig {
-        batch_callback_sends: true,
+        callbacks: rcm::CallbackMode::BatchedThreads,
         dispatcher_threads: 1,
         ..common::config(28403)
     };
@@ -230,5 +230,56 @@ fn each_datagram_of_a_batch_carries_the_icrc_of_its_own_ip_header() {
             );
         }
     }
+    f.shutdown();
+}
+
+/// `CallbackMode::Inline`: the connect requests a device's receive loop produces run their
+/// callbacks on that thread, and the REPs they send for one received run of REQs leave
+/// together.
+#[test]
+fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
+    let cfg = FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..slow_retry(28405)
+    };
+    let f = Fabric::new(cfg);
+    let d1 = f.add_device(common::ip(1)).expect("device 1");
+    f.add_device(common::ip(2)).expect("device 2");
+    let threads = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let t = threads.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            let name = std::thread::current().name().unwrap_or("").to_owned();
+            t.lock().unwrap().push(name);
+            id.accept(&AcceptOptions::default()).expect("accept");
+        }
+        Flow::Continue
+    });
+    l.bind(common::addr(1, SERVICE)).expect("bind");
+    l.listen(1024).expect("listen");
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 30, common::addr(1, SERVICE));
+    let (seg0, _) = d1.batched_io();
+    let (_, tx0) = d1.traffic();
+    {
+        let _b = SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+    }
+    for _ in 0..30 {
+        let ev = next(&ch, common::T);
+        assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+    }
+    let names = threads.lock().unwrap().clone();
+    assert_eq!(names.len(), 30);
+    assert!(
+        names.iter().all(|n| n == "rcm-dev-127.0.0.1"),
+        "callbacks ran on {names:?}"
+    );
+    // 30 REQs arrive in one receive (or a few): far fewer sends than REPs.
+    let sends = d1.batched_io().0 - seg0;
+    assert_eq!(d1.traffic().1 - tx0, 30);
+    assert!(sends >= 1, "no REP was sent with another");
     f.shutdown();
 }

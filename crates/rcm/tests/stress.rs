@@ -23,8 +23,8 @@
 #![cfg(not(loom))]
 
 use rcm::{
-    any_addr, AcceptOptions, CmId, ConnectOptions, DestroyHandle, DestroyOutcome, Error, Event,
-    EventChannel, Fabric, FabricConfig, Flow, PortSpace, State,
+    any_addr, AcceptOptions, CallbackMode, CmId, ConnectOptions, DestroyHandle, DestroyOutcome,
+    Error, Event, EventChannel, Fabric, FabricConfig, Flow, PortSpace, State,
 };
 use rcm_proto::ib::RetryPolicy;
 use std::collections::HashMap;
@@ -894,17 +894,30 @@ fn counts(w: &World) -> String {
 fn stress_lifecycle_races() {
     let secs = env_num("RCM_STRESS_SECS", 15);
     let threads = env_num("RCM_STRESS_THREADS", 4).max(1) as usize;
-    // Two thirds with the default polling, then a third with every thread sleeping at once
-    // (`spin` zero), where a missed wake-up would show as a hang.
+    // A third with the default polling, a third with callbacks run on the device threads
+    // (`CallbackMode::Inline`: the events a receive loop produces run there, with their
+    // sends batched), then a third with every thread sleeping at once (`spin` zero), where a
+    // missed wake-up would show as a hang.
     let sleeping = secs / 3;
-    stress(secs - sleeping, threads, rcm::DEFAULT_SPIN);
+    let inline = secs / 3;
+    stress(
+        secs - sleeping - inline,
+        threads,
+        rcm::DEFAULT_SPIN,
+        CallbackMode::Threads,
+    );
+    if inline > 0 {
+        stress(inline, threads, rcm::DEFAULT_SPIN, CallbackMode::Inline);
+    }
     if sleeping > 0 {
-        stress(sleeping, threads, Duration::ZERO);
+        stress(sleeping, threads, Duration::ZERO, CallbackMode::Threads);
     }
 }
 
-fn stress(secs: u64, threads: usize, spin: Duration) {
-    eprintln!("stress: {secs} s, {threads} threads, threads poll {spin:?} before sleeping");
+fn stress(secs: u64, threads: usize, spin: Duration, callbacks: CallbackMode) {
+    eprintln!(
+        "stress: {secs} s, {threads} threads, threads poll {spin:?} before sleeping, callbacks {callbacks:?}"
+    );
     let cfg = FabricConfig {
         udp_port: UDP_PORT,
         retry: RetryPolicy::Backoff {
@@ -915,6 +928,7 @@ fn stress(secs: u64, threads: usize, spin: Duration) {
         min_timewait: Duration::ZERO,
         dispatcher_threads: 4,
         spin,
+        callbacks,
         ..FabricConfig::default()
     };
     let f = Fabric::loopback_with(4, cfg).expect("loopback devices");
