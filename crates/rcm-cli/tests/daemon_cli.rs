@@ -363,3 +363,34 @@ fn iwarp_daemon_serves_ping_and_bench() {
     sigterm(&d);
     assert_eq!(wait_exit(&mut d), 0);
 }
+
+/// `--callbacks inline` and `batched`: the daemon's callbacks run on its device threads, or
+/// on its callback threads with their datagrams batched, and it serves as before; a mode
+/// it does not know is a usage error.
+#[test]
+fn daemon_callback_modes_serve_ping_and_bench() {
+    for (mode, udp) in [("inline", 27831), ("batched", 27832)] {
+        let path = sock(mode);
+        let mut d = start_with(
+            &path,
+            udp,
+            &["127.0.0.1", "127.0.0.2"],
+            &["--callbacks", mode],
+        );
+        let p = path.to_str().unwrap();
+        let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "10", "--json"]);
+        assert_eq!(code, 0, "{mode}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 10, "{mode}");
+        let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "--json"]);
+        assert_eq!(code, 0, "{mode}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 200, "{mode}");
+        assert_eq!(v["errors"], 0, "{mode}");
+        sigterm(&d);
+        assert_eq!(wait_exit(&mut d), 0, "{mode}");
+    }
+    let (code, _, err) = rcm(&["daemon", "--bind", "127.0.0.1", "--callbacks", "fast"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--callbacks"), "{err}");
+}

@@ -106,6 +106,29 @@ fn bench_without_polling() {
     assert!(err.contains("spin-us"), "{err}");
 }
 
+/// `--no-send-batch`: one datagram per system call and the server's callbacks on callback
+/// threads (the default batches both); the run is the same.
+#[test]
+fn bench_without_send_batches() {
+    for extra in [&[][..], &["--serial"][..]] {
+        let mut args = vec![
+            "bench",
+            "-c",
+            "200",
+            "--udp-port",
+            "26794",
+            "--no-send-batch",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{out}\n{err}");
+        let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert_eq!(r["established"], 200, "{out}");
+        assert_eq!(r["errors"], 0, "{out}");
+    }
+}
+
 #[test]
 fn bench_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["bench", "-c", "0"]);
