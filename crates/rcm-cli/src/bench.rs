@@ -347,6 +347,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         send_batch: o.send_batch,
     };
 
+    // What this thread sends (calls made here, the RTUs its event handling sends) goes out
+    // together when it is about to wait for an event and none is queued: get_event sends
+    // it first (see rcm::SendBatch). The issuing thread of a burst has its own batch.
+    let sends = o.send_batch.then(rcm::SendBatch::begin);
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);
         let chunk_ids = &ids[range.clone()];
@@ -541,6 +545,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         t_disc += s.elapsed();
         cycle += full_start.elapsed();
     }
+    drop(sends);
     if let Some(pb) = &pb {
         pb.finish_and_clear();
     }
@@ -659,9 +664,6 @@ fn wait(
     mut on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
     let (ch, index, timeout) = (from.ch, from.index, from.timeout);
-    // What the handlers send (RTUs) goes out when no event is waiting (get_event sends it
-    // before it sleeps) or when this returns.
-    let _batch = from.send_batch.then(rcm::SendBatch::begin);
     let mut pending: usize = range.clone().filter(|i| !failed[*i]).count();
     let end = Instant::now() + timeout;
     let mut done = vec![false; range.len()];
