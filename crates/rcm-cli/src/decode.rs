@@ -750,3 +750,156 @@ pub fn decode_file(
     let (recs, totals) = decode(&cap);
     Ok((recs, totals, cap.warning.clone()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcm_wire::cm::Rtu;
+    use rcm_wire::roce::{emit_gsi, emit_ud, Bth, Deth, IpForIcrc, Opcode};
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    /// A classic pcap (raw IP link type) holding `packets`.
+    fn pcap(packets: &[Vec<u8>]) -> Vec<u8> {
+        let mut f = 0xa1b2_c3d4u32.to_le_bytes().to_vec();
+        f.extend_from_slice(&2u16.to_le_bytes());
+        f.extend_from_slice(&4u16.to_le_bytes());
+        for w in [0u32, 0, 65535, 101] {
+            f.extend_from_slice(&w.to_le_bytes());
+        }
+        for (k, p) in packets.iter().enumerate() {
+            for w in [k as u32, 0, p.len() as u32, p.len() as u32] {
+                f.extend_from_slice(&w.to_le_bytes());
+            }
+            f.extend_from_slice(p);
+        }
+        f
+    }
+
+    fn rtu_mad(k: u32) -> [u8; 256] {
+        CmMad::send(
+            0x100 + u64::from(k),
+            CmMessage::Rtu(Rtu {
+                local_comm_id: 0x1000 + k,
+                remote_comm_id: 0x2000 + k,
+                ..Rtu::default()
+            }),
+        )
+        .emit()
+        .expect("an RTU")
+    }
+
+    /// An IP packet from port 4791 to 4791 carrying `payload` (one UDP datagram or a run).
+    fn ip_packet(v6: bool, ident: u16, payload: &[u8]) -> Vec<u8> {
+        let udp_len = (8 + payload.len()) as u16;
+        let mut p = if v6 {
+            let mut h = vec![0x60, 0, 0, 0];
+            h.extend_from_slice(&udp_len.to_be_bytes());
+            h.extend_from_slice(&[17, 64]);
+            h.extend_from_slice(&Ipv6Addr::LOCALHOST.octets());
+            h.extend_from_slice(&Ipv6Addr::LOCALHOST.octets());
+            h
+        } else {
+            let mut h = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0];
+            h[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
+            h[4..6].copy_from_slice(&ident.to_be_bytes());
+            h.extend_from_slice(&[127, 0, 0, 2, 127, 0, 0, 1]);
+            h
+        };
+        p.extend_from_slice(&ROCE_V2_UDP_PORT.to_be_bytes());
+        p.extend_from_slice(&ROCE_V2_UDP_PORT.to_be_bytes());
+        p.extend_from_slice(&udp_len.to_be_bytes());
+        p.extend_from_slice(&[0, 0]);
+        p.extend_from_slice(payload);
+        p
+    }
+
+    /// A run of three RTUs as one segmented send leaves its socket: datagram `k`'s ICRC
+    /// computed for IPv4 ID `k` (IPv6 has no ID).
+    fn run(v6: bool) -> Vec<u8> {
+        let mut payload = Vec::new();
+        for k in 0..3u16 {
+            let ip = if v6 {
+                IpForIcrc::V6 {
+                    src: Ipv6Addr::LOCALHOST,
+                    dst: Ipv6Addr::LOCALHOST,
+                }
+            } else {
+                IpForIcrc::V4 {
+                    src: Ipv4Addr::new(127, 0, 0, 2),
+                    dst: Ipv4Addr::LOCALHOST,
+                    ident: k,
+                    dont_fragment: true,
+                }
+            };
+            payload.extend(emit_gsi(&ip, ROCE_V2_UDP_PORT, 7, &rtu_mad(u32::from(k))));
+        }
+        ip_packet(v6, 0, &payload)
+    }
+
+    fn decoded(packets: &[Vec<u8>]) -> (Vec<Record>, Totals) {
+        let cap = crate::capture::read_pcap_bytes(&pcap(packets)).expect("a capture");
+        decode(&cap)
+    }
+
+    #[test]
+    fn a_run_of_datagrams_in_one_frame_is_each_of_them_for_both_families() {
+        for v6 in [false, true] {
+            let (recs, totals) = decoded(&[run(v6)]);
+            assert_eq!(totals.errors, 0, "v6={v6}: {:?}", recs[0].error);
+            assert_eq!(recs.len(), 3, "v6={v6}");
+            for (k, r) in recs.iter().enumerate() {
+                assert_eq!(r.kind, "RTU", "v6={v6}");
+                assert_eq!(r.crc, Some("ok"), "v6={v6}");
+                assert!(
+                    r.summary.contains(&kv("segment", format!("{}/3", k + 1))),
+                    "v6={v6}: {:?}",
+                    r.summary
+                );
+                assert!(
+                    r.summary.contains(&kv("lcid", hex32(0x1000 + k as u32))),
+                    "v6={v6}: {:?}",
+                    r.summary
+                );
+            }
+        }
+    }
+
+    /// IPv4: a run whose datagrams all carry the ICRC for ID 0 (not what the kernel sends
+    /// after cutting it) is one corrupt frame.
+    #[test]
+    fn a_run_whose_icrcs_ignore_the_ids_is_one_corrupt_frame() {
+        let ip = IpForIcrc::v4(Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
+        let mut payload = Vec::new();
+        for k in 0..3 {
+            payload.extend(emit_gsi(&ip, ROCE_V2_UDP_PORT, 7, &rtu_mad(k)));
+        }
+        let (recs, totals) = decoded(&[ip_packet(false, 0, &payload)]);
+        assert_eq!(recs.len(), 1);
+        assert_eq!(totals.errors, 1);
+        assert_eq!(recs[0].crc, Some("bad"));
+    }
+
+    /// A single UD datagram whose length happens to be a multiple of 280 and whose ICRC
+    /// verifies whole is one datagram, not cut.
+    #[test]
+    fn a_whole_datagram_of_a_runs_length_is_not_cut() {
+        let ip = IpForIcrc::v4(Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
+        let bth = Bth {
+            opcode: Opcode::UD_SEND_ONLY,
+            dest_qp: 0x42,
+            ..Bth::gsi(1)
+        };
+        let deth = Deth {
+            qkey: 0x1234,
+            src_qp: 0x43,
+            ..Deth::GSI
+        };
+        let len = 2 * roce::GSI_UDP_PAYLOAD_LEN - roce::BTH_LEN - roce::DETH_LEN - roce::ICRC_LEN;
+        let payload = emit_ud(&ip, ROCE_V2_UDP_PORT, &bth, &deth, &vec![0xAB; len]);
+        assert_eq!(payload.len(), 2 * roce::GSI_UDP_PAYLOAD_LEN);
+        let (recs, totals) = decoded(&[ip_packet(false, 0, &payload)]);
+        assert_eq!(totals.errors, 0, "{:?}", recs[0].error);
+        assert_eq!(recs.len(), 1);
+        assert_eq!(recs[0].kind, "UD_SEND_ONLY");
+    }
+}

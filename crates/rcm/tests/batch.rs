@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28405.
+//! 28400–28406.
 #![cfg(not(loom))]
 
 mod common;
@@ -281,5 +281,57 @@ fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
     let sends = d1.batched_io().0 - seg0;
     assert_eq!(d1.traffic().1 - tx0, 30);
     assert!(sends >= 1, "no REP was sent with another");
+    f.shutdown();
+}
+
+/// IPv6 (one device on ::1, client and server on it, as the kernel allows): a batch of REQs
+/// to oneself leaves in one segmented send and is received as its datagrams.
+#[test]
+fn a_batch_over_ipv6_loopback_is_one_send_and_every_request_arrives() {
+    let f = Fabric::new(slow_retry(28406));
+    let lo = IpAddr::from(std::net::Ipv6Addr::LOCALHOST);
+    let d = match f.add_device(lo) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("SKIPPED: no IPv6 loopback here: {e}");
+            return;
+        }
+    };
+    let requests = Arc::new(AtomicUsize::new(0));
+    let r = requests.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            r.fetch_add(1, Ordering::SeqCst);
+            id.accept(&AcceptOptions::default()).expect("accept");
+        }
+        Flow::Continue
+    });
+    let dst = SocketAddr::new(lo, SERVICE);
+    l.bind(dst).expect("bind");
+    l.listen(64).expect("listen");
+    let ch = EventChannel::new();
+    let ids: Vec<CmId> = (0..10)
+        .map(|_| f.create_id_on(PortSpace::Tcp, &ch))
+        .collect();
+    for id in &ids {
+        id.resolve_addr(Some(lo), dst).expect("resolve");
+        assert!(matches!(next(&ch, common::T), Some(Event::AddrResolved)));
+        id.resolve_route().expect("route");
+        assert!(matches!(next(&ch, common::T), Some(Event::RouteResolved)));
+    }
+    let (seg0, co0) = d.batched_io();
+    {
+        let _b = SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+    }
+    assert_eq!(d.batched_io().0, seg0 + 1, "one segmented send");
+    for _ in 0..10 {
+        let ev = next(&ch, common::T);
+        assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+    }
+    assert_eq!(requests.load(Ordering::SeqCst), 10);
+    assert!(d.batched_io().1 > co0, "the run was received in one call");
     f.shutdown();
 }
