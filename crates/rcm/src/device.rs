@@ -79,9 +79,9 @@ pub(crate) struct DeviceInner {
     /// Engine events in engine order, waiting to be routed by one thread at a time.
     pending: Mutex<Pending>,
     psn: AtomicU32,
-    /// Datagrams to one destination go out in one segmented send (`UDP_SEGMENT`): off with
-    /// ICRC verification (whose raw socket would see a batch as one packet) and once the
-    /// kernel refused one.
+    /// Datagrams to one destination go out in one segmented send (`UDP_SEGMENT`): off on a
+    /// device that verifies ICRCs (it keeps to one datagram per send, the plainest traffic
+    /// to check), and once the kernel refused one.
     gso: AtomicBool,
     /// `CallbackMode::Inline`: callbacks of received events run on the receive loop.
     inline_callbacks: bool,
@@ -110,9 +110,9 @@ impl DeviceInner {
             crate::sys::pmtudisc_do(&sock)?;
         }
         crate::sys::grow_buffers(&sock, 16 << 20);
-        // Segmented sends need the receiver to take them whole or the kernel to cut them: a
-        // UDP socket does either (with `UDP_GRO` it takes them whole, see `RxBatch`); the raw
-        // socket of ICRC verification would see one packet.
+        // A UDP socket takes a segmented send whole (with `UDP_GRO`, see `RxBatch`) or has the
+        // kernel cut it; the raw socket of ICRC verification sees it whole and cuts it itself
+        // (`cut_run`).
         let gso = raw.is_none() && crate::sys::enable_gro(&sock).is_ok();
         let sock = Arc::new(sock);
         let io_sock = sock.clone();
@@ -800,11 +800,16 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
             } else if udp.len() < 8 + roce::BTH_LEN + roce::ICRC_LEN {
                 d.stats.rx.fetch_add(1, Ordering::Relaxed);
                 d.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
-            } else if verify(hdr, udp, port).is_err() {
+            } else if verify(hdr, udp, port).is_ok() {
+                if let Some(payload) = udp.get(8..) {
+                    batch.push((from, payload.to_vec()));
+                }
+            } else if let Some(run) = cut_run(hdr, udp, port) {
+                d.stats.rx_coalesced.fetch_add(1, Ordering::Relaxed);
+                batch.extend(run.into_iter().map(|p| (from, p)));
+            } else {
                 d.stats.rx.fetch_add(1, Ordering::Relaxed);
                 d.stats.rx_bad_icrc.fetch_add(1, Ordering::Relaxed);
-            } else if let Some(payload) = udp.get(8..) {
-                batch.push((from, payload.to_vec()));
             }
         }
         if reads > 0 {
@@ -820,6 +825,36 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
             return;
         }
     }
+}
+
+/// A run of GSI datagrams sent in one segmented send from this host: on loopback the raw
+/// socket sees it whole (the kernel cuts it only for the UDP socket). Its pieces, each
+/// verified against the header the kernel gives it (IPv4 ID counted on from the run's,
+/// lengths its own), or `None` (then it is one datagram with a bad ICRC).
+fn cut_run(hdr: &[u8], udp: &[u8], port: u16) -> Option<Vec<Vec<u8>>> {
+    let seg = roce::GSI_UDP_PAYLOAD_LEN;
+    let payload = udp.get(8..)?;
+    if payload.len() <= seg || payload.len() % seg != 0 {
+        return None;
+    }
+    let total = u16::try_from(hdr.len() + 8 + seg).ok()?;
+    let id = u16::from_be_bytes([*hdr.get(4)?, *hdr.get(5)?]);
+    let mut out = Vec::with_capacity(payload.len() / seg);
+    let mut h = hdr.to_vec();
+    let mut u = Vec::with_capacity(8 + seg);
+    for (k, piece) in payload.chunks(seg).enumerate() {
+        h.get_mut(2..4)?.copy_from_slice(&total.to_be_bytes());
+        h.get_mut(4..6)?
+            .copy_from_slice(&id.wrapping_add(k as u16).to_be_bytes());
+        u.clear();
+        u.extend_from_slice(udp.get(..4)?);
+        u.extend_from_slice(&((8 + seg) as u16).to_be_bytes());
+        u.extend_from_slice(udp.get(6..8)?);
+        u.extend_from_slice(piece);
+        verify(&h, &u, port).ok()?;
+        out.push(piece.to_vec());
+    }
+    Some(out)
 }
 
 /// Checks a datagram's ICRC against its real IP and UDP headers. The device's UDP port plays

@@ -130,6 +130,41 @@ fn icrc_is_verified_on_receive() {
     assert!(matches!(next(&cch), Event::Disconnected));
     drop(c.destroy());
     drop(child.destroy());
+
+    // Another fabric on this host (no verification) sends 8 REQs in one segmented send:
+    // the raw socket sees the run whole, cuts it and verifies each piece against the header
+    // the kernel gave it; all 8 arrive, nothing counted bad.
+    let other = Fabric::new(common::config(PORT));
+    let d3 = other.add_device(common::ip(3)).expect("device 3");
+    let och = EventChannel::new();
+    let ids: Vec<_> = (0..8)
+        .map(|_| other.create_id_on(PortSpace::Tcp, &och))
+        .collect();
+    for id in &ids {
+        id.resolve_addr(Some(common::ip(3)), SocketAddr::new(common::ip(1), 7800))
+            .expect("resolve");
+        assert!(matches!(next(&och), Event::AddrResolved));
+        id.resolve_route().expect("route");
+        assert!(matches!(next(&och), Event::RouteResolved));
+    }
+    let (seg0, _) = d3.batched_io();
+    {
+        let _b = rcm::SendBatch::begin();
+        for id in &ids {
+            id.connect(&ConnectOptions::default()).expect("connect");
+        }
+    }
+    assert_eq!(d3.batched_io().0, seg0 + 1, "one segmented send");
+    for k in 0..8 {
+        let req = sch
+            .get_event(Some(common::T))
+            .unwrap_or_else(|| panic!("connect request {k} of the run"));
+        let child = req.id().clone();
+        drop(req);
+        drop(child.destroy());
+    }
+    assert_eq!(d1.icrc_drops(), 1, "only the corrupted one of before");
     drop(l.destroy());
+    other.shutdown();
     f.shutdown();
 }
