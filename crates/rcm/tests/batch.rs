@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28406.
+//! 28400–28408.
 #![cfg(not(loom))]
 
 mod common;
@@ -333,5 +333,55 @@ fn a_batch_over_ipv6_loopback_is_one_send_and_every_request_arrives() {
     }
     assert_eq!(requests.load(Ordering::SeqCst), 10);
     assert!(d.batched_io().1 > co0, "the run was received in one call");
+    f.shutdown();
+}
+
+/// Guards nest: an inner one ending sends nothing, the outermost sends everything.
+#[test]
+fn nested_batches_send_when_the_outermost_ends() {
+    let (f, _d1, d2, _requests) = setup(slow_retry(28407));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 4, common::addr(1, SERVICE));
+    let (_, tx0) = d2.traffic();
+    let outer = SendBatch::begin();
+    {
+        let _inner = SendBatch::begin();
+        ids[0].connect(&ConnectOptions::default()).expect("connect");
+    }
+    ids[1].connect(&ConnectOptions::default()).expect("connect");
+    assert_eq!(d2.traffic().1, tx0, "the inner guard's end sent something");
+    drop(outer);
+    assert_eq!(d2.traffic().1, tx0 + 2);
+    f.shutdown();
+}
+
+/// Datagrams held for a device that is removed before the batch ends are dropped with it:
+/// no panic, the ids get their DEVICE_REMOVAL, and a later batch on a new device sends.
+#[test]
+fn a_batch_outliving_its_device_drops_what_it_held_for_it() {
+    let (f, _d1, d2, requests) = setup(slow_retry(28408));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 3, common::addr(1, SERVICE));
+    let (_, tx0) = d2.traffic();
+    let b = SendBatch::begin();
+    for id in &ids {
+        id.connect(&ConnectOptions::default()).expect("connect");
+    }
+    let removal = f.remove_device(common::ip(2)).expect("remove");
+    for _ in 0..3 {
+        let e = ch.get_event(Some(common::T)).expect("an event");
+        assert!(
+            matches!(e.event(), Event::DeviceRemoval),
+            "{}",
+            e.event().name()
+        );
+    }
+    for id in &ids {
+        drop(id.begin_destroy());
+    }
+    assert!(removal.wait(common::T).is_ok());
+    drop(b);
+    assert_eq!(d2.traffic().1, tx0, "nothing left on the removed device");
+    assert_eq!(requests.load(Ordering::SeqCst), 0);
     f.shutdown();
 }
