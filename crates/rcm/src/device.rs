@@ -1011,3 +1011,70 @@ fn classify(buf: &[u8]) -> Rx<'_> {
         payload: payload.to_vec(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcm_proto::ib::EndpointConfig;
+
+    fn device(ip: IpAddr, port: u16) -> Arc<DeviceInner> {
+        let cfg = EndpointConfig::new(ip, 0x0200_00FF_FE00_0001, 1);
+        DeviceInner::open(ip, port, Endpoint::new(cfg), false, Duration::ZERO, false)
+            .expect("device")
+    }
+
+    fn transmits(dst: IpAddr, n: u8) -> Vec<Transmit> {
+        (0..n).map(|k| Transmit { dst, mad: [k; 256] }).collect()
+    }
+
+    /// Received datagrams of `sock` until it has been quiet for 200 ms.
+    fn drain(sock: &UdpSocket) -> Vec<Vec<u8>> {
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = sock.recv(&mut buf) {
+            got.push(buf[..n].to_vec());
+        }
+        got
+    }
+
+    /// Datagrams to one peer leave in one segmented send and arrive one by one at a plain
+    /// socket (the kernel cuts the run), each whole and in order.
+    #[test]
+    fn a_list_to_one_peer_is_one_segmented_send() {
+        let dev = device(IpAddr::from([127, 0, 0, 1]), 28420);
+        let peer = UdpSocket::bind("127.0.0.5:28420").expect("peer");
+        dev.send_all(&transmits(IpAddr::from([127, 0, 0, 5]), 3));
+        let got = drain(&peer);
+        assert_eq!(got.len(), 3);
+        for (k, d) in got.iter().enumerate() {
+            assert_eq!(d.len(), roce::GSI_UDP_PAYLOAD_LEN);
+            let g = GsiDatagram::parse(d).expect("a GSI datagram");
+            assert_eq!(g.mad[0], k as u8, "in order");
+        }
+        assert_eq!(dev.stats.tx_segmented.load(Ordering::Relaxed), 1);
+        assert_eq!(dev.stats.tx.load(Ordering::Relaxed), 3);
+        dev.shutdown();
+    }
+
+    /// Where the kernel refuses a segmented send (here `SO_NO_CHECK`: `EINVAL`; a route
+    /// without checksum offload gives `EIO`), nothing is lost: the datagrams go one by one,
+    /// each with the ICRC for ID 0, and the device stops trying.
+    #[test]
+    fn a_refused_segmented_send_falls_back_to_one_by_one() {
+        let dev = device(IpAddr::from([127, 0, 0, 1]), 28421);
+        let sock = dev.socket().expect("socket");
+        crate::sys::set_no_check(&sock).expect("SO_NO_CHECK");
+        let peer = UdpSocket::bind("127.0.0.5:28421").expect("peer");
+        dev.send_all(&transmits(IpAddr::from([127, 0, 0, 5]), 3));
+        dev.send_all(&transmits(IpAddr::from([127, 0, 0, 5]), 2));
+        let got = drain(&peer);
+        assert_eq!(got.len(), 5);
+        assert!(!dev.gso.load(Ordering::Relaxed), "segmented sends are off");
+        assert_eq!(dev.stats.tx_segmented.load(Ordering::Relaxed), 0);
+        assert_eq!(dev.stats.tx.load(Ordering::Relaxed), 5);
+        assert_eq!(dev.stats.tx_errors.load(Ordering::Relaxed), 0);
+        dev.shutdown();
+    }
+}

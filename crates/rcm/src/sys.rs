@@ -133,3 +133,27 @@ pub(crate) fn recv_segments(
     }
     Some((from, len, stride))
 }
+
+/// Sets `SO_NO_CHECK` (no UDP checksums on send): the kernel then refuses segmented sends
+/// with `EINVAL`, which is how the tests reach the one-by-one fallback.
+#[cfg(test)]
+pub(crate) fn set_no_check(sock: &UdpSocket) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let val: libc::c_int = 1;
+    // SAFETY: `sock` owns a valid socket fd for the whole call, and the option value points at
+    // a live c_int whose size is passed as the length.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NO_CHECK,
+            std::ptr::from_ref(&val).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
