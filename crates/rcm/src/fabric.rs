@@ -53,7 +53,10 @@ pub struct FabricConfig {
 /// The two faster modes are for callbacks that never block outside rcm (no sleep, no lock
 /// held long, no I/O, no waiting for the network such as `recv_ud` or another process):
 /// such a callback would hold back what the callbacks before it sent, or in `Inline` mode
-/// the device's whole receive loop and timers.
+/// the device's whole receive loop and timers. In `Inline` mode a callback must not wait for
+/// another id's callback either (`DestroyHandle::wait`, `Removal::wait`): that callback may
+/// be queued behind this one on the same thread. (A blocking `destroy` from a callback never
+/// waits, in any mode.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum CallbackMode {
     /// On the fabric's callback threads (`dispatcher_threads`); each datagram a callback
