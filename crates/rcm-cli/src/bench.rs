@@ -649,6 +649,11 @@ fn run_step(
     issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
     on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
+    if !from.serial {
+        // What this thread holds (the last RTUs of the step before) goes out before the
+        // issuing thread's datagrams (DREQs, say) for the same connections.
+        rcm::SendBatch::flush();
+    }
     let errs = issue_and_wait((from.serial, from.send_batch), chunk, issue, || {
         wait(from, range, failures, failed, on);
     });

@@ -195,6 +195,13 @@ impl SendBatch {
             _thread: std::marker::PhantomData,
         }
     }
+
+    /// Sends what this thread holds now, keeping the batch open: for a point after which
+    /// other threads' datagrams should not overtake this thread's (before handing work to
+    /// another thread, say).
+    pub fn flush() {
+        before_wait();
+    }
 }
 
 impl Drop for SendBatch {
@@ -273,10 +280,6 @@ fn worker(d: &Weak<Dispatcher>) {
     let mut held: Option<SendBatch> = None;
     loop {
         let Some(disp) = d.upgrade() else { return };
-        if disp.queued.load(Ordering::Relaxed) == 0 {
-            // No callback ready: what the last ones sent goes out before this thread waits.
-            held = None;
-        }
         let slot = {
             let mut q = sync::lock(&disp.ready);
             let mut polled = false;
@@ -287,6 +290,15 @@ fn worker(d: &Weak<Dispatcher>) {
                 if let Some(s) = q.pop_front() {
                     disp.queued.fetch_sub(1, Ordering::Relaxed);
                     break s;
+                }
+                if held.is_some() {
+                    // No callback to run: what the last ones sent goes out before this thread
+                    // polls or sleeps (checked here, with the queue found empty, not before:
+                    // another worker may take what this one saw queued).
+                    drop(q);
+                    held = None;
+                    q = sync::lock(&disp.ready);
+                    continue;
                 }
                 // Poll a while before sleeping (see `FabricConfig::spin`); one worker at a
                 // time, so pollers never crowd out the threads with work on a small machine.

@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28408.
+//! 28400–28409.
 #![cfg(not(loom))]
 
 mod common;
@@ -383,5 +383,23 @@ fn a_batch_outliving_its_device_drops_what_it_held_for_it() {
     drop(b);
     assert_eq!(d2.traffic().1, tx0, "nothing left on the removed device");
     assert_eq!(requests.load(Ordering::SeqCst), 0);
+    f.shutdown();
+}
+
+/// `SendBatch::flush` sends what the thread holds and keeps the batch open.
+#[test]
+fn flush_sends_what_is_held_and_keeps_holding() {
+    let (f, _d1, d2, _requests) = setup(slow_retry(28409));
+    let ch = EventChannel::new();
+    let ids = resolved(&f, &ch, 2, common::addr(1, SERVICE));
+    let (_, tx0) = d2.traffic();
+    let b = SendBatch::begin();
+    ids[0].connect(&ConnectOptions::default()).expect("connect");
+    SendBatch::flush();
+    assert_eq!(d2.traffic().1, tx0 + 1, "flushed");
+    ids[1].connect(&ConnectOptions::default()).expect("connect");
+    assert_eq!(d2.traffic().1, tx0 + 1, "held again after the flush");
+    drop(b);
+    assert_eq!(d2.traffic().1, tx0 + 2);
     f.shutdown();
 }
