@@ -212,11 +212,7 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
     };
     cfg.fabric.udp_port = a.udp_port;
     cfg.fabric.dispatcher_threads = a.threads as usize;
-    cfg.fabric.callbacks = match a.callbacks.as_str() {
-        "threads" => rcm::CallbackMode::Threads,
-        "batched" => rcm::CallbackMode::BatchedThreads,
-        _ => rcm::CallbackMode::Inline,
-    };
+    cfg.fabric.callbacks = callback_mode(&a.callbacks);
     cfg.fabric.spin = std::time::Duration::from_micros(a.spin_us);
     cfg.mode = a.mode;
     cfg.limits = rcm_ucm::proto::Limits {
@@ -420,6 +416,20 @@ struct StressArgs {
     /// Stress the `rcm daemon` at this socket (device removal is then not exercised).
     #[arg(long, value_name = "PATH")]
     daemon: Option<PathBuf>,
+    /// Where callbacks run: on callback threads (threads), there with their datagrams sent
+    /// together (batched), or on the device thread that received their event (inline); see
+    /// rcm::CallbackMode. The stress callbacks never block, so all three apply.
+    #[arg(long, default_value = "threads", value_parser = ["threads", "batched", "inline"])]
+    callbacks: String,
+}
+
+/// A `--callbacks` value (checked by clap) as a mode.
+fn callback_mode(s: &str) -> rcm::CallbackMode {
+    match s {
+        "batched" => rcm::CallbackMode::BatchedThreads,
+        "inline" => rcm::CallbackMode::Inline,
+        _ => rcm::CallbackMode::Threads,
+    }
 }
 
 fn stress(a: &StressArgs) -> ExitCode {
@@ -430,6 +440,7 @@ fn stress(a: &StressArgs) -> ExitCode {
         seed,
         udp_port: a.udp_port,
         daemon: a.daemon.clone(),
+        callbacks: callback_mode(&a.callbacks),
     };
     if !a.json {
         println!(

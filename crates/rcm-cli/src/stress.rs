@@ -29,6 +29,9 @@ pub struct StressOpts {
     /// Stress the `rcm daemon` at this socket instead of devices in this process (device
     /// removal is then not exercised: the devices are the daemon's).
     pub daemon: Option<std::path::PathBuf>,
+    /// Where the fabric's callbacks run (`rcm::CallbackMode`); the stress callbacks never
+    /// block, so every mode applies.
+    pub callbacks: rcm::CallbackMode,
 }
 
 /// Counts and verdicts.
@@ -113,6 +116,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         min_timewait: Duration::ZERO,
         dispatcher_threads: 2,
         seed: Some(o.seed),
+        callbacks: o.callbacks,
         ..FabricConfig::default()
     };
     let (fabric, client, primary, removable) = if let Some(p) = &o.daemon {

@@ -346,3 +346,40 @@ fn ping_reject_data_is_sent_and_checked() {
     assert_eq!(v["private_data_ok"], 4);
     assert_eq!(v["errors"].as_array().map(Vec::len), Some(0));
 }
+
+/// `rcm stress --callbacks threads|batched|inline`: every mode runs the same races with no
+/// violation and drops every context it made; an unknown mode is a usage error.
+#[test]
+fn stress_in_every_callback_mode() {
+    for (mode, port) in [
+        ("threads", "26781"),
+        ("batched", "26782"),
+        ("inline", "26783"),
+    ] {
+        let (code, out, err) = rcm(&[
+            "stress",
+            "-d",
+            "2",
+            "--seed",
+            "11",
+            "--callbacks",
+            mode,
+            "--udp-port",
+            port,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{mode}: {out}\n{err}");
+        let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert_eq!(
+            r["violations"].as_array().map(Vec::len),
+            Some(0),
+            "{mode}: {out}"
+        );
+        assert!(r["established"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
+        assert!(r["removals"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
+        assert_eq!(r["contexts"][0], r["contexts"][1], "{mode}: {out}");
+    }
+    let (code, _, err) = rcm(&["stress", "--callbacks", "sometimes"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--callbacks"), "{err}");
+}
