@@ -1,4 +1,5 @@
-//! The one socket option std does not offer. Kept apart so the CM core stays free of `unsafe`.
+//! Socket options std does not offer, and segmented sends and coalesced receives. Kept apart
+//! so the CM core stays free of `unsafe`.
 
 use std::net::UdpSocket;
 
@@ -6,15 +7,29 @@ use std::net::UdpSocket;
 /// with DF set from an unconnected socket, which makes the RoCEv2 ICRC (it covers the ID)
 /// computable before sending. With the default (`WANT`) the kernel picks a hashed ID.
 pub(crate) fn pmtudisc_do(sock: &UdpSocket) -> std::io::Result<()> {
+    set_int(
+        sock,
+        libc::IPPROTO_IP,
+        libc::IP_MTU_DISCOVER,
+        libc::IP_PMTUDISC_DO,
+    )
+}
+
+/// `setsockopt` with an `int` value: the one `unsafe` call of this module.
+fn set_int(
+    sock: &UdpSocket,
+    level: libc::c_int,
+    opt: libc::c_int,
+    val: libc::c_int,
+) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    let val: libc::c_int = libc::IP_PMTUDISC_DO;
     // SAFETY: `sock` owns a valid socket fd for the whole call, and the option value points at
     // a live c_int whose size is passed as the length.
     let rc = unsafe {
         libc::setsockopt(
             sock.as_raw_fd(),
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
+            level,
+            opt,
             std::ptr::from_ref(&val).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
@@ -31,27 +46,13 @@ pub(crate) fn pmtudisc_do(sock: &UdpSocket) -> std::io::Result<()> {
 /// of thousands of connects arrives faster than one thread drains it; a small buffer turns
 /// that into drops and second-long retransmission tails.
 pub(crate) fn grow_buffers(sock: &UdpSocket, bytes: usize) {
-    use std::os::fd::AsRawFd;
     let val = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
     for (force, plain) in [
         (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
         (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
     ] {
-        for opt in [force, plain] {
-            // SAFETY: `sock` owns a valid fd for the call; the value points at a live c_int
-            // whose size is passed.
-            let rc = unsafe {
-                libc::setsockopt(
-                    sock.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    opt,
-                    std::ptr::from_ref(&val).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if rc == 0 {
-                break;
-            }
+        if set_int(sock, libc::SOL_SOCKET, force, val).is_err() {
+            let _ = set_int(sock, libc::SOL_SOCKET, plain, val);
         }
     }
 }
@@ -138,22 +139,5 @@ pub(crate) fn recv_segments(
 /// with `EINVAL`, which is how the tests reach the one-by-one fallback.
 #[cfg(test)]
 pub(crate) fn set_no_check(sock: &UdpSocket) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let val: libc::c_int = 1;
-    // SAFETY: `sock` owns a valid socket fd for the whole call, and the option value points at
-    // a live c_int whose size is passed as the length.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_NO_CHECK,
-            std::ptr::from_ref(&val).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    set_int(sock, libc::SOL_SOCKET, libc::SO_NO_CHECK, 1)
 }

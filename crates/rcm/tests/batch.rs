@@ -55,11 +55,22 @@ fn next(ch: &EventChannel, timeout: Duration) -> Option<Event> {
     ch.get_event(Some(timeout)).and_then(|mut e| e.take())
 }
 
-/// `n` client ids on `ch`, addresses and routes resolved to `dst`.
+/// `n` client ids on `ch`, addresses and routes resolved to `dst` from 127.0.0.2.
 fn resolved(f: &Fabric, ch: &EventChannel, n: usize, dst: SocketAddr) -> Vec<CmId> {
+    resolved_from(f, ch, n, common::ip(2), dst)
+}
+
+/// `n` client ids on `ch`, addresses and routes resolved from `src` to `dst`.
+fn resolved_from(
+    f: &Fabric,
+    ch: &EventChannel,
+    n: usize,
+    src: IpAddr,
+    dst: SocketAddr,
+) -> Vec<CmId> {
     let ids: Vec<CmId> = (0..n).map(|_| f.create_id_on(PortSpace::Tcp, ch)).collect();
     for id in &ids {
-        id.resolve_addr(Some(common::ip(2)), dst).expect("resolve");
+        id.resolve_addr(Some(src), dst).expect("resolve");
         assert!(matches!(next(ch, common::T), Some(Event::AddrResolved)));
         id.resolve_route().expect("route");
         assert!(matches!(next(ch, common::T), Some(Event::RouteResolved)));
@@ -310,15 +321,7 @@ fn a_batch_over_ipv6_loopback_is_one_send_and_every_request_arrives() {
     l.bind(dst).expect("bind");
     l.listen(64).expect("listen");
     let ch = EventChannel::new();
-    let ids: Vec<CmId> = (0..10)
-        .map(|_| f.create_id_on(PortSpace::Tcp, &ch))
-        .collect();
-    for id in &ids {
-        id.resolve_addr(Some(lo), dst).expect("resolve");
-        assert!(matches!(next(&ch, common::T), Some(Event::AddrResolved)));
-        id.resolve_route().expect("route");
-        assert!(matches!(next(&ch, common::T), Some(Event::RouteResolved)));
-    }
+    let ids = resolved_from(&f, &ch, 10, lo, dst);
     let (seg0, co0) = d.batched_io();
     {
         let _b = SendBatch::begin();
