@@ -192,7 +192,7 @@ fn decode_roce(pkt: &CapturedPacket, time: f64, out: &mut Vec<Record>) {
     let n = payload.len() / seg;
     let mut pieces = Vec::with_capacity(n);
     for (k, piece) in payload.chunks(seg).enumerate() {
-        let Some((ip, udp)) = segment_headers(&net.ip.header, *header, k, piece.len()) else {
+        let Ok((ip, udp)) = roce::segment_headers(&net.ip.header, header, k, piece.len()) else {
             out.push(whole);
             return;
         };
@@ -205,27 +205,6 @@ fn decode_roce(pkt: &CapturedPacket, time: f64, out: &mut Vec<Record>) {
         pieces.push(r);
     }
     out.extend(pieces);
-}
-
-/// The IP and UDP headers of the `k`th datagram (`len` bytes of payload) the kernel cuts a
-/// segmented send into; `None` for a header this cannot rewrite.
-fn segment_headers(ip: &[u8], udp: [u8; 8], k: usize, len: usize) -> Option<(Vec<u8>, [u8; 8])> {
-    let mut ip = ip.to_vec();
-    let udp_len = u16::try_from(8 + len).ok()?;
-    match ip.first()? >> 4 {
-        4 => {
-            let ihl = usize::from(ip[0] & 0x0F) * 4;
-            let total = u16::try_from(ihl + 8 + len).ok()?;
-            ip.get_mut(2..4)?.copy_from_slice(&total.to_be_bytes());
-            let id = u16::from_be_bytes([*ip.get(4)?, *ip.get(5)?]).wrapping_add(k as u16);
-            ip.get_mut(4..6)?.copy_from_slice(&id.to_be_bytes());
-        }
-        6 => ip.get_mut(4..6)?.copy_from_slice(&udp_len.to_be_bytes()),
-        _ => return None,
-    }
-    let mut u = udp;
-    u[4..6].copy_from_slice(&udp_len.to_be_bytes());
-    Some((ip, u))
 }
 
 /// One RoCEv2 datagram with the IP and UDP headers it travelled under.

@@ -674,6 +674,49 @@ pub fn verify_icrc(ip_header: &[u8], udp: &[u8]) -> Result<()> {
     }
 }
 
+/// The IP and UDP headers of the `k`th datagram, `len` bytes of UDP payload, that the kernel
+/// cuts a segmented send (`UDP_SEGMENT`) into, from the headers of the whole run as a capture
+/// or a raw socket on the sending host sees it: lengths are the piece's own, and an IPv4 ID
+/// counts on from the run's (`inet_gso_segment`), which matters because the ICRC covers it.
+pub fn segment_headers(
+    ip_header: &[u8],
+    udp_header: &[u8],
+    k: usize,
+    len: usize,
+) -> Result<(Vec<u8>, [u8; 8])> {
+    let too_long = || WireError::BadLength {
+        what: "segment of a UDP run",
+        detail: format!("{len} bytes of payload do not fit an IP header"),
+    };
+    need("UDP header", udp_header, 8)?;
+    let udp_len = u16::try_from(8 + len).map_err(|_| too_long())?;
+    let mut ip = ip_header.to_vec();
+    match ip.first().map(|b| b >> 4) {
+        Some(4) => {
+            need("IPv4 header", &ip, 20)?;
+            let ihl = usize::from(ip[0] & 0x0F) * 4;
+            let total = u16::try_from(ihl + 8 + len).map_err(|_| too_long())?;
+            ip[2..4].copy_from_slice(&total.to_be_bytes());
+            let id = u16::from_be_bytes([ip[4], ip[5]]).wrapping_add(k as u16);
+            ip[4..6].copy_from_slice(&id.to_be_bytes());
+        }
+        Some(6) => {
+            need("IPv6 header", &ip, 40)?;
+            ip[4..6].copy_from_slice(&udp_len.to_be_bytes());
+        }
+        v => {
+            return Err(WireError::BadField {
+                field: "IP version",
+                value: v.unwrap_or(0).into(),
+            })
+        }
+    }
+    let mut udp = [0u8; 8];
+    udp.copy_from_slice(&udp_header[..8]);
+    udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
+    Ok((ip, udp))
+}
+
 /// `rdma_calc_flow_label(lqpn, rqpn)`: a 20-bit flow label symmetric in the two QPNs.
 pub fn calc_flow_label(lqpn: u32, rqpn: u32) -> u32 {
     let mut v = u64::from(lqpn) * u64::from(rqpn);
@@ -794,5 +837,59 @@ mod tests {
         let mut tver = raw;
         tver[1] |= 1;
         assert!(Bth::parse(&tver).is_err());
+    }
+
+    #[test]
+    fn segment_headers_give_each_piece_its_lengths_and_the_next_ipv4_id() {
+        let mut v4 = [0u8; 20];
+        v4[0] = 0x45;
+        v4[2..4].copy_from_slice(&(20u16 + 8 + 3 * 280).to_be_bytes());
+        v4[4..6].copy_from_slice(&0xFFFEu16.to_be_bytes());
+        v4[8] = 64;
+        v4[9] = 17;
+        let udp = [0x12, 0x34, 0x12, 0xB7, 0x03, 0x50, 0, 0];
+        let (ip, u) = segment_headers(&v4, &udp, 0, 280).unwrap();
+        assert_eq!(&ip[2..4], &308u16.to_be_bytes());
+        assert_eq!(&ip[4..6], &0xFFFEu16.to_be_bytes());
+        assert_eq!(&ip[6..], &v4[6..], "only length and ID change");
+        assert_eq!(u, [0x12, 0x34, 0x12, 0xB7, 0x01, 0x20, 0, 0]);
+        // The ID counts on and wraps, as the kernel's 16-bit counter does.
+        let (ip, _) = segment_headers(&v4, &udp, 2, 280).unwrap();
+        assert_eq!(&ip[4..6], &0u16.to_be_bytes());
+
+        let mut v6 = [0u8; 40];
+        v6[0] = 0x60;
+        v6[4..6].copy_from_slice(&(8u16 + 2 * 280).to_be_bytes());
+        v6[6] = 17;
+        let (ip, u) = segment_headers(&v6, &udp, 1, 280).unwrap();
+        assert_eq!(&ip[4..6], &288u16.to_be_bytes());
+        assert_eq!(&ip[..4], &v6[..4]);
+        assert_eq!(&ip[6..], &v6[6..]);
+        assert_eq!(&u[4..6], &288u16.to_be_bytes());
+    }
+
+    #[test]
+    fn segment_headers_refuse_what_they_cannot_rewrite() {
+        let udp = [0u8; 8];
+        assert!(
+            segment_headers(&[0x45; 10], &udp, 0, 280).is_err(),
+            "short IPv4"
+        );
+        assert!(
+            segment_headers(&[0x60; 20], &udp, 0, 280).is_err(),
+            "short IPv6"
+        );
+        assert!(
+            segment_headers(&[0x50; 40], &udp, 0, 280).is_err(),
+            "version 5"
+        );
+        assert!(segment_headers(&[], &udp, 0, 280).is_err(), "no header");
+        let mut v4 = [0u8; 20];
+        v4[0] = 0x45;
+        assert!(
+            segment_headers(&v4, &udp[..4], 0, 280).is_err(),
+            "short UDP"
+        );
+        assert!(segment_headers(&v4, &udp, 0, 70_000).is_err(), "too long");
     }
 }

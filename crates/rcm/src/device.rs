@@ -837,19 +837,12 @@ fn cut_run(hdr: &[u8], udp: &[u8], port: u16) -> Option<Vec<Vec<u8>>> {
     if payload.len() <= seg || payload.len() % seg != 0 {
         return None;
     }
-    let total = u16::try_from(hdr.len() + 8 + seg).ok()?;
-    let id = u16::from_be_bytes([*hdr.get(4)?, *hdr.get(5)?]);
     let mut out = Vec::with_capacity(payload.len() / seg);
-    let mut h = hdr.to_vec();
     let mut u = Vec::with_capacity(8 + seg);
     for (k, piece) in payload.chunks(seg).enumerate() {
-        h.get_mut(2..4)?.copy_from_slice(&total.to_be_bytes());
-        h.get_mut(4..6)?
-            .copy_from_slice(&id.wrapping_add(k as u16).to_be_bytes());
+        let (h, uh) = roce::segment_headers(hdr, udp, k, seg).ok()?;
         u.clear();
-        u.extend_from_slice(udp.get(..4)?);
-        u.extend_from_slice(&((8 + seg) as u16).to_be_bytes());
-        u.extend_from_slice(udp.get(6..8)?);
+        u.extend_from_slice(&uh);
         u.extend_from_slice(piece);
         verify(&h, &u, port).ok()?;
         out.push(piece.to_vec());
