@@ -500,9 +500,10 @@ fn main() -> ExitCode {
 /// Keeps glibc's mmap threshold at its initial 128 KiB unless the user set one
 /// (`MALLOC_MMAP_THRESHOLD_`). By default glibc raises it each time a mapped block is freed,
 /// so once a burst's tables have grown the next large blocks come from the heap, and what
-/// is freed there stays in the process: 100,000 connections, client process alone, kept
-/// 1,076–1,244 bytes of RSS per connection that way, 959–1,126 with it fixed (same
-/// rates).
+/// is freed there stays in the process. Interleaved runs on a 2-core VM, 100,000
+/// connections, client process alone: 1,076–1,244 bytes of RSS per connection that way,
+/// 959–1,144 with it fixed; bursts of 10,000 (both ends) 2,403–2,561 against 2,245–2,427,
+/// at the same rates within the VM's noise.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn fix_mmap_threshold() {
     const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
