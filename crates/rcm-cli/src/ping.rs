@@ -20,6 +20,7 @@
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace,
+    State,
 };
 use serde::Serialize;
 use std::collections::HashMap;
@@ -463,6 +464,29 @@ const IWARP_GRACE: Duration = Duration::from_millis(500);
 /// How long the client waits for the server to disconnect an established connection.
 const SERVER_GRACE: Duration = Duration::from_secs(10);
 
+/// What a client connection left in `state` when the run timed out was waiting for; `None`
+/// for one that finished (a UD one is done once resolved: it has nothing to disconnect).
+fn unfinished(state: State, dst: SocketAddr, iwarp: bool, ud: bool) -> Option<String> {
+    let cm = if iwarp {
+        format!("a TCP listener on {dst}")
+    } else {
+        format!(
+            "an rdma_cm listener on port {} and a CM on {}'s RoCEv2 UDP port",
+            dst.port(),
+            dst.ip()
+        )
+    };
+    Some(match state {
+        State::AddrQuery | State::AddrResolved => "address resolution did not finish".into(),
+        State::RouteQuery | State::RouteResolved => "route resolution did not finish".into(),
+        State::Connect => format!("no answer from {dst} to the connect request (is there {cm}?)"),
+        State::Established if ud => return None,
+        State::Established => "established, but never disconnected".into(),
+        State::Disconnect | State::Destroying | State::DeviceRemoval => return None,
+        other => format!("left in state {other:?}"),
+    })
+}
+
 /// Runs the client side.
 fn client_loop(
     fabric: &Fabric,
@@ -496,6 +520,13 @@ fn client_loop(
                 "client: timed out with {} connection(s) unfinished",
                 ids.len() - finished
             ));
+            let mut stuck: Vec<_> = ids.values().collect();
+            stuck.sort_by_key(|(i, _)| *i);
+            for (i, id) in stuck {
+                if let Some(why) = unfinished(id.state(), dst, o.iwarp, ud(o.ps)) {
+                    r.errors.push(format!("client {i}: {why}"));
+                }
+            }
             break;
         }
         open.retain(|_, (since, id)| {

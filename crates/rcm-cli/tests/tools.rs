@@ -279,10 +279,20 @@ fn ping_against_nobody_fails_with_the_reason() {
         "--udp-port",
         "26798",
         "--timeout",
-        "5",
+        "3",
+        "--count",
+        "2",
     ]);
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("error:"), "{out}");
+    assert!(
+        out.contains("timed out with 2 connection(s) unfinished"),
+        "{out}"
+    );
+    // Each connection says what it waited for: here the REQ went unanswered (no CM there).
+    for i in 0..2 {
+        let line = format!("client {i}: no answer from 127.0.0.1:7471 to the connect request");
+        assert!(out.contains(&line), "{out}");
+    }
 }
 
 #[test]
