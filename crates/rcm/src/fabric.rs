@@ -176,9 +176,11 @@ impl Drop for CallbacksHere {
 /// issuing connects, or an event loop answering what [`crate::EventChannel::get_event`]
 /// brings.
 ///
-/// What is held is sent when the outermost guard drops, when 64 datagrams are held, and
+/// What is held is sent when the outermost guard drops, when 64 datagrams are held,
 /// before this thread waits in rcm (`get_event` with nothing queued, a blocking `destroy`,
-/// `recv_ud`): a batch never holds back what the thread then waits for. Do not wait on
+/// `recv_ud`): a batch never holds back what the thread then waits for; and before
+/// [`Fabric::shutdown`] closes the devices. What is held for a removed device is dropped
+/// with it. Do not wait on
 /// anything else (a lock, a sleep, another library) while holding one: the datagrams, and
 /// the peer, would wait too. iWARP devices and the daemon's ids are not affected.
 #[must_use = "the datagrams go out when this is dropped"]
@@ -555,7 +557,8 @@ impl Fabric {
         self.0.devices().iter().map(|d| d.engine_stats().1).sum()
     }
 
-    /// Destroys every id and stops every device and the dispatcher.
+    /// Destroys every id (their peers are sent what a destroy sends: DREQ, or REJ to a
+    /// connection being set up) and stops every device and the dispatcher.
     pub fn shutdown(&self) {
         let ids: Vec<_> = sync::lock(&self.0.ids)
             .values()
@@ -564,6 +567,9 @@ impl Fabric {
         for id in ids {
             drop(crate::id::CmId(id).begin_destroy());
         }
+        // The DREQs and REJs those destroys queued must leave before the sockets close, even
+        // when this thread holds a send batch: a peer would otherwise keep its end up.
+        before_wait();
         for d in sync::lock(&self.0.devices).drain(..) {
             d.shutdown();
         }

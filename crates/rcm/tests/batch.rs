@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28409.
+//! 28400–28410.
 #![cfg(not(loom))]
 
 mod common;
@@ -405,4 +405,44 @@ fn flush_sends_what_is_held_and_keeps_holding() {
     drop(b);
     assert_eq!(d2.traffic().1, tx0 + 2);
     f.shutdown();
+}
+
+/// `Fabric::shutdown` ends every connection gracefully even when the calling thread holds a
+/// batch: the DREQs its destroys queue go out before the devices close, so the peer sees
+/// its connection end instead of keeping it up forever.
+#[test]
+fn shutdown_sends_the_held_disconnects_before_the_devices_close() {
+    let server = Fabric::new(slow_retry(28410));
+    server.add_device(common::ip(1)).expect("server device");
+    let srv_ch = EventChannel::new();
+    let l = server.create_id_on(PortSpace::Tcp, &srv_ch);
+    l.bind(common::addr(1, SERVICE)).expect("bind");
+    l.listen(16).expect("listen");
+    let client = Fabric::new(slow_retry(28410));
+    client.add_device(common::ip(2)).expect("client device");
+    let ch = EventChannel::new();
+    let id = resolved(&client, &ch, 1, common::addr(1, SERVICE)).remove(0);
+    id.connect(&ConnectOptions::default()).expect("connect");
+    let Some(mut req) = srv_ch.get_event(Some(common::T)) else {
+        panic!("no connect request");
+    };
+    assert!(matches!(req.event(), Event::ConnectRequest { .. }));
+    let child = req.id().clone();
+    drop(req.take());
+    drop(req);
+    child.accept(&AcceptOptions::default()).expect("accept");
+    let ev = next(&ch, common::T);
+    assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+    id.establish().expect("establish");
+    let ev = next(&srv_ch, common::T);
+    assert!(matches!(ev, Some(Event::Established { .. })), "{ev:?}");
+
+    let b = SendBatch::begin();
+    client.shutdown();
+    drop(b);
+    // The engine retries a lost DREQ only after 5 s (and the client's device is closed by
+    // then): within 2 s, only the DREQ the shutdown sent can have ended it.
+    let ev = next(&srv_ch, Duration::from_secs(2));
+    assert!(matches!(ev, Some(Event::Disconnected)), "{ev:?}");
+    server.shutdown();
 }
