@@ -382,6 +382,10 @@ impl FabricInner {
 }
 
 /// A set of RoCEv2 and iWARP devices in this process and everything bound to them. Cheap to clone.
+///
+/// A fabric runs until [`Fabric::shutdown`]: dropping every handle neither destroys its ids
+/// (an id outlives its handles, as in rdma_cm, until destroyed) nor stops its devices,
+/// whose threads keep running and whose UDP ports stay bound. Call `shutdown` when done.
 #[derive(Clone)]
 pub struct Fabric(pub(crate) Arc<FabricInner>);
 
