@@ -498,8 +498,10 @@ fn close_between_accept_and_established() {
     let c2 = child.clone();
     let l = listener(&f, addr(1, 27908), &log, move |id, ev| {
         if let Event::ConnectRequest { .. } = ev {
-            id.accept(&AcceptOptions::default()).unwrap();
+            // Published before `accept`: the client can be established, and the test
+            // read this, before `accept` returns here.
             *c2.lock().unwrap() = Some(id.clone());
+            id.accept(&AcceptOptions::default()).unwrap();
             g2.wait();
         }
         Flow::Continue
@@ -580,8 +582,10 @@ fn destroy_with_passive_events_queued() {
     let l = listener(&f, addr(1, 27910), &log, move |id, ev| {
         if let Event::ConnectRequest { .. } = ev {
             id.set_context(Tracked(d2.clone()));
-            id.accept(&AcceptOptions::default()).unwrap();
+            // Published before `accept`: the client can be established, and the test
+            // read this, before `accept` returns here.
             *c2.lock().unwrap() = Some(id.clone());
+            id.accept(&AcceptOptions::default()).unwrap();
             g2.wait();
         }
         Flow::Continue
