@@ -184,18 +184,17 @@ fn decode_roce(pkt: &CapturedPacket, time: f64, out: &mut Vec<Record>) {
         return;
     };
     let whole = decode_datagram(pkt.index, time, net, &net.ip.header, *header, payload);
-    let seg = roce::GSI_UDP_PAYLOAD_LEN;
-    if whole.crc == Some("ok") || payload.len() <= seg || payload.len() % seg != 0 {
+    if whole.crc == Some("ok") {
         out.push(whole);
         return;
     }
-    let n = payload.len() / seg;
+    let Ok(run) = roce::split_gsi_run(&net.ip.header, header, payload) else {
+        out.push(whole);
+        return;
+    };
+    let n = run.len();
     let mut pieces = Vec::with_capacity(n);
-    for (k, piece) in payload.chunks(seg).enumerate() {
-        let Ok((ip, udp)) = roce::segment_headers(&net.ip.header, header, k, piece.len()) else {
-            out.push(whole);
-            return;
-        };
+    for (k, (ip, udp, piece)) in run.into_iter().enumerate() {
         let mut r = decode_datagram(pkt.index, time, net, &ip, udp, piece);
         if r.crc != Some("ok") {
             out.push(whole);

@@ -467,19 +467,18 @@ const SERVER_GRACE: Duration = Duration::from_secs(10);
 /// What a client connection left in `state` when the run timed out was waiting for; `None`
 /// for one that finished (a UD one is done once resolved: it has nothing to disconnect).
 fn unfinished(state: State, dst: SocketAddr, iwarp: bool, ud: bool) -> Option<String> {
-    let cm = if iwarp {
-        format!("a TCP listener on {dst}")
-    } else {
-        format!(
-            "an rdma_cm listener on port {} and a CM on {}'s RoCEv2 UDP port",
-            dst.port(),
-            dst.ip()
-        )
-    };
     Some(match state {
         State::AddrQuery | State::AddrResolved => "address resolution did not finish".into(),
         State::RouteQuery | State::RouteResolved => "route resolution did not finish".into(),
-        State::Connect => format!("no answer from {dst} to the connect request (is there {cm}?)"),
+        State::Connect if iwarp => {
+            format!("no answer from {dst} to the connect request (is there a TCP listener?)")
+        }
+        State::Connect => format!(
+            "no answer from {dst} to the connect request (is there an rdma_cm listener on \
+             port {} and a CM on {}'s RoCEv2 UDP port?)",
+            dst.port(),
+            dst.ip()
+        ),
         State::Established if ud => return None,
         State::Established => "established, but never disconnected".into(),
         State::Disconnect | State::Destroying | State::DeviceRemoval => return None,

@@ -717,6 +717,37 @@ pub fn segment_headers(
     Ok((ip, udp))
 }
 
+/// One datagram of a segmented run: the IP and UDP headers the kernel gives it, and its
+/// payload.
+pub type RunPiece<'a> = (Vec<u8>, [u8; 8], &'a [u8]);
+
+/// The datagrams of a run of GSI datagrams sent in one segmented send and seen whole (a
+/// capture or a raw socket on the sending host): `payload` cut every
+/// [`GSI_UDP_PAYLOAD_LEN`] bytes, each piece under its own headers ([`segment_headers`]).
+/// An error when `payload` is not two or more whole GSI datagrams or the headers cannot be
+/// rewritten. Whether it really was a run is for the caller to tell, by each piece's ICRC.
+pub fn split_gsi_run<'a>(
+    ip_header: &[u8],
+    udp_header: &[u8],
+    payload: &'a [u8],
+) -> Result<Vec<RunPiece<'a>>> {
+    let seg = GSI_UDP_PAYLOAD_LEN;
+    if payload.len() <= seg || payload.len() % seg != 0 {
+        return Err(WireError::BadLength {
+            what: "run of GSI datagrams",
+            detail: format!("{} bytes are not two or more of {seg}", payload.len()),
+        });
+    }
+    payload
+        .chunks(seg)
+        .enumerate()
+        .map(|(k, piece)| {
+            let (ip, udp) = segment_headers(ip_header, udp_header, k, piece.len())?;
+            Ok((ip, udp, piece))
+        })
+        .collect()
+}
+
 /// `rdma_calc_flow_label(lqpn, rqpn)`: a 20-bit flow label symmetric in the two QPNs.
 pub fn calc_flow_label(lqpn: u32, rqpn: u32) -> u32 {
     let mut v = u64::from(lqpn) * u64::from(rqpn);
@@ -891,5 +922,34 @@ mod tests {
             "short UDP"
         );
         assert!(segment_headers(&v4, &udp, 0, 70_000).is_err(), "too long");
+    }
+
+    #[test]
+    fn split_gsi_run_cuts_whole_gsi_datagrams_only() {
+        let mut v4 = [0u8; 20];
+        v4[0] = 0x45;
+        v4[4..6].copy_from_slice(&7u16.to_be_bytes());
+        let udp = [0u8; 8];
+        let payload: Vec<u8> = (0..3 * GSI_UDP_PAYLOAD_LEN).map(|i| i as u8).collect();
+        let pieces = split_gsi_run(&v4, &udp, &payload).unwrap();
+        assert_eq!(pieces.len(), 3);
+        for (k, (ip, u, piece)) in pieces.iter().enumerate() {
+            assert_eq!(&ip[4..6], &(7 + k as u16).to_be_bytes());
+            assert_eq!(&u[4..6], &(8 + GSI_UDP_PAYLOAD_LEN as u16).to_be_bytes());
+            assert_eq!(
+                *piece,
+                &payload[k * GSI_UDP_PAYLOAD_LEN..][..GSI_UDP_PAYLOAD_LEN]
+            );
+        }
+        let one = &payload[..GSI_UDP_PAYLOAD_LEN];
+        assert!(
+            split_gsi_run(&v4, &udp, one).is_err(),
+            "one datagram is no run"
+        );
+        let ragged = &payload[..=2 * GSI_UDP_PAYLOAD_LEN];
+        assert!(
+            split_gsi_run(&v4, &udp, ragged).is_err(),
+            "not whole datagrams"
+        );
     }
 }

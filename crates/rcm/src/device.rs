@@ -832,22 +832,17 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
 /// verified against the header the kernel gives it (IPv4 ID counted on from the run's,
 /// lengths its own), or `None` (then it is one datagram with a bad ICRC).
 fn cut_run(hdr: &[u8], udp: &[u8], port: u16) -> Option<Vec<Vec<u8>>> {
-    let seg = roce::GSI_UDP_PAYLOAD_LEN;
-    let payload = udp.get(8..)?;
-    if payload.len() <= seg || payload.len() % seg != 0 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(payload.len() / seg);
-    let mut u = Vec::with_capacity(8 + seg);
-    for (k, piece) in payload.chunks(seg).enumerate() {
-        let (h, uh) = roce::segment_headers(hdr, udp, k, seg).ok()?;
-        u.clear();
-        u.extend_from_slice(&uh);
-        u.extend_from_slice(piece);
-        verify(&h, &u, port).ok()?;
-        out.push(piece.to_vec());
-    }
-    Some(out)
+    let run = roce::split_gsi_run(hdr, udp.get(..8)?, udp.get(8..)?).ok()?;
+    let mut u = Vec::with_capacity(8 + roce::GSI_UDP_PAYLOAD_LEN);
+    run.into_iter()
+        .map(|(h, uh, piece)| {
+            u.clear();
+            u.extend_from_slice(&uh);
+            u.extend_from_slice(piece);
+            verify(&h, &u, port).ok()?;
+            Some(piece.to_vec())
+        })
+        .collect()
 }
 
 /// Checks a datagram's ICRC against its real IP and UDP headers. The device's UDP port plays

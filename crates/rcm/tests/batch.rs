@@ -78,6 +78,13 @@ fn resolved_from(
     ids
 }
 
+/// `connect` on each of `ids`, in order.
+fn connect_all(ids: &[CmId]) {
+    for id in ids {
+        id.connect(&ConnectOptions::default()).expect("connect");
+    }
+}
+
 fn wait_until(what: &str, f: impl Fn() -> bool) {
     let end = Instant::now() + common::T;
     while !f() {
@@ -96,9 +103,7 @@ fn a_batch_holds_its_datagrams_until_it_ends_then_sends_them_in_one_call() {
     let (rx0, _) = d1.traffic();
     {
         let _b = SendBatch::begin();
-        for id in &ids {
-            id.connect(&ConnectOptions::default()).expect("connect");
-        }
+        connect_all(&ids);
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(d2.traffic().1, tx0, "a REQ left while the batch held it");
         assert_eq!(requests.load(Ordering::SeqCst), 0);
@@ -139,9 +144,7 @@ fn a_batch_sends_every_64_datagrams_it_holds() {
     let ids = resolved(&f, &ch, 70, common::addr(1, SERVICE));
     let (_, tx0) = d2.traffic();
     let b = SendBatch::begin();
-    for id in &ids {
-        id.connect(&ConnectOptions::default()).expect("connect");
-    }
+    connect_all(&ids);
     assert_eq!(d2.traffic().1, tx0 + 64, "the first 64 left, 6 are held");
     wait_until("64 connect requests", || {
         requests.load(Ordering::SeqCst) == 64
@@ -166,9 +169,7 @@ fn batched_callbacks_answer_a_burst_and_every_connection_is_established() {
     let ids = resolved(&f, &ch, 200, common::addr(1, SERVICE));
     {
         let _b = SendBatch::begin();
-        for id in &ids {
-            id.connect(&ConnectOptions::default()).expect("connect");
-        }
+        connect_all(&ids);
     }
     let mut established = 0;
     // The RTUs the loop sends go out together, when get_event would wait.
@@ -206,9 +207,7 @@ fn each_datagram_of_a_batch_carries_the_icrc_of_its_own_ip_header() {
     let (seg0, _) = d2.batched_io();
     {
         let _b = SendBatch::begin();
-        for id in &ids {
-            id.connect(&ConnectOptions::default()).expect("connect");
-        }
+        connect_all(&ids);
     }
     assert_eq!(d2.batched_io().0, seg0 + 1, "one segmented send");
     let mut buf = [0u8; 2048];
@@ -274,9 +273,7 @@ fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
     let (_, tx0) = d1.traffic();
     {
         let _b = SendBatch::begin();
-        for id in &ids {
-            id.connect(&ConnectOptions::default()).expect("connect");
-        }
+        connect_all(&ids);
     }
     for _ in 0..30 {
         let ev = next(&ch, common::T);
@@ -325,9 +322,7 @@ fn a_batch_over_ipv6_loopback_is_one_send_and_every_request_arrives() {
     let (seg0, co0) = d.batched_io();
     {
         let _b = SendBatch::begin();
-        for id in &ids {
-            id.connect(&ConnectOptions::default()).expect("connect");
-        }
+        connect_all(&ids);
     }
     assert_eq!(d.batched_io().0, seg0 + 1, "one segmented send");
     for _ in 0..10 {
@@ -367,9 +362,7 @@ fn a_batch_outliving_its_device_drops_what_it_held_for_it() {
     let ids = resolved(&f, &ch, 3, common::addr(1, SERVICE));
     let (_, tx0) = d2.traffic();
     let b = SendBatch::begin();
-    for id in &ids {
-        id.connect(&ConnectOptions::default()).expect("connect");
-    }
+    connect_all(&ids);
     let removal = f.remove_device(common::ip(2)).expect("remove");
     for _ in 0..3 {
         let e = ch.get_event(Some(common::T)).expect("an event");
