@@ -863,6 +863,35 @@ fn two_clients_connect_through_one_device() {
     wait_ids(&d, 0, 0);
 }
 
+/// Dropping a client's last `Fabric` handle ends its session, as exiting does: the ids it
+/// held (a `CmId` handle still in hand included) are destroyed at the daemon and the peer
+/// sees DISCONNECTED.
+#[test]
+fn dropping_the_client_fabric_ends_its_session() {
+    let d = daemon("dropfab", 47218, &[1]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server");
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let (l, sch) = listen(&server, sa(1, 7500));
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, sa(1, 7500), b"dropped");
+    let child = accept_next(&sch, b"ok");
+    finish_connect(&c, &cch, &sch);
+    assert_eq!(d.sessions(), 2);
+    drop(client);
+    let e = next(&sch);
+    assert!(matches!(e.event(), Event::Disconnected), "{e:?}");
+    drop(e);
+    wait_until(
+        || d.sessions() == 1,
+        || format!("{} sessions", d.sessions()),
+    );
+    assert!(c.disconnect().is_err());
+    for id in [child, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    wait_ids(&d, 0, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // h. Startup and shutdown
 

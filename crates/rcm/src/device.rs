@@ -141,10 +141,13 @@ impl DeviceInner {
         let rx = raw.is_none().then(RxBatch::new);
         let h = std::thread::Builder::new()
             .name(format!("rcm-dev-{ip}"))
-            .spawn(move || match (raw, rx) {
-                (Some(raw), _) => raw_io_loop(&weak, &io_sock, &raw),
-                (None, Some(rx)) => io_loop(&weak, &io_sock, spin, rx),
-                (None, None) => {}
+            .spawn(move || {
+                crate::fabric::mark_own_thread();
+                match (raw, rx) {
+                    (Some(raw), _) => raw_io_loop(&weak, &io_sock, &raw),
+                    (None, Some(rx)) => io_loop(&weak, &io_sock, spin, rx),
+                    (None, None) => {}
+                }
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&dev.thread) = Some(h);

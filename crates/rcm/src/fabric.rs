@@ -258,7 +258,10 @@ impl Dispatcher {
             let w = Arc::downgrade(&d);
             if let Ok(h) = std::thread::Builder::new()
                 .name(format!("rcm-cb-{i}"))
-                .spawn(move || worker(&w))
+                .spawn(move || {
+                    mark_own_thread();
+                    worker(&w);
+                })
             {
                 sync::lock(&d.threads).push(h);
             }
@@ -383,11 +386,49 @@ impl FabricInner {
 
 /// A set of RoCEv2 and iWARP devices in this process and everything bound to them. Cheap to clone.
 ///
-/// A fabric runs until [`Fabric::shutdown`]: dropping every handle neither destroys its ids
-/// (an id outlives its handles, as in rdma_cm, until destroyed) nor stops its devices,
-/// whose threads keep running and whose UDP ports stay bound. Call `shutdown` when done.
+/// A fabric runs until [`Fabric::shutdown`], or until its last `Fabric` handle is dropped,
+/// which shuts it down the same way (as closing ucma's file destroys every id it made): its
+/// ids are destroyed, so their peers see DREQ or REJ, its devices stop and their ports are
+/// released. [`CmId`](crate::CmId) handles do not keep a fabric running: keep a `Fabric`
+/// handle for as long as its ids are in use (their calls fail once it is shut down). A
+/// handle moved into a callback keeps the fabric until that callback is dropped.
 #[derive(Clone)]
-pub struct Fabric(pub(crate) Arc<FabricInner>);
+pub struct Fabric(
+    pub(crate) Arc<FabricInner>,
+    #[allow(dead_code, reason = "held for its drop")] Arc<LastHandle>,
+);
+
+/// Shared by a fabric's handles only (ids hold its inner part): the last one's drop shuts
+/// the fabric down.
+struct LastHandle(Arc<FabricInner>);
+
+impl Drop for LastHandle {
+    fn drop(&mut self) {
+        // On one of the fabric's own threads (a callback's closure dropped the last handle,
+        // say) the shutdown would wait for that thread's own work: it runs on a thread of its
+        // own instead. Elsewhere it is done when the drop returns.
+        if OWN_THREAD.with(std::cell::Cell::get) || crate::slot::in_callback() {
+            let f = self.0.clone();
+            let spawned = std::thread::Builder::new()
+                .name("rcm-shutdown".into())
+                .spawn(move || shutdown(&f));
+            if spawned.is_ok() {
+                return;
+            }
+        }
+        shutdown(&self.0);
+    }
+}
+
+std::thread_local! {
+    /// Set on the threads rcm starts (dispatcher, device and iWARP threads).
+    static OWN_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as one of rcm's own.
+pub(crate) fn mark_own_thread() {
+    OWN_THREAD.with(|c| c.set(true));
+}
 
 impl Fabric {
     /// An empty fabric.
@@ -414,7 +455,7 @@ impl Fabric {
             cfg.spin,
             cfg.callbacks != CallbackMode::Threads,
         );
-        Fabric(Arc::new(FabricInner {
+        let inner = Arc::new(FabricInner {
             cfg,
             devices: Mutex::new(Vec::new()),
             ports: Mutex::new(Ports::new(seed as u16)),
@@ -426,7 +467,8 @@ impl Fabric {
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
             seed,
             provider,
-        }))
+        });
+        Fabric(inner.clone(), Arc::new(LastHandle(inner)))
     }
 
     /// The embedded default: `n` devices on 127.0.0.1, 127.0.0.2, … in this process. Needs no
@@ -564,24 +606,29 @@ impl Fabric {
     /// Destroys every id (their peers are sent what a destroy sends: DREQ, or REJ to a
     /// connection being set up) and stops every device and the dispatcher.
     pub fn shutdown(&self) {
-        let ids: Vec<_> = sync::lock(&self.0.ids)
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for id in ids {
-            drop(crate::id::CmId(id).begin_destroy());
-        }
-        // The DREQs and REJs those destroys queued must leave before the sockets close, even
-        // when this thread holds a send batch: a peer would otherwise keep its end up.
-        before_wait();
-        for d in sync::lock(&self.0.devices).drain(..) {
-            d.shutdown();
-        }
-        if let Some(p) = &self.0.provider {
-            p.shutdown();
-        }
-        self.0.dispatcher.stop();
+        shutdown(&self.0);
     }
+}
+
+fn shutdown(f: &FabricInner) {
+    let ids: Vec<_> = sync::lock(&f.ids)
+        .values()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for id in ids {
+        drop(crate::id::CmId(id).begin_destroy());
+    }
+    // The DREQs and REJs those destroys queued must leave before the sockets close, even
+    // when this thread holds a send batch: a peer would otherwise keep its end up.
+    before_wait();
+    let devices = std::mem::take(&mut *sync::lock(&f.devices));
+    for d in devices {
+        d.shutdown();
+    }
+    if let Some(p) = &f.provider {
+        p.shutdown();
+    }
+    f.dispatcher.stop();
 }
 
 /// A device of a fabric.

@@ -137,7 +137,10 @@ impl IwDev {
         let weak = Arc::downgrade(dev);
         let h = std::thread::Builder::new()
             .name(format!("rcm-iw-{}", dev.ip))
-            .spawn(move || io_loop(&weak, poll))
+            .spawn(move || {
+                crate::fabric::mark_own_thread();
+                io_loop(&weak, poll);
+            })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&iw.thread) = Some(h);
         Ok(())

@@ -1084,6 +1084,87 @@ fn shutdown_destroys_every_id_and_drops_every_context_once() {
     assert_eq!(after.1, Ok(DestroyOutcome::Done));
 }
 
+/// Dropping the last `Fabric` handle shuts the fabric down, as `shutdown` does: a clone keeps
+/// it running; once every handle is gone, an id the application still holds is destroyed
+/// (its peer in another fabric sees DISCONNECTED), its calls fail, and the device's UDP
+/// port is free again.
+#[test]
+fn dropping_the_last_fabric_handle_shuts_it_down() {
+    let port = 25021;
+    let server = Fabric::new(config(port));
+    server.add_device(ip(1)).unwrap();
+    let client_f = Fabric::new(config(port));
+    client_f.add_device(ip(2)).unwrap();
+    let (srv, cli) = (EventChannel::new(), EventChannel::new());
+    let listener = server.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, 7000)).unwrap();
+    listener.listen(0).unwrap();
+    let client = client_f.create_id_on(PortSpace::Tcp, &cli);
+    client.resolve_addr(None, addr(1, 7000)).unwrap();
+    expect_ev(&cli, &client, "ADDR_RESOLVED");
+    client.resolve_route().unwrap();
+    expect_ev(&cli, &client, "ROUTE_RESOLVED");
+    client.connect(&ConnectOptions::default()).unwrap();
+    let (child, ev) = next(&srv);
+    assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
+    child.accept(&AcceptOptions::default()).unwrap();
+    expect_ev(&cli, &client, "CONNECT_RESPONSE");
+    client.establish().unwrap();
+    expect_ev(&cli, &client, "ESTABLISHED");
+    expect_ev(&srv, &child, "ESTABLISHED");
+
+    let clone = client_f.clone();
+    drop(client_f);
+    assert!(
+        std::net::UdpSocket::bind(addr(2, port)).is_err(),
+        "a remaining handle keeps the device (and its port)"
+    );
+    assert_eq!(client.state(), State::Established);
+    assert!(srv.get_event(Some(Duration::from_millis(100))).is_none());
+
+    drop(clone);
+    expect_ev(&srv, &child, "DISCONNECTED");
+    assert_eq!(client.state(), State::Destroying);
+    assert!(client.disconnect().is_err());
+    assert_eq!(client.destroy(), Ok(DestroyOutcome::Done));
+    assert!(
+        std::net::UdpSocket::bind(addr(2, port)).is_ok(),
+        "the device's port is released"
+    );
+    server.shutdown();
+}
+
+/// The last handle may be dropped by the fabric's own thread: here it lives in a callback
+/// whose id destroys itself (`Flow::Destroy`), so the dispatcher thread drops it. The
+/// fabric still shuts down (its port is released, another id is destroyed) and nothing hangs.
+#[test]
+fn last_fabric_handle_dropped_by_a_callback_shuts_it_down() {
+    let port = 25022;
+    let f = fabric(port);
+    let other = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    other.bind(addr(1, 0)).unwrap();
+    let held = f.clone();
+    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
+        let _keep = &held;
+        match ev {
+            Event::AddrResolved => Flow::Destroy,
+            _ => Flow::Continue,
+        }
+    });
+    drop(f);
+    assert!(
+        std::net::UdpSocket::bind(addr(1, port)).is_err(),
+        "the callback's handle keeps the fabric"
+    );
+    id.resolve_addr(None, addr(2, 7000)).unwrap();
+    assert!(
+        eventually(T, || std::net::UdpSocket::bind(addr(1, port)).is_ok()),
+        "the fabric was not shut down"
+    );
+    assert!(eventually(T, || other.state() == State::Destroying));
+    assert_eq!(other.destroy(), Ok(DestroyOutcome::Done));
+}
+
 // ----- No deadlock under concurrent protocol traffic ---------------------------------------
 
 /// Sets its flag when dropped (stops helper threads even when an assertion fails).
