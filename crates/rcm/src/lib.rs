@@ -37,6 +37,9 @@
 //!    in flight, never after `Flow::Destroy`; then only destroy is valid.
 //! 7. A channel event holds its id; a blocking destroy of an id whose events are held fails
 //!    with [`Error::EventsOutstanding`] instead of hanging.
+//! 8. A fabric lives as long as a [`Fabric`] handle does: dropping the last one shuts it down
+//!    as [`Fabric::shutdown`] does (every id destroyed, peers sent DREQ or REJ, devices
+//!    stopped, ports released), whatever [`CmId`] handles are still held.
 
 // Under `--cfg loom` only the concurrency core (`slot`, `sync`) is built, for the models in
 // `tests/loom.rs`: the rest does I/O on std threads and sockets that loom cannot run.
