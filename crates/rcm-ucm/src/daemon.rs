@@ -454,17 +454,34 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         .spawn(move || writer_loop(&ws))?;
     let sh2 = sh.clone();
     let rs = s.clone();
+    let w = Arc::new(Mutex::new(Some(w)));
+    let w2 = w.clone();
     let r = std::thread::Builder::new()
         .name(format!("rcm-ucm-r{order}"))
         .spawn(move || {
             tracing::debug!(session = order, "session open");
             reader_loop(&sh2, &rs, reader);
             close_session(&sh2, &rs);
-            let _ = w.join();
+            if let Some(w) = lock(&w2).take() {
+                let _ = w.join();
+            }
             tracing::debug!(session = order, "session closed");
-        })?;
-    lock(&sh.threads).push(r);
-    Ok(())
+        });
+    match r {
+        Ok(r) => {
+            lock(&sh.threads).push(r);
+            Ok(())
+        }
+        Err(e) => {
+            // No reader: undo the session (it holds nothing yet) and end its writer.
+            lock(&sh.sessions).remove(&order);
+            fail(&s);
+            if let Some(w) = lock(&w).take() {
+                let _ = w.join();
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Moves up to a batch of queued events that the client has credit for into `buf`.
@@ -810,6 +827,12 @@ fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<A
         let _ = id.destroy();
         return Err(WireError::NoSuchId);
     }
+    // Checked again: a connect request's child or a migrated id may have come in since.
+    if t.ids.len() >= sh.limits.max_ids as usize {
+        drop(t);
+        let _ = id.destroy();
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+    }
     let h = t.alloc();
     let cell = Arc::new(IdCell {
         owner: Mutex::new(Some((Arc::downgrade(s), h))),
@@ -1050,6 +1073,19 @@ fn migrate_id(
     }
     if tb.ids.len() >= sh.limits.max_ids as usize {
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+    }
+    // A child whose connect request is still queued has not been handed to its client yet
+    // (its handle was only guessed), and the request names the listener by its handle in
+    // the source session: it stays there, with its listener, until the request is written.
+    {
+        let out = lock(&src.out);
+        if out
+            .events
+            .iter()
+            .any(|q| q.handle == handle && q.listener.is_some())
+        {
+            return Err(WireError::NoSuchId);
+        }
     }
     ta.ids.remove(&handle);
     let nh = tb.alloc();

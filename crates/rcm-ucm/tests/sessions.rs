@@ -727,6 +727,47 @@ fn migrate_moves_queued_events_in_order() {
     wait_ids(&d, 0, 0);
 }
 
+/// A child whose connect request is still queued (its client was never told its handle) does
+/// not migrate: the request names the listener by its handle in the source session. Once
+/// the request is written, the child is an id like any other and migrates.
+#[test]
+fn a_child_with_its_request_still_queued_does_not_migrate() {
+    let d = daemon("migchild", 47219, &[1]);
+    let (mut a, ta) = raw(&d);
+    let (mut b, _) = raw(&d);
+    let l = create(&mut a);
+    ok(&mut a, &Command::Call(l, Op::Bind(sa(1, 7600))));
+    ok(&mut a, &Command::Call(l, Op::Listen(4)));
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, sa(1, 7600), b"queued");
+    // A has no event credit: the request waits in its queue. Handles are handed out in
+    // order, so the child's is the next one; B guesses it.
+    wait_stats(&mut a, |s| s.queued_events == 1, "the connect request");
+    let child = l + 1;
+    let migrate = Command::MigrateId {
+        token: ta,
+        handle: child,
+    };
+    assert_eq!(err(&mut b, &migrate), WireError::NoSuchId);
+    a.send(&Command::GetEvent(10)).expect("send");
+    match a.next_event().expect("event") {
+        Message::Event {
+            handle,
+            event: WireEvent::ConnectRequest { listener, .. },
+            ..
+        } => assert_eq!((handle, listener), (child, l)),
+        m => panic!("expected the connect request, got {m:?}"),
+    }
+    let Answer::Handle(nh) = ok(&mut b, &migrate) else {
+        panic!("a read request's child migrates");
+    };
+    assert_eq!(query(&mut b, nh).state, State::Connect);
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    drop((a, b));
+    wait_ids(&d, 0, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // f. Linux bug 2: concurrent commands on one id
 
