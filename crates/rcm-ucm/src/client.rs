@@ -58,6 +58,14 @@ struct Inner {
     spin: std::time::Duration,
 }
 
+impl Drop for Inner {
+    /// The reader holds its own descriptor of the socket: shutting it down ends the session
+    /// (at the daemon too) and the reader with it, as when a fabric shuts down.
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 /// A session with a daemon; a [`Provider`] for [`Fabric::with_provider`].
 #[derive(Clone)]
 pub struct Client(Arc<Inner>);
@@ -144,6 +152,7 @@ impl Client {
         std::thread::Builder::new()
             .name("rcm-ucm-client".into())
             .spawn(move || {
+                rcm::remote::mark_provider_thread();
                 // Polls a while before sleeping, as the fabric's threads do: a sleeping
                 // reader adds a wake-up (tens of µs) to every event.
                 let r = std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(s, spin));
@@ -169,6 +178,12 @@ impl Client {
             Answer::Stats(s) => Ok(s),
             _ => Err(Error::Remote("unexpected answer to Stats".into())),
         }
+    }
+
+    /// Ids of this session whose events this client delivers (for leak checks): created and
+    /// not yet destroyed, connect requests' children included.
+    pub fn held_ids(&self) -> usize {
+        lock(&self.0.sinks).len()
     }
 
     /// Whether the session is still up.
@@ -198,9 +213,10 @@ impl Inner {
         if let Some(c) = lock(&self.idle).pop() {
             return Some(c);
         }
-        if self.no_channels.load(Ordering::Relaxed)
-            || self.channels.fetch_add(1, Ordering::SeqCst) >= CHANNELS
-        {
+        if self.no_channels.load(Ordering::Relaxed) {
+            return None;
+        }
+        if self.channels.fetch_add(1, Ordering::SeqCst) >= CHANNELS {
             self.channels.fetch_sub(1, Ordering::SeqCst);
             return None;
         }
@@ -320,11 +336,20 @@ impl Provider for Client {
         };
         // No event can come for `h` before its first operation, which follows this.
         let qp = Arc::new(QpCache::default());
-        lock(&self.0.sinks).insert(h, (sink, qp.clone()));
+        {
+            let mut sinks = lock(&self.0.sinks);
+            // The reader marks the session dead before it takes the sinks (each then gets its
+            // DeviceRemoval): an id made after that would never hear of it.
+            if !self.0.alive.load(Ordering::SeqCst) {
+                return Err(Error::DeviceRemoved);
+            }
+            sinks.insert(h, (sink, qp.clone()));
+        }
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
             wire: h,
             qp,
+            released: AtomicBool::new(false),
         }))
     }
 
@@ -387,6 +412,9 @@ struct Handle {
     /// The id's handle in the session.
     wire: u32,
     qp: Arc<QpCache>,
+    /// Set (under the sinks lock) when released: a connect request's child can be released
+    /// by its first callback before the reader has filed its sink, which then must not be.
+    released: AtomicBool,
 }
 
 impl RemoteId for Handle {
@@ -414,7 +442,11 @@ impl RemoteId for Handle {
         let Some(c) = self.client.upgrade() else {
             return;
         };
-        lock(&c.sinks).remove(&self.wire);
+        {
+            let mut sinks = lock(&c.sinks);
+            self.released.store(true, Ordering::SeqCst);
+            sinks.remove(&self.wire);
+        }
         let cmd = Command::DestroyId(self.wire);
         // On a channel the destroy is done when this returns, so the client's next call
         // (say, a create at the id limit) comes after it. Without one: fire and forget on
@@ -439,6 +471,18 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, kind = h.kind, "undecodable frame from the daemon");
+                if h.kind == proto::kind::EVENT {
+                    // It used a credit like any event: given back, or the window shrinks.
+                    used += 1;
+                } else if let Some(w) = lock(&c.pending).remove(&h.seq) {
+                    // The call it answers fails instead of waiting for ever.
+                    let _ = w.send(Err(WireError::BadMessage(format!(
+                        "bad answer from the daemon: {e}"
+                    ))));
+                }
+                if !give_credit(&c, &mut used) {
+                    break;
+                }
                 continue;
             }
         };
@@ -457,11 +501,8 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
             Message::Event { handle, event, qp } => {
                 deliver(&c, handle, event, qp);
                 used += 1;
-                if used >= WINDOW / 4 {
-                    if c.send(&Command::GetEvent(used).encode(0)).is_err() {
-                        break;
-                    }
-                    used = 0;
+                if !give_credit(&c, &mut used) {
+                    break;
                 }
             }
         }
@@ -480,6 +521,19 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
     }
 }
 
+/// Gives the daemon back the credit of the events taken, a quarter window at a time; false
+/// when the session cannot be written to.
+fn give_credit(c: &Inner, used: &mut u32) -> bool {
+    if *used < WINDOW / 4 {
+        return true;
+    }
+    if c.send(&Command::GetEvent(*used).encode(0)).is_err() {
+        return false;
+    }
+    *used = 0;
+    true
+}
+
 /// Hands an event to its id. The QP attributes that came with it are in place before the
 /// event can be seen, since seeing it is what makes an application ask for them.
 fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
@@ -492,16 +546,20 @@ fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
     {
         let cache = Arc::new(QpCache::default());
         cache.event(qp);
-        let child: Arc<dyn RemoteId> = Arc::new(Handle {
+        let child = Arc::new(Handle {
             client: Arc::downgrade(c),
             wire: handle,
             qp: cache.clone(),
+            released: AtomicBool::new(false),
         });
         let lsink = lock(&c.sinks).get(&listener).map(|(s, _)| s.clone());
         match lsink {
             Some(ls) => {
-                if let Some(cs) = ls.connect_request(child, private_data, param, ud) {
-                    lock(&c.sinks).insert(handle, (cs, cache));
+                if let Some(cs) = ls.connect_request(child.clone(), private_data, param, ud) {
+                    let mut sinks = lock(&c.sinks);
+                    if !child.released.load(Ordering::SeqCst) {
+                        sinks.insert(handle, (cs, cache));
+                    }
                 }
             }
             // The listener was destroyed here already: the daemon rejects the request.

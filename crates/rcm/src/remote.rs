@@ -179,3 +179,11 @@ impl Sink {
         self.0.upgrade().is_some_and(|i| i.slot.is_live())
     }
 }
+
+/// Marks the calling thread as one a provider runs for its fabric (a reader of the
+/// provider's socket, say). Dropping a fabric's last handle shuts the fabric down; on such a
+/// thread that shutdown runs on a thread of its own, since waiting for the fabric's
+/// callbacks there could wait for work that only this thread would do.
+pub fn mark_provider_thread() {
+    crate::fabric::mark_own_thread();
+}

@@ -1,0 +1,198 @@
+//! The client library against a daemon that answers badly, and a client dropped without a
+//! fabric: a call answered by a frame that does not decode fails instead of waiting for
+//! ever, an undecodable event still gives its credit back, and a dropped `Client` ends its
+//! session.
+
+mod common;
+
+use common::*;
+use rcm::remote::Limit;
+use rcm_ucm::proto::{self, Command, Header, Limits, Message, WireError};
+use rcm_ucm::Client;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A frame as the daemon writes it.
+fn frame(kind: u16, seq: u32, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(12 + body.len());
+    f.extend_from_slice(&(8 + body.len() as u32).to_le_bytes());
+    f.extend_from_slice(&kind.to_le_bytes());
+    f.extend_from_slice(&0u16.to_le_bytes());
+    f.extend_from_slice(&seq.to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+/// The next command a client sent.
+fn read_command(s: &mut UnixStream) -> (u32, Command) {
+    let mut hb = [0u8; 12];
+    s.read_exact(&mut hb).expect("a command header");
+    let h = Header::parse(&hb).expect("a header");
+    let mut body = vec![0u8; h.body_len()];
+    s.read_exact(&mut body).expect("a command body");
+    (
+        h.seq,
+        proto::decode_command(h.kind, &body).expect("a command"),
+    )
+}
+
+/// A fake daemon at a fresh socket path: it opens one session (the handshake and the
+/// client's first event credit) and refuses every command channel, so the client makes its
+/// calls on the session's connection. Returns the path and the session's server end.
+fn fake_daemon(name: &str) -> (std::path::PathBuf, mpsc::Receiver<UnixStream>) {
+    let path = sock(name);
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let (seq, hello) = read_command(&mut s);
+        assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
+        let ok = Message::HelloOk {
+            version: proto::VERSION,
+            token: 7,
+            limits: Limits::default(),
+        };
+        s.write_all(&ok.encode(seq)).expect("hello ok");
+        let (_, credit) = read_command(&mut s);
+        assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+        let _ = tx.send(s);
+        for c in listener.incoming() {
+            let Ok(mut c) = c else { return };
+            let (seq, _) = read_command(&mut c);
+            let no = Message::Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Channels)));
+            let _ = c.write_all(&no.encode(seq));
+        }
+    });
+    (path, rx)
+}
+
+#[test]
+fn a_call_answered_by_an_undecodable_frame_fails_instead_of_waiting() {
+    let (path, session) = fake_daemon("bad-answer");
+    let client = Client::connect(&path).expect("session");
+    let mut s = session.recv_timeout(T).expect("the session");
+    let (tx, done) = mpsc::channel();
+    let c = client.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(c.stats());
+    });
+    let (seq, cmd) = read_command(&mut s);
+    assert_eq!(cmd, Command::Stats);
+    // An OK frame whose answer code means nothing.
+    s.write_all(&frame(proto::kind::OK, seq, &[0xEE, 0xEE, 0xEE]))
+        .expect("write");
+    let r = done
+        .recv_timeout(T)
+        .expect("the call returned instead of waiting for ever");
+    assert!(
+        matches!(&r, Err(rcm::Error::Remote(m)) if m.contains("bad answer")),
+        "{r:?}"
+    );
+    // The session goes on.
+    assert!(client.is_alive());
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn undecodable_events_give_their_credit_back() {
+    let (path, session) = fake_daemon("bad-events");
+    let client = Client::connect(&path).expect("session");
+    let mut s = session.recv_timeout(T).expect("the session");
+    // A quarter of the client's window (4096) of events that do not decode: it must still
+    // return their credit, or the daemon would stop sending events for good.
+    let mut burst = Vec::new();
+    for _ in 0..1024 {
+        burst.extend_from_slice(&frame(proto::kind::EVENT, 0, &[0xEE]));
+    }
+    s.write_all(&burst).expect("write");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let (_, cmd) = read_command(&mut s);
+    assert_eq!(cmd, Command::GetEvent(1024));
+    assert!(client.is_alive());
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn dropping_a_client_ends_its_session() {
+    let d = daemon("drop-client", 47220, &[1]);
+    let client = Client::connect(d.socket()).expect("session");
+    client.stats().expect("stats");
+    assert_eq!(d.sessions(), 1);
+    drop(client);
+    let t0 = Instant::now();
+    while d.sessions() != 0 {
+        assert!(t0.elapsed() < T, "the session outlived its client");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A connect request whose child the listener's callback destroys at once (`Flow::Destroy`,
+/// on a dispatcher thread, racing the reader that is still filing the child) leaves nothing
+/// behind in the client: only the listener stays held.
+#[test]
+fn children_destroyed_by_their_first_callback_leave_nothing_held() {
+    use rcm::{Event, Fabric, FabricConfig, Flow, PortSpace};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const N: usize = 200;
+    let d = daemon("child-release", 47221, &[1]);
+    let session = Client::connect(d.socket()).expect("session");
+    let server = Fabric::with_provider(Arc::new(session.clone()), FabricConfig::default());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let s2 = seen.clone();
+    let l = server
+        .try_create_id(PortSpace::Tcp, move |_, ev| match ev {
+            Event::ConnectRequest { .. } => {
+                s2.fetch_add(1, Ordering::SeqCst);
+                Flow::Destroy
+            }
+            _ => Flow::Continue,
+        })
+        .expect("listener");
+    l.bind(sa(1, 7700)).expect("bind");
+    l.listen(64).expect("listen");
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let (tx, rx) = mpsc::channel();
+    for _ in 0..N {
+        let tx = tx.clone();
+        let c = client
+            .try_create_id(PortSpace::Tcp, move |id, ev| {
+                match ev {
+                    Event::AddrResolved => {
+                        let _ = id.resolve_route();
+                    }
+                    Event::RouteResolved => {
+                        let _ = id.connect(&rcm::ConnectOptions::default());
+                    }
+                    Event::Rejected { .. } | Event::Unreachable(_) => {
+                        let _ = tx.send(());
+                        return Flow::Destroy;
+                    }
+                    _ => {}
+                }
+                Flow::Continue
+            })
+            .expect("client id");
+        c.resolve_addr(None, sa(1, 7700)).expect("resolve");
+    }
+    for _ in 0..N {
+        rx.recv_timeout(T).expect("every connect is rejected");
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), N);
+    let t0 = Instant::now();
+    while session.held_ids() != 1 {
+        assert!(
+            t0.elapsed() < T,
+            "{} ids held besides the listener",
+            session.held_ids() - 1
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(l.destroy(), Ok(rcm::DestroyOutcome::Done));
+    assert_eq!(session.held_ids(), 0);
+}
