@@ -525,6 +525,19 @@ fn publish(id: &CmId) {
     sync::lock(&id.0.fabric.ids).insert(id.0.key, Arc::downgrade(&id.0));
 }
 
+/// Whether a connect request's child, just published, was destroyed after it joined its
+/// listener (the listener's teardown takes its children): then its own teardown may have
+/// run before the id table and the device's routing entry had it, and the caller takes
+/// those entries out again (each would otherwise stay for good). A teardown that comes
+/// later finds them and removes them itself: the slot stops being live before it runs.
+fn gone_before_published(child: &CmId) -> bool {
+    if child.0.slot.is_live() {
+        return false;
+    }
+    sync::lock(&child.0.fabric.ids).remove(&child.0.key);
+    true
+}
+
 /// A child checks that its device is not being removed before it joins its listener, and
 /// is published (put in the id table) after. A removal that starts in between walks the
 /// table without it, so the child checks again once published: if the device is going and
@@ -860,12 +873,19 @@ impl CmId {
             g.bound = true;
             b
         };
-        // Rebind the port to the concrete device address when it was a wildcard.
+        // Rebind the port to the concrete device address when it was a wildcard, with the
+        // id's reuse setting. Where that address's port is taken (by an id that reuses it,
+        // while this one does not) the wildcard binding stays and the call fails, changing
+        // nothing: an id must never believe itself bound to a port it does not hold.
         if let Some(old) = g.src {
             if old.ip() != src_addr.ip() {
                 let mut ports = sync::lock(&fab.ports);
                 ports.release(self.0.ps, old, self.0.key);
-                let _ = ports.bind(self.0.ps, src_addr, self.0.key);
+                if let Err(e) = ports.bind_with(self.0.ps, src_addr, self.0.key, g.reuse) {
+                    // Just released under this lock: taking it back cannot fail.
+                    let _ = ports.bind_with(self.0.ps, old, self.0.key, g.reuse);
+                    return Err(e);
+                }
             }
         }
         g.src = Some(src_addr);
@@ -918,9 +938,12 @@ impl CmId {
         if let Some(r) = self.forward(|| Op::Listen(backlog)) {
             return r.map(drop);
         }
-        let _op = sync::lock(&self.0.op);
-        // A wildcard listen and a device being added must not miss each other.
+        // A wildcard listen and a device being added must not miss each other. Taken before
+        // the id's `op`, as `Fabric::add_device` does (it takes each wildcard listener's `op`
+        // under it): the other order deadlocked a listen called again on a wildcard listener
+        // against a device being added.
         let _devices = sync::lock(&self.0.fabric.listen_lock);
+        let _op = sync::lock(&self.0.op);
         let (src, devices, implicit) = {
             let g = self.usable()?;
             let (src, implicit) = match g.state {
@@ -1093,18 +1116,18 @@ impl CmId {
                 }
             })?;
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
-            (dst, dev, qpn, g.path, pd)
-        };
-        // Connect before the REQ can leave: a reply routed during the engine call must find
-        // the id connecting. A failure below puts the state back. A UD id receives datagrams
-        // on its QPN from here on (its ESTABLISHED may be handled before this call returns).
-        {
-            let mut g = sync::lock(&self.0.st);
+            // Connect before the REQ can leave: a reply routed during the engine call must
+            // find the id connecting. A failure below puts the state back. A UD id receives
+            // datagrams on its QPN from here on (its ESTABLISHED may be handled before this
+            // call returns). Set under the lock the state was checked under: a destroy in
+            // between would otherwise be overwritten, and the endpoint made below, which
+            // its teardown never saw, kept (and its REQ retried) for good.
             g.state = State::Connect;
             if is_ud(self.0.ps) {
                 g.conn.local_qpn = qpn;
             }
-        }
+            (dst, dev, qpn, g.path, pd)
+        };
         if is_ud(self.0.ps) {
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
                 let mut g = sync::lock(&self.0.st);
@@ -1815,6 +1838,10 @@ pub(crate) fn on_connect_request(
     // Fully built (device set): visible to device removal from here on.
     publish(&child);
     sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
+    if gone_before_published(&child) {
+        sync::lock(&dev.ceps).remove(&cep);
+        return;
+    }
     let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
@@ -2170,9 +2197,11 @@ impl CmId {
             }
             iw_pd(opts.private_data.len())?;
             let dst = g.dst.ok_or(Error::InvalidState(g.state))?;
-            (dst, Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?)
+            let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
+            // Under the check's lock, as in `connect`: a destroy in between is not overwritten.
+            g.state = State::Connect;
+            (dst, qpn)
         };
-        sync::lock(&self.0.st).state = State::Connect;
         let max = dev
             .iw
             .as_ref()
@@ -2549,6 +2578,10 @@ fn on_iw_connect_request(
     }
     publish(&child);
     sync::lock(&iwd.owners).insert(key, Arc::downgrade(&child.0));
+    if gone_before_published(&child) {
+        sync::lock(&iwd.owners).remove(&key);
+        return;
+    }
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
         private_data: req.private_data,

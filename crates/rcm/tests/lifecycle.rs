@@ -12,6 +12,7 @@ use rcm::{
     PortSpace, State,
 };
 use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::task::{Context, Poll, Wake};
@@ -718,6 +719,47 @@ fn device_can_be_added_again_after_its_removal() {
     for id in [p.client, p.child, p.listener] {
         id.destroy().unwrap();
     }
+    f.shutdown();
+}
+
+/// A wildcard listener's `listen` called again (refused: it listens already) while devices
+/// are being added: adding a device takes the fabric's listen lock and then each wildcard
+/// listener's call lock, so `listen` must take them in that order too, or both wait for
+/// ever.
+#[test]
+fn listen_again_racing_device_additions_does_not_deadlock() {
+    let f = Fabric::new(config(25023));
+    f.add_device(ip(1)).unwrap();
+    let l = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    l.bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 7000))
+        .unwrap();
+    l.listen(0).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let again = {
+        let (l, stop) = (l.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                assert_eq!(l.listen(0), Err(Error::InvalidState(State::Listen)));
+                n += 1;
+            }
+            n
+        })
+    };
+    let adds = within(T, {
+        let f = f.clone();
+        move || {
+            for last in 10..60u8 {
+                f.add_device(ip(last)).expect("add a device");
+            }
+        }
+    });
+    stop.store(true, Ordering::SeqCst);
+    assert!(adds.is_some(), "adding devices hung against listen");
+    let calls = within(T, move || again.join().expect("the listen thread"));
+    assert!(calls.is_some_and(|n| n > 0), "listen hung");
+    assert_eq!(l.state(), State::Listen);
+    l.destroy().unwrap();
     f.shutdown();
 }
 

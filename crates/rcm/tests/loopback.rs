@@ -372,6 +372,34 @@ fn reuseaddr_shares_a_port_until_someone_listens() {
     assert_eq!(f.bound_ports(), 0);
 }
 
+/// An id bound to the wildcard with reuse keeps its reuse when `resolve_addr` moves its port
+/// to the chosen device's address, and holds the port there afterwards. Before, the move was
+/// made without reuse, failed against another reusing wildcard id, and the failure was
+/// ignored: the id went on as bound while holding no port at all.
+#[test]
+fn resolve_addr_moves_a_reusing_wildcard_binding_with_its_reuse() {
+    let f = fabric(24799);
+    let mk = || f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let any = SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 6100);
+    let (x, y) = (mk(), mk());
+    x.set_reuseaddr(true).unwrap();
+    y.set_reuseaddr(true).unwrap();
+    x.bind(any).unwrap();
+    y.bind(any).unwrap();
+    x.resolve_addr(Some(IpAddr::from([127, 0, 0, 2])), addr(1, 7000))
+        .unwrap();
+    assert_eq!(x.local_addr(), Some(addr(2, 6100)));
+    y.destroy().unwrap();
+    // Only x holds 127.0.0.2:6100 now: an id without reuse is refused it.
+    let z = mk();
+    assert_eq!(z.bind(addr(2, 6100)), Err(Error::AddrInUse(addr(2, 6100))));
+    for id in [x, z] {
+        id.destroy().unwrap();
+    }
+    f.shutdown();
+    assert_eq!(f.bound_ports(), 0);
+}
+
 /// With polling off (`spin` zero) every thread sleeps at once: the device thread waits in
 /// poll(2) up to its next timer, so connections, disconnects and retransmission timeouts
 /// still work; and an event channel with polling off still delivers.
