@@ -549,18 +549,29 @@ impl DeviceInner {
 /// Fires the engine's due timers and returns how long a receive loop may sleep: until the
 /// next deadline (time is the engine's to keep), at least 100 µs and at most 500 ms.
 fn run_timers(d: &Arc<DeviceInner>) -> Duration {
-    let next = d.with_engine(|ep, now| {
+    // When this thread will look again is published under the engine lock: a call that
+    // arms an earlier timer either comes before (and `poll_timeout` sees it) or after, and
+    // then compares its deadline with this one in `maybe_wake`. Published later, a call in
+    // between compared with the previous, past, deadline, sent no wake-up, and its timer
+    // waited up to 500 ms.
+    let at = d.with_engine(|ep, now| {
         ep.handle_timeout(now);
-        ep.poll_timeout()
+        let next = ep.poll_timeout();
+        let wait = next
+            .map_or(Duration::from_millis(500), |t| {
+                t.saturating_duration_since(now)
+            })
+            .clamp(Duration::from_micros(100), Duration::from_millis(500));
+        let until = now + wait;
+        // A deadline within the shortest sleep is recorded as is, so that this thread's own
+        // `maybe_wake` (in `with_engine`) finds nothing earlier and sends itself nothing.
+        *sync::lock(&d.wake_at) = Some(next.map_or(until, |t| t.min(until)));
+        until
     });
-    let now = Instant::now();
-    let wait = next
-        .map_or(Duration::from_millis(500), |t| {
-            t.saturating_duration_since(now)
-        })
-        .clamp(Duration::from_micros(100), Duration::from_millis(500));
-    *sync::lock(&d.wake_at) = Some(now + wait);
-    wait
+    // The due transmits and events were handled after the deadline was taken: sleep only
+    // for what is left of it.
+    at.saturating_duration_since(Instant::now())
+        .max(Duration::from_micros(100))
 }
 
 /// One datagram into `buf` if one is queued: its sender and length (never waits; the socket
@@ -772,7 +783,9 @@ fn udp_for(pkt: &[u8], ip: IpAddr, port: u16) -> Option<(&[u8], &[u8], SocketAdd
 /// the same traffic again and is discarded.
 fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket) {
     use std::io::Read;
-    let mut buf = vec![0u8; RX_BUF + 64];
+    // Room for a whole IP packet: a segmented run from this host arrives here uncut (up to
+    // 64 KiB), and a datagram-sized buffer would truncate it and lose the whole run.
+    let mut buf = vec![0u8; 1 << 16];
     let mut sink = vec![0u8; RX_BUF];
     loop {
         let Some(d) = dev.upgrade() else { return };
@@ -798,8 +811,9 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
                 continue;
             };
             let Some(d) = dev.upgrade() else { return };
-            if from == SocketAddr::new(ip, port) {
-                // The device's own wake-up datagram (see `wake`), not traffic.
+            if from == SocketAddr::new(ip, port) && udp.len() == 8 + 1 {
+                // The device's own one-byte wake-up datagram (see `maybe_wake`), not traffic;
+                // a connection to a listener on this same device sends the rest from here too.
             } else if udp.len() < 8 + roce::BTH_LEN + roce::ICRC_LEN {
                 d.stats.rx.fetch_add(1, Ordering::Relaxed);
                 d.stats.rx_bad.fetch_add(1, Ordering::Relaxed);
