@@ -3,7 +3,6 @@
 //! 28010..=28029.
 
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 mod common;
 
@@ -95,7 +94,7 @@ fn ping_iwarp_both_roles_exchanges_private_data_and_messages() {
 
 #[test]
 fn ping_iwarp_split_server_and_client() {
-    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
         .args([
             "ping",
             "--transport",
@@ -116,35 +115,43 @@ fn ping_iwarp_split_server_and_client() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start server");
-    // The client retries until the server listens (TCP refused → REJECTED in between).
-    let mut client = None;
-    for _ in 0..100 {
-        let r = rcm(&[
-            "ping",
-            "--transport",
-            "iwarp",
-            "--connect",
-            "127.0.0.1",
-            "--bind",
-            "127.0.0.2",
-            "-c",
-            "2",
-            "-p",
-            "28016",
-            "--udp-port",
-            "28018",
-            "--timeout",
-            "30",
-        ]);
-        if r.0 == 0 {
-            client = Some(r);
+    // The client starts once the server listens: a client started earlier could have one
+    // connection refused and the other served, and the server would count one too many.
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        server.stdout.take().expect("server stdout"),
+    ));
+    let mut sout = String::new();
+    for line in lines.by_ref() {
+        let line = line.expect("server output");
+        sout.push_str(&line);
+        sout.push('\n');
+        if line.contains("listening on") {
             break;
         }
-        std::thread::sleep(Duration::from_millis(100));
     }
-    let (_, cout, _) = client.expect("the client never succeeded");
+    let (code, cout, cerr) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "2",
+        "-p",
+        "28016",
+        "--udp-port",
+        "28018",
+        "--timeout",
+        "30",
+    ]);
+    assert_eq!(code, 0, "{cout}\n{cerr}");
+    for line in lines {
+        sout.push_str(&line.expect("server output"));
+        sout.push('\n');
+    }
     let s = server.wait_with_output().expect("server exits");
-    let sout = String::from_utf8_lossy(&s.stdout);
     assert_eq!(s.status.code(), Some(0), "{sout}");
     assert!(
         cout.contains("client: 2 of 2 established, 2 disconnected"),
