@@ -1481,6 +1481,36 @@ fn p2p_wrong_first_frame_at_the_responder() {
     );
 }
 
+/// RFC 6581: an initiator that cannot go on sends a Terminate instead of the RTR (siw does,
+/// for a Reply it cannot use). The responder closes with the peer's reason, as it would once
+/// established, and does not answer a Terminate with one of its own.
+#[test]
+fn p2p_terminate_instead_of_the_rtr_closes_with_the_peers_reason() {
+    let mut n = Net::new(Frag::Whole, 37);
+    n.pipes[A].hold = true;
+    n.connect(&p2p(RtrModes::SIW));
+    n.pipes[A].hold = false;
+    n.pump();
+    n.pipes[A].hold = true;
+    n.accept(&AcceptParams::default());
+    let mark = MpaFrame::parse(&n.sides[B].sent).unwrap().1;
+    let term = Terminate::llp(llp_ecode::NO_MATCHING_RTR);
+    let now = n.now;
+    n.b().on_bytes(
+        now,
+        &fpdu(&mpa::terminate_ulpdu(QN_TERMINATE, 1, &term).unwrap()),
+    );
+    n.pump();
+    assert_eq!(
+        last_close(n.events(B)),
+        Some(CloseReason::PeerTerminated(term))
+    );
+    assert!(
+        ulpdus(&n.sides[B].sent[mark..]).is_empty(),
+        "a Terminate is not answered with one"
+    );
+}
+
 #[test]
 fn p2p_rtr_timer() {
     let mut n = Net::new(Frag::Whole, 36);

@@ -247,6 +247,15 @@ impl Conn {
     /// Writes what it can; applies the socket actions once everything is written. `Err` when
     /// the socket failed (the peer reset it).
     fn flush(&mut self) -> Result<(), bool> {
+        // A reset discards what is not yet sent: it is not held back behind those bytes, which
+        // a peer that stopped reading would never take (the stream would stay for good).
+        if self.after.contains(&TcpAction::Reset) {
+            self.out.clear();
+            self.after.clear();
+            reset(&self.stream);
+            self.done = true;
+            return Ok(());
+        }
         while !self.out.is_empty() {
             match self.stream.write(&self.out) {
                 Ok(0) => return Err(false),

@@ -209,3 +209,63 @@ fn mpa_revision_of_the_request_follows_the_device() {
         f.shutdown();
     }
 }
+
+/// A peer that completes MPA and then stops reading: rcm's sends fill the socket and queue
+/// behind it. Destroying the connection resets the stream at once, discarding what is
+/// unsent (before, the reset waited behind those bytes, which the peer never takes, and the
+/// stream stayed for good). TCP port 27973.
+#[test]
+fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
+    const LPORT: u16 = 27973;
+    let f = Fabric::new(common::config(27989));
+    f.add_iwarp_device(ip(1)).expect("iWARP device");
+    let child = Arc::new(std::sync::Mutex::new(None));
+    let (tx, up) = std::sync::mpsc::channel();
+    let slot = child.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                // Published before accept: the connection may be up before accept returns.
+                *slot.lock().expect("slot") = Some(id.clone());
+                if id.accept(&AcceptOptions::default()).is_err() {
+                    return Flow::Destroy;
+                }
+            }
+            Event::Established { .. } => {
+                let _ = tx.send(());
+            }
+            _ => {}
+        }
+        Flow::Continue
+    });
+    l.bind(SocketAddr::new(ip(1), LPORT)).expect("bind");
+    l.listen(4).expect("listen");
+    let base = f.engine_ceps();
+    let mut peer = TcpStream::connect(SocketAddr::new(ip(1), LPORT)).expect("TCP connect");
+    peer.write_all(
+        &MpaFrame::request_v1(b"then silence".to_vec())
+            .to_vec()
+            .expect("an MPA request"),
+    )
+    .expect("write");
+    let mut reply = [0u8; 20];
+    peer.read_exact(&mut reply).expect("the MPA reply");
+    up.recv_timeout(common::T).expect("established");
+    let c = child.lock().expect("slot").clone().expect("the child");
+    // 32 MiB: far more than both sockets' buffers hold; the rest waits in rcm.
+    let msg = vec![0x42u8; 64 * 1024];
+    for _ in 0..512 {
+        c.send(&msg).expect("send");
+    }
+    assert_eq!(f.engine_ceps(), base + 1);
+    let t0 = Instant::now();
+    drop(c.destroy());
+    assert!(
+        eventually(Duration::from_secs(2), || f.engine_ceps() == base),
+        "the stream is still there after the reset ({} s)",
+        t0.elapsed().as_secs_f32()
+    );
+    drop(l.destroy());
+    f.shutdown();
+    drop(peer);
+}

@@ -982,7 +982,14 @@ impl Cep {
         };
         let payload = &ulpdu[hlen..];
         if let Some(kind) = self.awaiting_rtr {
-            return self.rx_rtr(kind, &hdr, payload);
+            // A Terminate in place of the RTR (an initiator that cannot go on, RFC 6581) is
+            // the peer's close, handled as once established: not a wrong RTR to answer with
+            // a Terminate of our own.
+            let terminate = hdr.opcode == RdmapOpcode::Terminate
+                && matches!(hdr.buffer, DdpBuffer::Untagged { qn, .. } if qn == QN_TERMINATE);
+            if !terminate {
+                return self.rx_rtr(kind, &hdr, payload);
+            }
         }
         self.rx_message(&ulpdu, &hdr, payload)
     }
