@@ -33,8 +33,9 @@
 //!   teardown events may follow (DREQ/DREP/`TimedOut(Dreq)`, a REJ — see P4d — and
 //!   `TimewaitExit`), and every handle that entered timewait leaves it exactly once.
 //!   **P2b**: a REQ (retry or duplicate) never creates a second child while an earlier child of
-//!   the same connect on that node still remembers it (is not Idle, or sits out timewait after
-//!   a destroy).
+//!   the same connect on that node still remembers it: neither Idle nor in timewait (a
+//!   child entering timewait forgets the peer's comm ID and QPN, as Linux's
+//!   `cm_enter_timewait` does, and a destroyed one is in timewait or gone).
 //! * **P3 silence after destroy** — no event is ever reported for a destroyed handle (nor a
 //!   `ReqReceived` for a destroyed listener); `state`/`local_comm_id` answer `None` and a second
 //!   `destroy` answers `UnknownHandle`.
@@ -240,7 +241,7 @@ struct Conn {
     entered_timewait: bool,
     timewait_exits: u32,
     teardown_rej: Option<RejReason>,
-    /// When the engine's timewait for it ends (it keeps the peer's IDs reserved until then).
+    /// When the engine's timewait for it ends (its local comm ID stays reserved until then).
     tw_end: Option<Instant>,
     children: u32,
     qpn_released: bool,
@@ -920,9 +921,8 @@ impl World {
                 &format!("ReqReceived on node {n} does not match its connect: {info:?}")
             )
         );
-        // P2b: a REQ of a connect whose earlier child here still remembers it (anything but
-        // Idle, or sitting out timewait after a destroy) is a duplicate, not a new request.
-        let now = self.sim.now();
+        // P2b: a REQ of a connect whose earlier child here still remembers it (neither Idle
+        // nor in timewait, where the peer's IDs are released) is a duplicate, not a new request.
         for (q, qc) in self.conns.iter().enumerate() {
             if qc.role != Role::Passive
                 || qc.partner != Some(a)
@@ -932,20 +932,9 @@ impl World {
             {
                 continue;
             }
-            let forgotten = if qc.destroyed {
-                match qc.destroyed_in {
-                    Some(
-                        Phase::Accepted
-                        | Phase::Up
-                        | Phase::DreqSent
-                        | Phase::DreqRcvd
-                        | Phase::Timewait,
-                    ) => qc.tw_end.is_some_and(|t| now >= t),
-                    _ => true,
-                }
-            } else {
-                qc.phase == Phase::Idle
-            };
+            // A destroyed child went to timewait (from Accepted, Up, DREQ sent or received) or
+            // was removed; either way the peer's IDs are released.
+            let forgotten = qc.destroyed || matches!(qc.phase, Phase::Idle | Phase::Timewait);
             ensure!(
                 forgotten,
                 "{}",

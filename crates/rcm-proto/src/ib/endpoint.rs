@@ -320,15 +320,26 @@ impl Endpoint {
     }
 
     fn unlink_remote(&mut self, c: &Cep, h: CepHandle) {
-        let rk = (c.remote_id, c.remote_guid);
+        self.unlink_remote_keys(h, c.remote_id, c.remote_guid, c.remote_qpn, c.peer);
+    }
+
+    fn unlink_remote_keys(
+        &mut self,
+        h: CepHandle,
+        remote_id: u32,
+        remote_guid: u64,
+        remote_qpn: u32,
+        peer: IpAddr,
+    ) {
+        let rk = (remote_id, remote_guid);
         if self.remote_ids.get(&rk) == Some(&h) {
             self.remote_ids.remove(&rk);
         }
-        let qk = (c.remote_qpn, c.remote_guid);
+        let qk = (remote_qpn, remote_guid);
         if self.remote_qps.get(&qk) == Some(&h) {
             self.remote_qps.remove(&qk);
         }
-        let sk = (c.remote_id, c.peer);
+        let sk = (remote_id, peer);
         if self.sidr_remote.get(&sk) == Some(&h) {
             self.sidr_remote.remove(&sk);
         }
@@ -358,7 +369,11 @@ impl Endpoint {
         }
     }
 
-    /// Enters timewait for the path's ACK timeout; the comm ID and remote QPN stay reserved.
+    /// Enters timewait for the path's ACK timeout. The local comm ID stays reserved; the
+    /// peer's comm ID and QPN are released at once, as Linux's `cm_enter_timewait` does
+    /// (`cm_remove_remote`): a new REQ or REP from the peer reusing its QPN (cmtime's
+    /// invented QPNs repeat, drivers hand out the lowest free one) is a new connection, not
+    /// a stale one, and a Linux peer would be refused where a Linux CM accepts.
     fn enter_timewait(&mut self, now: Instant, h: CepHandle) {
         self.cancel_timer(h);
         self.unlink_listener(h);
@@ -367,6 +382,9 @@ impl Endpoint {
         };
         c.state = State::Timewait;
         let wait = Duration::from_millis(ibta_time_ms(c.ack_timeout)).max(self.cfg.min_timewait);
+        let (remote_id, remote_guid, remote_qpn, peer) =
+            (c.remote_id, c.remote_guid, c.remote_qpn, c.peer);
+        self.unlink_remote_keys(h, remote_id, remote_guid, remote_qpn, peer);
         self.arm(h, now + wait, TimerKind::Timewait);
     }
 
@@ -1075,10 +1093,10 @@ impl Endpoint {
         c.tid = tid;
         c.req_tid = tid;
         c.listener = Some(lh);
-        // The passive side takes the path's packet lifetime as the ACK timeout − 1 and the
-        // peer's own response timeout and retry count for its REP.
-        let plt = req.primary_path.local_ack_timeout.saturating_sub(1);
-        c.timeout_ms = (2 * ibta_time_ms(plt) + ibta_time_ms(req.local_cm_response_timeout)) as u32;
+        // The REP's retry interval is the peer's own response timeout alone, with its retry
+        // count, as Linux's `cm_req_handler` sets them (only the active side adds twice the
+        // packet lifetime).
+        c.timeout_ms = ibta_time_ms(req.local_cm_response_timeout) as u32;
         c.max_retries = req.max_cm_retries;
         c.ack_timeout = req.primary_path.local_ack_timeout;
         let h = self.insert_cep(c);
