@@ -126,10 +126,18 @@ std::thread_local! {
 /// For a provider whose callbacks never block (the `rcm daemon`'s only queue an event for a
 /// client): an event its command produced then reaches the client without waking a
 /// callback thread, which on a busy machine costs tens of µs. Do not hold a lock a
-/// callback takes when it drops. Nested guards: the outermost runs them.
+/// callback takes when it drops. Nested guards: the outermost runs them. It belongs to the
+/// thread that made it (it is not `Send`: dropped on another thread, the callbacks it
+/// collected would never run):
+///
+/// ```compile_fail
+/// fn needs_send<T: Send>(_: T) {}
+/// needs_send(rcm::CallbacksHere::begin());
+/// ```
 #[must_use = "the callbacks run when this is dropped"]
 pub struct CallbacksHere {
     outermost: bool,
+    _thread_bound: std::marker::PhantomData<*const ()>,
 }
 
 impl CallbacksHere {
@@ -140,13 +148,22 @@ impl CallbacksHere {
         HERE.try_with(|h| {
             let mut h = h.borrow_mut();
             if h.is_some() {
-                CallbacksHere { outermost: false }
+                CallbacksHere {
+                    outermost: false,
+                    _thread_bound: std::marker::PhantomData,
+                }
             } else {
                 *h = Some(Vec::new());
-                CallbacksHere { outermost: true }
+                CallbacksHere {
+                    outermost: true,
+                    _thread_bound: std::marker::PhantomData,
+                }
             }
         })
-        .unwrap_or(CallbacksHere { outermost: false })
+        .unwrap_or(CallbacksHere {
+            outermost: false,
+            _thread_bound: std::marker::PhantomData,
+        })
     }
 }
 
@@ -270,7 +287,12 @@ impl Dispatcher {
     }
 
     fn stop(&self) {
-        self.stop.store(true, Ordering::SeqCst);
+        {
+            // Under the queue's lock, which a worker holds from its last look at `stop` until
+            // it sleeps: it either sees the flag or gets the notification.
+            let _q = sync::lock(&self.ready);
+            self.stop.store(true, Ordering::SeqCst);
+        }
         self.cond.notify_all();
         let hs = std::mem::take(&mut *sync::lock(&self.threads));
         for h in hs {
@@ -404,20 +426,27 @@ struct LastHandle(Arc<FabricInner>);
 
 impl Drop for LastHandle {
     fn drop(&mut self) {
-        // On one of the fabric's own threads (a callback's closure dropped the last handle,
-        // say) the shutdown would wait for that thread's own work: it runs on a thread of its
-        // own instead. Elsewhere it is done when the drop returns.
-        if OWN_THREAD.with(std::cell::Cell::get) || crate::slot::in_callback() {
-            let f = self.0.clone();
-            let spawned = std::thread::Builder::new()
-                .name("rcm-shutdown".into())
-                .spawn(move || shutdown(&f));
-            if spawned.is_ok() {
-                return;
-            }
-        }
-        shutdown(&self.0);
+        shutdown_from_here(&self.0);
     }
+}
+
+/// Shuts the fabric down on this thread, or, where waiting for the fabric's threads could
+/// wait for this thread (one of rcm's own threads, a callback, an id's teardown, which a
+/// callback may be waiting for), on a thread of its own, without waiting for it.
+fn shutdown_from_here(f: &Arc<FabricInner>) {
+    if OWN_THREAD.with(std::cell::Cell::get)
+        || crate::slot::in_callback()
+        || crate::slot::in_teardown()
+    {
+        let f2 = f.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rcm-shutdown".into())
+            .spawn(move || shutdown(&f2));
+        if spawned.is_ok() {
+            return;
+        }
+    }
+    shutdown(f);
 }
 
 std::thread_local! {
@@ -604,9 +633,12 @@ impl Fabric {
     }
 
     /// Destroys every id (their peers are sent what a destroy sends: DREQ, or REJ to a
-    /// connection being set up) and stops every device and the dispatcher.
+    /// connection being set up) and stops every device and the dispatcher. Called from a
+    /// callback (or an id's teardown, or one of rcm's threads) it returns at once and the
+    /// shutdown completes on a thread of its own: waiting there for the fabric's threads
+    /// could wait for the caller itself.
     pub fn shutdown(&self) {
-        shutdown(&self.0);
+        shutdown_from_here(&self.0);
     }
 }
 

@@ -152,6 +152,37 @@ pub(crate) fn in_callback() -> bool {
     CURRENT.with(|c| c.get() != 0)
 }
 
+#[cfg(not(loom))]
+std::thread_local! {
+    static TEARDOWNS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks the calling thread as running a slot's teardown while it lives: what the teardown
+/// drops (a context, a handler) may hold the last handle of its fabric, whose shutdown must
+/// then not wait for callbacks here, one of which may wait for this very teardown.
+struct InTeardown;
+
+impl InTeardown {
+    fn enter() -> Self {
+        #[cfg(not(loom))]
+        let _ = TEARDOWNS.try_with(|t| t.set(t.get() + 1));
+        InTeardown
+    }
+}
+
+impl Drop for InTeardown {
+    fn drop(&mut self) {
+        #[cfg(not(loom))]
+        let _ = TEARDOWNS.try_with(|t| t.set(t.get().saturating_sub(1)));
+    }
+}
+
+/// Whether the calling thread is running a slot's teardown.
+#[cfg(not(loom))]
+pub(crate) fn in_teardown() -> bool {
+    TEARDOWNS.try_with(|t| t.get() > 0).unwrap_or(false)
+}
+
 fn current_is<E>(s: &Slot<E>) -> bool {
     CURRENT.with(|c| c.get() == std::ptr::from_ref(s) as usize)
 }
@@ -301,6 +332,13 @@ impl<E: Send + 'static> Slot<E> {
                 }
                 return;
             }
+            if g.running.is_some() {
+                // Another slot's code runs as this slot's callback (`enter`): its guard
+                // schedules the queue again when it drops. Running the callback here would
+                // overlap it (and its guard would then mark the slot idle mid-callback).
+                g.scheduled = false;
+                return;
+            }
             let Some(ev) = g.queue.pop_front() else {
                 continue;
             };
@@ -434,6 +472,7 @@ impl<E: Send + 'static> Slot<E> {
     }
 
     fn run_teardown(&self) {
+        let _in = InTeardown::enter();
         let o = sync::lock(&self.owner).take();
         if let Some(o) = o {
             o.teardown();
@@ -870,6 +909,17 @@ pub mod loom_api {
         /// `Slot::drain` (the scheduler's job).
         pub fn drain(&self) {
             self.0.drain();
+        }
+
+        /// `Slot::enter`: runs `f` as if it were a callback of this slot (false, not run,
+        /// once the slot is not live or on the thread of its own callback).
+        pub fn entered(&self, f: impl FnOnce()) -> bool {
+            let Some(g) = self.0.enter() else {
+                return false;
+            };
+            f();
+            drop(g);
+            true
         }
 
         /// `Slot::destroy`.

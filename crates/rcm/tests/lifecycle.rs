@@ -1207,6 +1207,87 @@ fn last_fabric_handle_dropped_by_a_callback_shuts_it_down() {
     assert_eq!(other.destroy(), Ok(DestroyOutcome::Done));
 }
 
+/// `Fabric::shutdown` called from a callback while another callback waits for that first
+/// one to go on: the shutdown must not wait for the callback threads there (it would wait
+/// for the waiting callback, which waits for it). It returns at once and completes on a
+/// thread of its own.
+#[test]
+fn shutdown_from_a_callback_while_another_waits_for_it() {
+    let port = 25024;
+    let f = fabric(port);
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = Arc::new(Mutex::new(go_rx));
+    let (b_in_tx, b_in_rx) = mpsc::channel::<()>();
+    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = b_in_tx.send(());
+            let _ = go_rx.lock().expect("go").recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    let f2 = f.clone();
+    let returned = Arc::new(AtomicBool::new(false));
+    let r2 = returned.clone();
+    let a = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            f2.shutdown();
+            r2.store(true, Ordering::SeqCst);
+            let _ = go_tx.send(());
+        }
+        Flow::Continue
+    });
+    b.resolve_addr(None, addr(1, 7000)).unwrap();
+    b_in_rx.recv_timeout(T).expect("b's callback runs");
+    a.resolve_addr(None, addr(1, 7000)).unwrap();
+    // b's callback gives up waiting after T: well before that, shutdown must have returned.
+    assert!(
+        eventually(Duration::from_secs(2), || returned.load(Ordering::SeqCst)),
+        "shutdown in a callback waited for the other callback"
+    );
+    assert!(
+        eventually(T, || std::net::UdpSocket::bind(addr(1, port)).is_ok()),
+        "the shutdown did not complete"
+    );
+    assert!(eventually(T, || a.state() == State::Destroying
+        && b.state() == State::Destroying));
+}
+
+/// The last handle of a fabric dropped by an id's teardown on an application thread (the
+/// id's context held it) while a callback waits for that thread to go on: the shutdown the
+/// drop starts must not wait for that callback. It completes on a thread of its own.
+#[test]
+fn last_handle_dropped_in_a_teardown_while_a_callback_waits() {
+    let port = 25025;
+    let f = fabric(port);
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = Arc::new(Mutex::new(go_rx));
+    let (b_in_tx, b_in_rx) = mpsc::channel::<()>();
+    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = b_in_tx.send(());
+            let _ = go_rx.lock().expect("go").recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    let a = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    a.set_context(f.clone());
+    drop(f);
+    b.resolve_addr(None, addr(1, 7000)).unwrap();
+    b_in_rx.recv_timeout(T).expect("b's callback runs");
+    let destroyed = within(T, move || a.destroy());
+    assert_eq!(
+        destroyed,
+        Some(Ok(DestroyOutcome::Done)),
+        "the destroy hung in the shutdown"
+    );
+    go_tx.send(()).expect("go");
+    assert!(
+        eventually(T, || std::net::UdpSocket::bind(addr(1, port)).is_ok()),
+        "the shutdown did not complete"
+    );
+    assert!(eventually(T, || b.state() == State::Destroying));
+}
+
 // ----- No deadlock under concurrent protocol traffic ---------------------------------------
 
 /// Sets its flag when dropped (stops helper threads even when an assertion fails).

@@ -866,3 +866,28 @@ fn m10_nothing_after_removal() {
         assert_eq!(rec.discarded.load(SeqCst), 2);
     });
 }
+
+/// 11. Code of another slot run as this slot's callback (`enter`: a connect request on its
+///     listener) against an event pushed meanwhile: the event's callback never overlaps the
+///     entered section, and it is delivered once the section ends.
+#[test]
+fn m11_entered_section_vs_push() {
+    model("11 enter x push", None, || {
+        let rec = Rec::new();
+        let s = slot(&rec, |_| Flow::Continue);
+        let a = {
+            let (s, rec) = (s.clone(), rec.clone());
+            thread::spawn(move || s.push(ev(&rec, Kind::Normal(1))))
+        };
+        let r = rec.clone();
+        let ran = s.entered(move || {
+            r.check(r.running.fetch_add(1, SeqCst) == 0, "callbacks overlap");
+            r.running.fetch_sub(1, SeqCst);
+        });
+        assert!(ran);
+        a.join().unwrap();
+        assert_eq!(rec.started(), 1, "the pushed event was delivered");
+        assert_eq!(s.destroy(true), Ok(DestroyOutcome::Done));
+        rec.finish(1);
+    });
+}
