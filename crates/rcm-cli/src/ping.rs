@@ -580,6 +580,11 @@ fn client_loop(
                 ud: udp,
             } => {
                 r.established += 1;
+                if o.reject {
+                    r.errors.push(format!(
+                        "client {i}: established, but --reject expects the server to reject"
+                    ));
+                }
                 if log {
                     println!(
                         "rcm ping: client {i}: established to {dst}{}",
@@ -636,6 +641,11 @@ fn client_loop(
                     ));
                 } else if pd_matches(private_data, reject_pd(o)) {
                     r.private_data_ok += 1;
+                } else {
+                    r.errors.push(format!(
+                        "client {i}: reject private data differs: {:02x?}",
+                        &private_data[..reject_pd(o).len().min(private_data.len())]
+                    ));
                 }
                 if log {
                     println!(

@@ -218,6 +218,96 @@ fn ping_separate_server_and_client_processes() {
     assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stdout));
 }
 
+/// A server in its own process, started once it says it listens.
+fn ping_server(args: &[&str]) -> std::process::Child {
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = server.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+    assert!(
+        lines.any(|l| l.is_ok_and(|l| l.contains("listening on"))),
+        "the server never listened"
+    );
+    // The rest of its output is not needed; keep the pipe drained.
+    std::thread::spawn(move || lines.for_each(drop));
+    server
+}
+
+/// `--reject` on the client is a claim the client checks: a reject whose private data is not
+/// `--reject-data`, or no reject at all (the server accepted), fails the run with the reason.
+#[test]
+fn ping_client_fails_when_the_reject_is_not_what_it_expects() {
+    let mut server = ping_server(&[
+        "ping",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-c",
+        "1",
+        "--reject",
+        "--reject-data",
+        "no",
+        "--udp-port",
+        "26802",
+        "--timeout",
+        "20",
+    ]);
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "1",
+        "--reject",
+        "--reject-data",
+        "nope",
+        "--udp-port",
+        "26802",
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("client 0: reject private data differs"),
+        "{out}\n{err}"
+    );
+    let _ = server.wait();
+
+    let mut server = ping_server(&[
+        "ping",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-c",
+        "1",
+        "--udp-port",
+        "26803",
+        "--timeout",
+        "20",
+    ]);
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "1",
+        "--reject",
+        "--udp-port",
+        "26803",
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("--reject expects the server to reject"),
+        "{out}\n{err}"
+    );
+    let _ = server.wait();
+}
+
 #[test]
 fn bench_client_on_several_addresses_against_a_separate_server() {
     let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
