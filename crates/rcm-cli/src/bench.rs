@@ -79,7 +79,8 @@ pub struct Report {
     pub connections: usize,
     /// Connections established.
     pub established: usize,
-    /// Connections that failed (reject, unreachable, error, timeout).
+    /// Connections that failed (reject, unreachable, error, timeout) in any step, their
+    /// disconnect included.
     pub errors: usize,
     /// Whether connections were made one at a time.
     pub serial: bool,
@@ -206,7 +207,8 @@ fn issue_and_wait(
 
 fn step(name: &'static str, total: Duration, t: &Timing, n: usize) -> Step {
     let ds: Vec<f64> = t.durations().map(|d| d.as_secs_f64() * 1e6).collect();
-    let sum: f64 = ds.iter().sum();
+    // + 0.0: an empty float sum is -0.0, which would print as "-0".
+    let sum: f64 = ds.iter().sum::<f64>() + 0.0;
     let n = n.max(1) as f64;
     Step {
         step: name,
@@ -339,13 +341,26 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut init_attr = Duration::ZERO;
     let mut full = Duration::ZERO;
     let mut cycle = Duration::ZERO;
+    let call_failed: Vec<std::sync::atomic::AtomicBool> = (0..n)
+        .map(|_| std::sync::atomic::AtomicBool::new(false))
+        .collect();
+    let call_failures = AtomicUsize::new(0);
+    let late = std::sync::Mutex::new(Vec::new());
     let events = Events {
         ch: &ch,
         index: &index,
         timeout: o.step_timeout,
         serial: o.serial,
         send_batch: o.send_batch,
+        call_failed: &call_failed,
+        call_failures: &call_failures,
+        late: &late,
     };
+    // Per connection, made once (a per-connection step must not cost the whole run's
+    // size, or one-at-a-time timings would grow with -c).
+    let mut early = vec![false; n];
+    let mut responded = vec![false; n];
+    let mut skip_est = vec![false; n];
 
     // What this thread sends (calls made here, the RTUs its event handling sends) goes out
     // together when it is about to wait for an event and none is queued: get_event sends
@@ -411,8 +426,6 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         init_attr += s.elapsed();
         // cm connect: REQ out, REP back (CONNECT_RESPONSE).
         let s = Instant::now();
-        let mut early = vec![false; n];
-        let mut responded = vec![false; n];
         // The connection answered: connect ends, the QP goes to RTR and RTS (mimicked, as
         // cmtime -m), and establish starts.
         let qp_steps = |i: usize, id: &CmId| {
@@ -467,7 +480,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                 Event::ConnectResponse { .. } => {
                     responded[i] = true;
                     qp_steps(i, id);
-                    if id.establish().is_err() {
+                    if let Err(e) = id.establish() {
+                        events.call_failed(i, format!("connection {i}: establish: {e}"));
                         return false;
                     }
                     true
@@ -486,12 +500,14 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             }
         }
         // Connections that failed to connect have nothing to establish either.
-        let mut skip: Vec<bool> = early.iter().zip(&failed).map(|(e, f)| *e || *f).collect();
+        for i in range.clone() {
+            skip_est[i] = early[i] || failed[i];
+        }
         wait(
             &events,
             &range,
             &mut failures,
-            &mut skip,
+            &mut skip_est,
             |i, ev, _| match ev {
                 Event::Established { .. } => {
                     establish.end(i);
@@ -512,19 +528,15 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             }
         }
         for i in range.clone() {
-            if skip[i] && !early[i] {
+            if skip_est[i] && !early[i] {
                 failed[i] = true;
             }
         }
         full += full_start.elapsed();
         // disconnect
         let s = Instant::now();
-        let skip = failed.clone();
         let issue = |k: usize, id: &CmId| {
             let i = chunk_start + k;
-            if skip[i] {
-                return None;
-            }
             disconnect.begin(i);
             id.disconnect().err().map(|e| format!("disconnect: {e}"))
         };
@@ -546,6 +558,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         cycle += full_start.elapsed();
     }
     drop(sends);
+    failures.extend(
+        late.into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
     if let Some(pb) = &pb {
         pb.finish_and_clear();
     }
@@ -554,8 +570,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     steps.push(step("create qp", qp_create, &qp_timing, n));
     steps.push(step("init qp attr", init_attr, &init_timing, n));
     steps.push(step("cm connect", t_conn, &connect, n));
-    steps.push(step("rtr qp attr", t_conn, &rtr, n));
-    steps.push(step("rts qp attr", t_conn, &rts, n));
+    // As cmtime: these steps are parts of each connection's connect, with no wall-clock
+    // span of their own (their total is not the connect step's again).
+    steps.push(step("rtr qp attr", Duration::ZERO, &rtr, n));
+    steps.push(step("rts qp attr", Duration::ZERO, &rts, n));
     steps.push(step("establish", t_est, &establish, n));
     steps.push(step("disconnect", t_disc, &disconnect, n));
     steps.push(sync_step(
@@ -587,7 +605,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     Report {
         connections: n,
         established,
-        errors: n - established,
+        errors: failed.iter().filter(|f| **f).count().max(n - established),
         serial: o.serial,
         conn_per_s: if full.is_zero() {
             0.0
@@ -636,6 +654,26 @@ struct Events<'a> {
     timeout: Duration,
     serial: bool,
     send_batch: bool,
+    /// Connections whose call failed (no event will come for them), set by the issuing
+    /// thread or an event handler while the step waits, and how many have been set.
+    call_failed: &'a [std::sync::atomic::AtomicBool],
+    call_failures: &'a AtomicUsize,
+    /// The reasons of failures found by event handlers (which cannot reach `failures`).
+    late: &'a std::sync::Mutex<Vec<String>>,
+}
+
+impl Events<'_> {
+    /// Connection `i` failed in a call: the step stops waiting for it.
+    fn call_failed(&self, i: usize, why: String) {
+        if let Some(f) = self.call_failed.get(i) {
+            f.store(true, Ordering::SeqCst);
+            self.call_failures.fetch_add(1, Ordering::SeqCst);
+        }
+        self.late
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(why);
+    }
 }
 
 /// One asynchronous step for the connections of `range`: `issue` starts each (see
@@ -654,6 +692,18 @@ fn run_step(
         // issuing thread's datagrams (DREQs, say) for the same connections.
         rcm::SendBatch::flush();
     }
+    // A connection that failed in an earlier step is not called again (its calls would
+    // only fail for its state); one whose call fails now is not waited for.
+    let before: Vec<bool> = failed[range.clone()].to_vec();
+    let start = range.start;
+    let issue = |k: usize, id: &CmId| {
+        if before.get(k).copied().unwrap_or(true) {
+            return None;
+        }
+        let e = issue(k, id)?;
+        from.call_failed(start + k, format!("connection {}: {e}", start + k));
+        None
+    };
     let errs = issue_and_wait((from.serial, from.send_batch), chunk, issue, || {
         wait(from, range, failures, failed, on);
     });
@@ -671,10 +721,32 @@ fn wait(
     let (ch, index, timeout) = (from.ch, from.index, from.timeout);
     let mut pending: usize = range.clone().filter(|i| !failed[*i]).count();
     let end = Instant::now() + timeout;
-    let mut done = vec![false; range.len()];
-    while pending > 0 {
+    let mut done: Vec<bool> = failed[range.clone()].to_vec();
+    let mut seen_call_failures = usize::MAX;
+    loop {
+        // Calls that failed (on the issuing thread, or in a handler) end their connections.
+        let now_failures = from.call_failures.load(Ordering::SeqCst);
+        if now_failures != seen_call_failures {
+            seen_call_failures = now_failures;
+            for (k, d) in done.iter_mut().enumerate() {
+                let i = range.start + k;
+                if !*d
+                    && from
+                        .call_failed
+                        .get(i)
+                        .is_some_and(|f| f.load(Ordering::SeqCst))
+                {
+                    *d = true;
+                    failed[i] = true;
+                    pending -= 1;
+                }
+            }
+        }
+        if pending == 0 {
+            break;
+        }
         let left = end.saturating_duration_since(Instant::now());
-        let Some(e) = ch.get_event(Some(left)) else {
+        if left.is_zero() {
             failures.push(format!(
                 "timed out with {pending} connection(s) still waiting"
             ));
@@ -683,7 +755,11 @@ fn wait(
                     failed[range.start + k] = true;
                 }
             }
-            return;
+            break;
+        }
+        // Looked at again at least every 20 ms, for calls failing meanwhile.
+        let Some(e) = ch.get_event(Some(left.min(Duration::from_millis(20)))) else {
+            continue;
         };
         let Some(&i) = index.get(&e.id().key()) else {
             continue;
@@ -927,6 +1003,15 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
     if o.listen && o.bind.len() > 1 {
         return Err("--listen serves on one --bind address".into());
     }
+    if o.baseline_tcp {
+        // The baseline runs over loopback: beside a run to another host it would compare
+        // that network with this machine's loopback.
+        return Err(
+            "--baseline tcp runs on loopback only: with the embedded default or --daemon, \
+             not with --server/--listen"
+                .into(),
+        );
+    }
     let (fabric, binds) = side_fabric(o, &o.bind)?;
     if o.listen {
         let bind = *binds.first().ok_or("no address to serve on")?;
@@ -985,6 +1070,11 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     sf.shutdown();
     if server_ip.is_loopback() {
         measure_rtt(&mut r, srcs[0], server_ip, o.spin);
+    }
+    // The baseline is this host's loopback TCP, whatever the daemon serves.
+    if o.baseline_tcp {
+        r.baseline_conn_per_s =
+            Some(tcp_baseline(o.connections).map_err(|e| format!("TCP baseline: {e}"))?);
     }
     Ok(Some(r))
 }
@@ -1067,10 +1157,18 @@ pub fn print_table(r: &Report) {
         "established {}/{}  errors {}  {:.0} conn/s  {:.0} cycles/s (connect+exchange+disconnect)",
         r.established, r.connections, r.errors, r.conn_per_s, r.cycle_per_s
     );
-    println!(
-        "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
-        r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
-    );
+    if r.udp_rtt_p50_us > 0.0 {
+        println!(
+            "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
+            r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
+        );
+    } else {
+        // Across hosts (--server) no loopback round trip is measured.
+        println!(
+            "connect latency p50 {:.1} us  p99 {:.1} us",
+            r.connect_p50_us, r.connect_p99_us
+        );
+    }
     if r.udp_rtt_poll_p50_us > 0.0 {
         println!(
             "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, see --spin-us)",
@@ -1086,9 +1184,16 @@ pub fn print_table(r: &Report) {
         } else {
             String::new()
         };
+        // The process's fixed cost (threads' stacks, first table sizes) is in the
+        // difference too, spread over the connections: a few thousand hide it.
+        let small = if r.established < 10_000 {
+            " (under 10,000 connections the process's fixed cost dominates this figure)"
+        } else {
+            ""
+        };
         println!(
-            "memory: {:.0} bytes of RSS per established connection ({}, all {} up at once){trimmed}",
-            r.rss_per_conn_bytes, r.rss_scope, r.connections
+            "memory: {:.0} bytes of RSS per established connection ({}, all {} up at once){trimmed}{small}",
+            r.rss_per_conn_bytes, r.rss_scope, r.established
         );
     }
     if let Some(b) = r.baseline_conn_per_s {

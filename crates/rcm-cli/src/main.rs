@@ -89,7 +89,7 @@ struct BenchArgs {
     /// UDP port of the RoCEv2 devices (4791 is the standard; change it to run beside another rcm).
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
-    /// Also time the TCP baseline: the same N connections as TCP connect + 56-byte exchange + close.
+    /// Also time the TCP baseline: the same N connections as TCP connect + 56-byte exchange + close, over loopback (with the embedded default or --daemon; refused with --server/--listen).
     #[arg(long, value_parser = ["tcp"])]
     baseline: Option<String>,
     /// Print one JSON object instead of the table.

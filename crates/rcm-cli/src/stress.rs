@@ -49,7 +49,8 @@ pub struct StressReport {
     pub destroys: u64,
     /// Non-blocking destroys.
     pub begin_destroys: u64,
-    /// Destroys that returned `Deferred` (from inside callbacks).
+    /// Destroys that returned `Deferred`: those made inside the id's own callback (each must)
+    /// and those of worker threads that met a callback in flight.
     pub deferred: u64,
     /// Device removals (and re-adds).
     pub removals: u64,
@@ -72,6 +73,8 @@ struct Shared {
     ctx_dropped: AtomicU64,
     violations: Mutex<Vec<String>>,
     progress: AtomicU64,
+    /// Destroys from inside the id's own callback (each must answer `Deferred`).
+    deferred: AtomicU64,
 }
 
 /// The context every client id carries: it checks no callback runs after destroy returned
@@ -143,6 +146,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         ctx_dropped: AtomicU64::new(0),
         violations: Mutex::new(Vec::new()),
         progress: AtomicU64::new(0),
+        deferred: AtomicU64::new(0),
     });
     // The server: a wildcard listener; rejects one request in four, accepts the rest,
     // disconnects some established connections itself.
@@ -336,7 +340,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     let mut r = StressReport {
         created: c.0.load(Ordering::Relaxed),
         destroys: c.1.load(Ordering::Relaxed),
-        deferred: c.2.load(Ordering::Relaxed),
+        deferred: c.2.load(Ordering::Relaxed) + shared.deferred.load(Ordering::Relaxed),
         begin_destroys: c.3.load(Ordering::Relaxed),
         removals: c.4.load(Ordering::Relaxed),
         established: shared.established.load(Ordering::Relaxed),
@@ -355,6 +359,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         invariants: vec![
             "no callback runs after destroy() returned Done",
             "callbacks of one id never overlap",
+            "a destroy inside the id's own callback answers Deferred (never waits)",
             "every context is dropped exactly once",
             "device removal completes within 10 s of its ids' destruction",
             "no worker hangs (watchdog: progress every 20 s; stop within 30 s)",
@@ -410,7 +415,15 @@ fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId,
         let flow = if step == destroy_at {
             // Destroy from inside the own callback, or by return value.
             if destroy_at % 2 == 0 {
-                let _ = id.destroy();
+                match id.destroy() {
+                    Ok(DestroyOutcome::Deferred) => {
+                        c.shared.deferred.fetch_add(1, Ordering::Relaxed);
+                    }
+                    other => violation(
+                        &c.shared,
+                        format!("destroy inside its own callback answered {other:?}"),
+                    ),
+                }
                 Flow::Continue
             } else {
                 Flow::Destroy

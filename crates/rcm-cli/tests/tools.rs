@@ -218,6 +218,60 @@ fn ping_separate_server_and_client_processes() {
     assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stdout));
 }
 
+/// A connection that fails in one step is neither called again in the next steps (those
+/// calls could only fail for its state: the report listed them as more failures) nor waited
+/// for until the step's timeout. Here both fail address resolution at once (::1 from an
+/// IPv4 device).
+#[test]
+fn bench_failed_connections_are_reported_once_and_not_waited_for() {
+    let t0 = std::time::Instant::now();
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--server",
+        "::1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "2",
+        "--udp-port",
+        "26804",
+        "--json",
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["established"], 0, "{out}");
+    assert_eq!(v["errors"], 2, "{out}");
+    let failures = v["failures"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failures.len(), 2, "one failure per connection: {out}");
+    assert!(
+        failures
+            .iter()
+            .all(|f| f.as_str().is_some_and(|f| f.contains("ADDR_ERROR"))),
+        "{out}"
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "it waited for a timeout"
+    );
+    // The TCP baseline is this host's loopback: refused beside a run to another host.
+    let (code, _, err) = rcm(&[
+        "bench",
+        "--server",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "--baseline",
+        "tcp",
+        "--udp-port",
+        "26804",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--baseline tcp runs on loopback only"),
+        "{err}"
+    );
+}
+
 /// A server in its own process, started once it says it listens.
 fn ping_server(args: &[&str]) -> std::process::Child {
     let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
@@ -477,6 +531,9 @@ fn stress_in_every_callback_mode() {
         );
         assert!(r["established"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
         assert!(r["removals"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
+        // Destroys from inside callbacks happen (and each answered Deferred, or it would be
+        // a violation above).
+        assert!(r["deferred"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
         assert_eq!(r["contexts"][0], r["contexts"][1], "{mode}: {out}");
     }
     let (code, _, err) = rcm(&["stress", "--callbacks", "sometimes"]);
