@@ -679,7 +679,8 @@ fn check_roce_common(c: &mut FrameCheck<'_>, s: &SentMad) {
     c.num("infiniband.bth.tver", 0u8);
     c.num("infiniband.bth.p_key", 0xFFFFu16);
     c.num("infiniband.bth.destqp", 1u8);
-    c.num("infiniband.bth.a", 0u8);
+    // AckReq set, as rxe sends every MAD on QP1 (see rcm-wire's bth_of_a_gsi_datagram).
+    c.num("infiniband.bth.a", 1u8);
     c.num("infiniband.bth.psn", s.psn);
     c.num("infiniband.deth.q_key", GSI_QKEY);
     c.num("infiniband.deth.srcqp", 1u8);

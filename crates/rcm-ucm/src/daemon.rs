@@ -252,7 +252,12 @@ impl Daemon {
         }
         claim_socket_path(&socket)?;
         let spin = fabric_cfg.spin;
-        let fabric = Fabric::new(fabric_cfg);
+        // Clients get no UD data path through the daemon: datagrams for its UD ids' QPNs
+        // would only pile up in queues nobody reads.
+        let fabric = Fabric::new(FabricConfig {
+            ud_receive: false,
+            ..fabric_cfg
+        });
         for ip in &binds {
             let added = match transport {
                 Transport::Roce => fabric.add_device(*ip),

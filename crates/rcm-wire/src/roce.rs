@@ -189,7 +189,9 @@ pub struct Bth {
 }
 
 impl Bth {
-    /// A BTH as rxe sends a GSI MAD: UD SEND Only to QP1 with the default P_Key.
+    /// A BTH as rxe sends a GSI MAD: UD SEND Only to QP1 with the default P_Key and the
+    /// AckReq bit set. rxe leaves AckReq clear on UD and UC QPs, but QP1 is of type GSI, so
+    /// every MAD it sends has it (byte 8 = 0x80 in every capture of Linux's CM traffic).
     pub fn gsi(psn: u32) -> Self {
         Bth {
             opcode: Opcode::UD_SEND_ONLY,
@@ -202,7 +204,7 @@ impl Bth {
             becn: false,
             resv6a: 0,
             dest_qp: GSI_QPN,
-            ack_req: false,
+            ack_req: true,
             resv7: 0,
             psn: psn & 0xFF_FFFF,
         }

@@ -81,8 +81,25 @@ fn reference_req_ipv4_is_byte_exact() {
         ident: 0x1234,
         dont_fragment: true,
     };
-    let udp_payload = roce::emit_gsi(&ip, roce::RXE_GSI_UDP_SPORT, 0, &mad);
+    // §7.1 is hand-built with the BTH's AckReq clear; rxe sets it on QP1 (see
+    // `bth_of_a_gsi_datagram`), so the reference is emitted with that one bit cleared, and
+    // `emit_gsi` must differ from it in that bit and the ICRC only.
+    let bth = roce::Bth {
+        ack_req: false,
+        ..roce::Bth::gsi(0)
+    };
+    let udp_payload = roce::emit_ud(&ip, roce::RXE_GSI_UDP_SPORT, &bth, &roce::Deth::GSI, &mad);
     assert_eq!(udp_payload.len(), roce::GSI_UDP_PAYLOAD_LEN);
+    let ours = roce::emit_gsi(&ip, roce::RXE_GSI_UDP_SPORT, 0, &mad);
+    let differ: Vec<usize> = (0..ours.len())
+        .filter(|&k| ours[k] != udp_payload[k])
+        .collect();
+    assert_eq!(differ.first(), Some(&8), "AckReq is BTH byte 8's top bit");
+    assert!(
+        differ[1..].iter().all(|&k| k >= ours.len() - 4),
+        "{differ:?}"
+    );
+    assert_eq!(ours[8], 0x80);
     // Expected: the listed bytes (IP offset 0..0xa8), zeros, the cma_hdr at 0xd4, the ICRC.
     let mut want = vec![0u8; 308];
     let head = hex(REF_71);
@@ -98,8 +115,11 @@ fn reference_req_ipv4_is_byte_exact() {
         &want[28..],
         "UDP payload differs from §7.1"
     );
-    // And the decoder reads it all back, ICRC included.
+    // And the decoder reads it all back, ICRC included; ours (AckReq set) verifies too.
     roce::verify_icrc(&want[..20], &want[20..]).unwrap();
+    let mut ours_udp = want[20..28].to_vec();
+    ours_udp.extend_from_slice(&ours);
+    roce::verify_icrc(&want[..20], &ours_udp).unwrap();
     let d = GsiDatagram::parse(&want[28..]).unwrap();
     let back = CmMad::parse(d.mad).unwrap();
     assert_eq!(back, reference_req(src.into(), dst.into()).with_full_pd());
@@ -332,10 +352,12 @@ fn check_linux_conventions(ctx: &str, mad: &CmMad, ip: &[u8]) {
     }
 }
 
+/// As Linux's rxe sends a MAD on QP1: AckReq set (byte 8 = 0x80, as in every captured CM
+/// datagram, checked against the captures below).
 #[test]
 fn bth_of_a_gsi_datagram() {
     let b = Bth::gsi(7);
     let mut raw = [0u8; 12];
     b.emit(&mut raw);
-    assert_eq!(raw, [0x64, 0, 0xff, 0xff, 0, 0, 0, 1, 0, 0, 0, 7]);
+    assert_eq!(raw, [0x64, 0, 0xff, 0xff, 0, 0, 0, 1, 0x80, 0, 0, 7]);
 }

@@ -36,6 +36,11 @@ pub struct FabricConfig {
     /// dropped and counted ([`Device::icrc_drops`]). Needs CAP_NET_RAW; off by default, when
     /// a UDP socket is used and the ICRC is accepted unverified.
     pub verify_icrc: bool,
+    /// Keep the UD datagrams sent to a UD id's QPN for [`CmId::recv_ud`](crate::CmId::recv_ud)
+    /// (up to [`UD_RECV_QUEUE`](crate::UD_RECV_QUEUE) each). On by default; off where no one
+    /// takes them (the `rcm daemon` serves no UD data path), so that a peer sending to an
+    /// id's QPN cannot make the process keep what it sends: they are counted as for no QP.
+    pub ud_receive: bool,
     /// How long an idle device or callback thread keeps polling for work before it sleeps
     /// (default [`DEFAULT_SPIN`], 100 µs).
     /// Waking a sleeping thread on an idle CPU costs tens of microseconds (about 35 µs on
@@ -85,6 +90,7 @@ impl Default for FabricConfig {
             min_timewait: Duration::ZERO,
             max_half_open: 1 << 16,
             verify_icrc: false,
+            ud_receive: true,
             spin: DEFAULT_SPIN,
             callbacks: CallbackMode::Threads,
         }
@@ -743,7 +749,8 @@ pub struct UdStats {
     /// UD SENDs queued to a UD id's receive queue.
     pub delivered: u64,
     /// UD SENDs dropped: no UD id of this device receives on the destination QPN (none
-    /// registered, destroyed, or not connecting or established).
+    /// registered, destroyed, or not connecting or established), or the fabric keeps none
+    /// ([`FabricConfig::ud_receive`] off).
     pub no_qp: u64,
     /// UD SENDs dropped: the DETH Q_Key was not the id's (`RDMA_UDP_QKEY`).
     pub bad_qkey: u64,

@@ -868,8 +868,12 @@ impl CmId {
             let b = g.src.unwrap_or_else(|| SocketAddr::new(dev.ip, 0));
             SocketAddr::new(dev.ip, b.port())
         } else {
-            let b =
-                sync::lock(&fab.ports).bind(self.0.ps, SocketAddr::new(dev.ip, 0), self.0.key)?;
+            let b = sync::lock(&fab.ports).bind_with(
+                self.0.ps,
+                SocketAddr::new(dev.ip, 0),
+                self.0.key,
+                g.reuse,
+            )?;
             g.bound = true;
             b
         };
@@ -1068,7 +1072,17 @@ impl CmId {
                 q.in_use = true;
                 Ok(q.qpn)
             }
-            None => Ok(fallback.unwrap_or_else(|| fabric.new_qpn())),
+            // A caller's QPN goes on the wire in 24 bits and names the id's UD receive queue:
+            // 0 and 1 are the special QPs, and a wider value would be announced truncated
+            // (another id's QPN, whose datagrams this id would then be sent).
+            None => match fallback {
+                Some(q) if !(2..=0xFF_FFFF).contains(&q) => Err(Error::InvalidArgument(
+                    format!("QPN {q:#x}: a QP number is 24 bits, and 0 and 1 are the special QPs")
+                        .into(),
+                )),
+                Some(q) => Ok(q),
+                None => Ok(fabric.new_qpn()),
+            },
         }
     }
 
@@ -1695,6 +1709,9 @@ pub(crate) fn remote_connect_request(
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
     publish(&child);
+    if gone_before_published(&child) {
+        return None;
+    }
     let sink = Sink(Arc::downgrade(&child.0));
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst.clone()),
@@ -2692,6 +2709,8 @@ impl CmId {
                 rcm_wire::roce::Opcode::UD_SEND_ONLY
             },
             dest_qp: ud.qpn,
+            // A UD QP's SENDs carry no AckReq (rxe sets it only on QP1's MADs).
+            ack_req: false,
             ..rcm_wire::roce::Bth::gsi(psn)
         };
         let deth = rcm_wire::roce::Deth {
@@ -2786,7 +2805,7 @@ pub(crate) fn deliver_ud(
     stats: &crate::device::DeviceStats,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
-    let receiving = {
+    let receiving = id.fabric.cfg.ud_receive && {
         let g = sync::lock(&id.st);
         !g.removed && matches!(g.state, State::Connect | State::Established)
     };

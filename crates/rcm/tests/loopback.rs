@@ -393,11 +393,53 @@ fn resolve_addr_moves_a_reusing_wildcard_binding_with_its_reuse() {
     // Only x holds 127.0.0.2:6100 now: an id without reuse is refused it.
     let z = mk();
     assert_eq!(z.bind(addr(2, 6100)), Err(Error::AddrInUse(addr(2, 6100))));
-    for id in [x, z] {
+    // The ephemeral port resolve_addr binds for an unbound id keeps its reuse as well
+    // (Linux's cma_alloc_any_port keeps the id's reuseaddr): another reusing id shares it.
+    let (e1, e2) = (mk(), mk());
+    e1.set_reuseaddr(true).unwrap();
+    e2.set_reuseaddr(true).unwrap();
+    e1.resolve_addr(Some(IpAddr::from([127, 0, 0, 2])), addr(1, 7000))
+        .unwrap();
+    let port = e1.local_addr().expect("an ephemeral port");
+    assert_eq!(e2.bind(port), Ok(()));
+    for id in [x, z, e1, e2] {
         id.destroy().unwrap();
     }
     f.shutdown();
     assert_eq!(f.bound_ports(), 0);
+}
+
+/// A QPN given by the caller goes on the wire in 24 bits and names the id's UD receive
+/// queue: 0, 1 (the special QPs) and anything wider are refused before anything is sent
+/// (a wider one was announced truncated, another id's QPN, for RC and UD alike).
+#[test]
+fn a_callers_qpn_must_be_an_ordinary_24_bit_qpn() {
+    let f = fabric(24800);
+    for ps in [PortSpace::Tcp, PortSpace::Udp] {
+        let ch = EventChannel::new();
+        let id = f.create_id_on(ps, &ch);
+        id.resolve_addr(None, addr(1, 7000)).unwrap();
+        let e = ch.get_event(Some(T)).expect("event");
+        assert!(matches!(e.event(), Event::AddrResolved), "{e:?}");
+        drop(e);
+        id.resolve_route().unwrap();
+        let e = ch.get_event(Some(T)).expect("event");
+        assert!(matches!(e.event(), Event::RouteResolved), "{e:?}");
+        drop(e);
+        for qpn in [0, 1, 0x0100_0100] {
+            let r = id.connect(&ConnectOptions {
+                qpn: Some(qpn),
+                ..ConnectOptions::default()
+            });
+            assert!(
+                matches!(r, Err(Error::InvalidArgument(_))),
+                "{ps:?} QPN {qpn:#x}: {r:?}"
+            );
+            assert_eq!(id.state(), State::RouteResolved, "nothing changed");
+        }
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    f.shutdown();
 }
 
 /// With polling off (`spin` zero) every thread sleeps at once: the device thread waits in

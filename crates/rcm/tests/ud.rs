@@ -30,7 +30,11 @@ struct Setup {
 }
 
 fn setup(port: u16, n: usize) -> Setup {
-    let fabric = Fabric::new(config(port));
+    setup_with(config(port), n)
+}
+
+fn setup_with(cfg: rcm::FabricConfig, n: usize) -> Setup {
+    let fabric = Fabric::new(cfg);
     let server_dev = fabric
         .add_device(IpAddr::from(SERVER))
         .expect("server device");
@@ -197,6 +201,27 @@ fn wrong_qkey_and_unknown_qpn_are_dropped_and_counted() {
         (st.delivered, st.bad_qkey, st.no_qp, st.garbage),
         (1, 1, 1, 0)
     );
+    s.fabric.shutdown();
+}
+
+/// With `ud_receive` off (as in the daemon, which serves no UD data path) nothing sent to a
+/// UD id's QPN is kept: each datagram is counted as for no QP and none is queued.
+#[test]
+fn without_ud_receive_nothing_is_kept() {
+    let s = setup_with(
+        rcm::FabricConfig {
+            ud_receive: false,
+            ..config(28116)
+        },
+        1,
+    );
+    let (c, ud, child) = &s.pairs[0];
+    for i in 0..3u8 {
+        c.send_ud(server_ip(), *ud, &[i]).expect("send");
+    }
+    assert!(eventually(T, || s.server_dev.ud_stats().no_qp == 3));
+    assert_eq!(s.server_dev.ud_stats().delivered, 0);
+    assert!(child.try_recv_ud().is_none());
     s.fabric.shutdown();
 }
 
