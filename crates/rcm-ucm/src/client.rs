@@ -476,9 +476,9 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
                     used += 1;
                 } else if let Some(w) = lock(&c.pending).remove(&h.seq) {
                     // The call it answers fails instead of waiting for ever.
-                    let _ = w.send(Err(WireError::BadMessage(format!(
+                    let _ = w.send(Err(WireError::Cm(Error::Remote(format!(
                         "bad answer from the daemon: {e}"
-                    ))));
+                    )))));
                 }
                 if !give_credit(&c, &mut used) {
                     break;

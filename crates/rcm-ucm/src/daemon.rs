@@ -27,7 +27,7 @@ use rustix::net::{send, SendFlags};
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::IpAddr;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -118,6 +118,8 @@ struct Shared {
     limits: Limits,
     max_channels: usize,
     socket: PathBuf,
+    /// The socket file's device and inode, as bound.
+    socket_file: Option<(u64, u64)>,
     stopping: AtomicBool,
     next_order: AtomicU64,
     /// Every session, by its order number.
@@ -280,6 +282,11 @@ impl Daemon {
             let _ = std::fs::remove_file(&socket);
             return Err(DaemonError::Io(socket, e));
         }
+        // Which file is ours: at stop the path is removed only if it still names it (another
+        // daemon may have taken the path since someone removed ours).
+        let socket_file = std::fs::symlink_metadata(&socket)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
         tracing::info!(socket = %socket.display(), binds = ?binds, ?transport, "rcm daemon serving");
         let shared = Arc::new(Shared {
             fabric,
@@ -287,6 +294,7 @@ impl Daemon {
             limits,
             max_channels,
             socket,
+            socket_file,
             stopping: AtomicBool::new(false),
             next_order: AtomicU64::new(1),
             sessions: Mutex::new(HashMap::new()),
@@ -358,8 +366,9 @@ impl Daemon {
         };
         let sh = &self.shared;
         sh.stopping.store(true, Ordering::SeqCst);
-        // Wake the accept loop.
-        let _ = UnixStream::connect(&sh.socket);
+        // The accept loop looks at the flag at least every ACCEPT_POLL. (It used to be woken
+        // by a connection to the path, which hung for good once the path was removed, and
+        // reached another daemon once one had taken it.)
         let _ = accept.join();
         let sessions: Vec<Arc<Session>> = lock(&sh.sessions).values().cloned().collect();
         for s in &sessions {
@@ -370,7 +379,12 @@ impl Daemon {
             let _ = t.join();
         }
         sh.fabric.shutdown();
-        let _ = std::fs::remove_file(&sh.socket);
+        let still_ours = std::fs::symlink_metadata(&sh.socket)
+            .ok()
+            .is_some_and(|m| Some((m.dev(), m.ino())) == sh.socket_file);
+        if still_ours {
+            let _ = std::fs::remove_file(&sh.socket);
+        }
         tracing::info!("rcm daemon stopped");
     }
 }
@@ -389,18 +403,36 @@ fn claim_socket_path(path: &Path) -> Result<(), DaemonError> {
     if !meta.file_type().is_socket() {
         return Err(DaemonError::NotASocket(path.to_path_buf()));
     }
-    if UnixStream::connect(path).is_ok() {
-        return Err(DaemonError::AlreadyRunning(path.to_path_buf()));
+    match UnixStream::connect(path) {
+        Ok(_) => return Err(DaemonError::AlreadyRunning(path.to_path_buf())),
+        // Nobody listens: a socket left by a daemon that died.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+        // Anything else (no permission to connect, say) does not tell that nobody serves
+        // it: the path is left alone.
+        Err(e) => return Err(DaemonError::Io(path.to_path_buf(), e)),
     }
     tracing::info!(path = %path.display(), "removing a stale socket");
     std::fs::remove_file(path).map_err(|e| DaemonError::Io(path.to_path_buf(), e))
 }
 
+/// How often the accept loop looks at the stop flag while no client connects.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+
 fn accept_loop(sh: &Arc<Shared>, listener: &UnixListener) {
-    for conn in listener.incoming() {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let timeout = Timespec::try_from(ACCEPT_POLL).ok();
+    loop {
         if sh.stopping.load(Ordering::SeqCst) {
             return;
         }
+        let mut fds = [PollFd::new(listener, PollFlags::IN)];
+        if !matches!(poll(&mut fds, timeout.as_ref()), Ok(n) if n > 0) {
+            continue;
+        }
+        if sh.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let conn = listener.accept().map(|(s, _)| s);
         let stream = match conn {
             Ok(s) => s,
             Err(e) => {

@@ -26,6 +26,9 @@ pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).
 pub const MAX_PRIVATE_DATA: usize = 256;
 
+/// Most bytes of a text field (an error's text).
+const MAX_TEXT: usize = 1024;
+
 /// Frame kinds. Client commands are below 0x80, daemon messages at 0x80 and above.
 pub mod kind {
     /// Opens the session (first command).
@@ -458,8 +461,14 @@ impl W {
         self.u16(n as u16);
         self.0.extend_from_slice(&b[..n]);
     }
+    /// Text, cut (on a character boundary) to the 1,024 bytes a decoder accepts: a longer
+    /// error text would turn the error into an undecodable answer.
     fn str(&mut self, s: &str) {
-        self.bytes(s.as_bytes());
+        let mut end = s.len().min(MAX_TEXT);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.bytes(&s.as_bytes()[..end]);
     }
     fn ip(&mut self, ip: IpAddr) {
         match ip {
@@ -963,7 +972,7 @@ impl<'a> R<'a> {
         Ok(self.take(n)?.to_vec())
     }
     fn str(&mut self) -> Res<String> {
-        let b = self.bytes(1024, "text")?;
+        let b = self.bytes(MAX_TEXT, "text")?;
         Ok(String::from_utf8_lossy(&b).into_owned())
     }
     fn ip_of(&mut self, fam: u8) -> Res<IpAddr> {

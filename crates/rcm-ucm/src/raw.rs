@@ -69,6 +69,13 @@ impl RawSession {
         let mut hb = [0u8; 12];
         self.stream.read_exact(&mut hb)?;
         let h = Header::parse(&hb).map_err(|e| invalid(&e))?;
+        // A header's length is not trusted with an allocation (the client library's cap).
+        if h.body_len() > 1 << 20 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "frame from the daemon is too long",
+            ));
+        }
         let mut body = vec![0u8; h.body_len()];
         self.stream.read_exact(&mut body)?;
         let m = decode_message(h.kind, &body).map_err(|e| invalid(&e))?;

@@ -183,7 +183,9 @@ fn children_destroyed_by_their_first_callback_leave_nothing_held() {
     for _ in 0..N {
         rx.recv_timeout(T).expect("every connect is rejected");
     }
-    assert_eq!(seen.load(Ordering::SeqCst), N);
+    // At least one request per connect (a REQ retried before its REJ arrived, on a busy
+    // machine, is a request again once the first child is gone).
+    assert!(seen.load(Ordering::SeqCst) >= N);
     let t0 = Instant::now();
     while session.held_ids() != 1 {
         assert!(
@@ -195,4 +197,21 @@ fn children_destroyed_by_their_first_callback_leave_nothing_held() {
     }
     assert_eq!(l.destroy(), Ok(rcm::DestroyOutcome::Done));
     assert_eq!(session.held_ids(), 0);
+}
+
+/// An error text longer than the 1,024 bytes a decoder accepts is cut when sent (on a
+/// character boundary), so the error still decodes; before, the answer was undecodable
+/// and the client reported "bad answer" instead of the error.
+#[test]
+fn a_long_error_text_is_cut_to_what_decodes() {
+    let long = "é".repeat(700); // 1,400 bytes, two per character
+    let frame = Message::Err(WireError::Cm(rcm::Error::Io(long.clone()))).encode(9);
+    let (h, body) = proto::split_frame(&frame).expect("a frame");
+    match proto::decode_message(h.kind, body).expect("it decodes") {
+        Message::Err(WireError::Cm(rcm::Error::Io(text))) => {
+            assert_eq!(text.len(), 1024);
+            assert!(long.starts_with(&text));
+        }
+        m => panic!("{m:?}"),
+    }
 }

@@ -936,6 +936,27 @@ fn dropping_the_client_fabric_ends_its_session() {
 // ---------------------------------------------------------------------------------------
 // h. Startup and shutdown
 
+/// A daemon whose socket file was removed (by a /tmp cleaner, say) still stops when asked
+/// (it waited for ever: it woke its accept thread by connecting to the path), and it leaves
+/// alone the socket of another daemon that took the path meanwhile.
+#[test]
+fn stopping_after_the_socket_path_was_taken_over() {
+    let a = daemon("takeover", 47222, &[1]);
+    std::fs::remove_file(a.socket()).expect("remove the socket file");
+    let b = Daemon::start(config("takeover", 47223, &[2])).expect("a daemon on the freed path");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        a.shutdown();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(T).expect("the first daemon stopped");
+    assert!(
+        std::os::unix::net::UnixStream::connect(b.socket()).is_ok(),
+        "the second daemon's socket is still there and answers"
+    );
+    b.shutdown();
+}
+
 #[test]
 fn startup_rules_socket_mode_and_shutdown() {
     let name = "startup";
