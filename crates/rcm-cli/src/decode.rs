@@ -397,6 +397,26 @@ impl IwarpDecoder {
     fn finish(&mut self, out: &mut Vec<Record>) {
         let events = self.streams.finish();
         self.handle(events, out);
+        // What is left undecoded at the end (a frame cut by the end of the capture, FPDUs
+        // whose peer's MPA frame never came) is said, not dropped silently.
+        let mut left: Vec<(FlowKey, usize, f64, usize)> = self
+            .dirs
+            .iter()
+            .filter(|(_, d)| !d.buf.is_empty() && !matches!(d.phase, Phase::Dead))
+            .map(|(f, d)| {
+                let (i, t) = d.at.unwrap_or((0, 0.0));
+                (*f, i, t, d.buf.len())
+            })
+            .collect();
+        left.sort_by_key(|l| l.1);
+        for (flow, index, time, len) in left {
+            let mut r = self.tcp_record(flow, index, "MALFORMED");
+            r.time = time;
+            r.error = Some(format!(
+                "{len} bytes at the end of the stream were not a whole MPA frame or FPDU"
+            ));
+            out.push(r);
+        }
     }
 
     fn time_of(&self, index: usize) -> f64 {
@@ -427,6 +447,9 @@ impl IwarpDecoder {
                     with_ack,
                     ..
                 } => {
+                    // A new connection on this address pair (ports are reused): its MPA
+                    // starts again, whatever the last one's stream was left in.
+                    self.dirs.remove(&flow);
                     out.push(self.tcp_record(
                         flow,
                         index,
@@ -460,6 +483,17 @@ impl IwarpDecoder {
                     }
                     d.buf.extend_from_slice(&chunk.data);
                     self.drain(chunk.flow, chunk.index, time, out);
+                    // The peer's FPDUs may have waited for this direction's MPA frame (a P2P
+                    // RTR captured before the Reply): try them now.
+                    let back = chunk.flow.reverse();
+                    if let Some((i, t)) = self
+                        .dirs
+                        .get(&back)
+                        .filter(|d| matches!(d.phase, Phase::Fpdus) && !d.buf.is_empty())
+                        .and_then(|d| d.at)
+                    {
+                        self.drain(back, i, t, out);
+                    }
                 }
             }
         }

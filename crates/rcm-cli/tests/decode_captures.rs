@@ -269,3 +269,40 @@ fn a_segmented_send_captured_before_it_was_cut_decodes_as_its_datagrams() {
     assert!(err.contains(" 1 corrupt"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The pcap records of `file` (global header, then each record with its 16-byte header).
+fn pcap_records(bytes: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let mut at = 24;
+    let mut recs = Vec::new();
+    while at + 16 <= bytes.len() {
+        let caplen = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap()) as usize;
+        recs.push(bytes[at..at + 16 + caplen].to_vec());
+        at += 16 + caplen;
+    }
+    (bytes[..24].to_vec(), recs)
+}
+
+/// FPDUs captured before the peer's MPA frame they depend on (the P2P RTR ahead of the
+/// Reply it answers) wait, and are decoded once that frame is: they were held and never
+/// printed.
+#[test]
+fn fpdus_captured_before_the_peers_frame_are_decoded_after_it() {
+    let bytes = std::fs::read(captures().join("iwarp/e1-p2p-ucmatose.pcap")).unwrap();
+    let (head, mut recs) = pcap_records(&bytes);
+    // Frame 8 (the RTR, a zero-length RDMA Write) moves ahead of frame 6 (the MPA Reply),
+    // and the capture ends at frame 11: nothing later on the RTR's direction decodes it.
+    recs.truncate(11);
+    let rtr = recs.remove(7);
+    recs.insert(5, rtr);
+    let path = std::env::temp_dir().join(format!("rcm-rtr-first-{}.pcap", std::process::id()));
+    std::fs::write(&path, [head, recs.concat()].concat()).unwrap();
+    let (code, out, err) = rcm(&["decode", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("MPA_REP"), "{out}");
+    assert!(
+        out.contains("FPDU_RDMA_WRITE"),
+        "the early RTR was decoded: {out}"
+    );
+    assert_eq!(out.matches("FPDU_SEND").count(), 2, "{out}");
+}
