@@ -374,6 +374,8 @@ pub(crate) struct FabricInner {
     /// Serialises wildcard listens with device additions (Linux `cma_listen_on_all` vs
     /// `cma_add_one` under one lock).
     pub listen_lock: Mutex<()>,
+    /// Held through a shutdown.
+    shutting: Mutex<()>,
     next_key: AtomicU64,
     next_qpn: AtomicU32,
     seed: u64,
@@ -498,6 +500,7 @@ impl Fabric {
             ids: Mutex::new(HashMap::new()),
             wildcard_listeners: Mutex::new(Vec::new()),
             listen_lock: Mutex::new(()),
+            shutting: Mutex::new(()),
             next_key: AtomicU64::new(1),
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
             seed,
@@ -649,6 +652,9 @@ impl Fabric {
 }
 
 fn shutdown(f: &FabricInner) {
+    // One at a time: a second shutdown (the last handle dropped while one started from a
+    // callback runs, say) returns only once the devices are stopped and the ports released.
+    let _one = sync::lock(&f.shutting);
     let ids: Vec<_> = sync::lock(&f.ids)
         .values()
         .filter_map(Weak::upgrade)

@@ -756,7 +756,10 @@ impl CmId {
 
     /// Attaches a context value; it is dropped exactly once, after the id's last callback.
     pub fn set_context(&self, ctx: impl Any + Send + Sync) {
-        sync::lock(&self.0.st).context = Some(Box::new(ctx));
+        let old = sync::lock(&self.0.st).context.replace(Box::new(ctx));
+        // Dropped with no lock held: the user's drop may call into rcm (or drop the last
+        // handle of the fabric, which then shuts down and tears this id down).
+        drop(old);
     }
 
     /// `rdma_set_reuseaddr`: lets this id bind a port other reusing ids hold, as long as none

@@ -1288,6 +1288,51 @@ fn last_handle_dropped_in_a_teardown_while_a_callback_waits() {
     assert!(eventually(T, || b.state() == State::Destroying));
 }
 
+/// Replacing an id's context drops the old one with no lock held: here it is the fabric's
+/// last handle, whose drop shuts the fabric down and tears this very id down (which takes
+/// the id's state lock: dropped under it, that hung).
+#[test]
+fn replacing_a_context_that_holds_the_last_fabric_handle() {
+    let port = 25026;
+    let f = fabric(port);
+    let a = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    a.set_context(f.clone());
+    drop(f);
+    let a = within(T, move || {
+        a.set_context(());
+        a
+    })
+    .expect("set_context hung");
+    assert_eq!(a.state(), State::Destroying);
+    assert!(std::net::UdpSocket::bind(addr(1, port)).is_ok());
+}
+
+/// A shutdown that starts while another is under way (here one started from a callback,
+/// which runs on a thread of its own) returns only once the first has stopped the devices.
+#[test]
+fn a_second_shutdown_waits_for_the_first() {
+    let port = 25027;
+    let f = fabric(port);
+    let (tx, started) = mpsc::channel();
+    let f2 = f.clone();
+    let a = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            f2.shutdown();
+            let _ = tx.send(());
+        }
+        Flow::Continue
+    });
+    a.resolve_addr(None, addr(1, 7000)).unwrap();
+    started
+        .recv_timeout(T)
+        .expect("the callback's shutdown started");
+    f.shutdown();
+    assert!(
+        std::net::UdpSocket::bind(addr(1, port)).is_ok(),
+        "shutdown returned with the device still open"
+    );
+}
+
 // ----- No deadlock under concurrent protocol traffic ---------------------------------------
 
 /// Sets its flag when dropped (stops helper threads even when an assertion fails).
