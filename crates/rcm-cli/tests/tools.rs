@@ -294,72 +294,36 @@ fn ping_server(args: &[&str]) -> std::process::Child {
 /// `--reject-data`, or no reject at all (the server accepted), fails the run with the reason.
 #[test]
 fn ping_client_fails_when_the_reject_is_not_what_it_expects() {
-    let mut server = ping_server(&[
-        "ping",
-        "--listen",
-        "--bind",
-        "127.0.0.1",
-        "-c",
-        "1",
-        "--reject",
-        "--reject-data",
-        "no",
-        "--udp-port",
-        "26802",
-        "--timeout",
-        "20",
-    ]);
-    let (code, out, err) = rcm(&[
-        "ping",
-        "--connect",
-        "127.0.0.1",
-        "--bind",
-        "127.0.0.2",
-        "-c",
-        "1",
-        "--reject",
-        "--reject-data",
-        "nope",
-        "--udp-port",
-        "26802",
-    ]);
-    assert_ne!(code, 0, "{out}\n{err}");
-    assert!(
-        format!("{out}{err}").contains("client 0: reject private data differs"),
-        "{out}\n{err}"
-    );
-    let _ = server.wait();
-
-    let mut server = ping_server(&[
-        "ping",
-        "--listen",
-        "--bind",
-        "127.0.0.1",
-        "-c",
-        "1",
-        "--udp-port",
-        "26803",
-        "--timeout",
-        "20",
-    ]);
-    let (code, out, err) = rcm(&[
-        "ping",
-        "--connect",
-        "127.0.0.1",
-        "--bind",
-        "127.0.0.2",
-        "-c",
-        "1",
-        "--reject",
-        "--udp-port",
-        "26803",
-    ]);
-    assert_ne!(code, 0, "{out}\n{err}");
-    assert!(
-        format!("{out}{err}").contains("--reject expects the server to reject"),
-        "{out}\n{err}"
-    );
-    let _ = server.wait();
+    // (server's options, client's options, what the client must say)
+    let cases: [(&[&str], &[&str], &str); 2] = [
+        (
+            &["--reject", "--reject-data", "no"],
+            &["--reject", "--reject-data", "nope"],
+            "client 0: reject private data differs",
+        ),
+        (&[], &["--reject"], "--reject expects the server to reject"),
+    ];
+    for (k, (server_opts, client_opts, says)) in cases.into_iter().enumerate() {
+        let port = (26802 + k).to_string();
+        let common = ["-c", "1", "--udp-port", port.as_str()];
+        let mut server = ping_server(
+            &[
+                &["ping", "--listen", "--bind", "127.0.0.1", "--timeout", "20"][..],
+                &common,
+                server_opts,
+            ]
+            .concat(),
+        );
+        let (code, out, err) = rcm(&[
+            &["ping", "--connect", "127.0.0.1", "--bind", "127.0.0.2"][..],
+            &common,
+            client_opts,
+        ]
+        .concat());
+        assert_ne!(code, 0, "{out}\n{err}");
+        assert!(format!("{out}{err}").contains(says), "{out}\n{err}");
+        let _ = server.wait();
+    }
 }
 
 #[test]

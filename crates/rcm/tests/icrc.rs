@@ -21,19 +21,28 @@ fn next(ch: &EventChannel) -> Event {
     e.take().expect("event")
 }
 
-#[test]
-fn icrc_is_verified_on_receive() {
+/// A fabric verifying ICRCs with a device on 127.0.0.1 at `port`; `None` (the test is
+/// skipped, said on stderr) without the privilege a raw socket needs, unless
+/// RCM_REQUIRE_ROOT is set.
+fn verifying_fabric(port: u16) -> Option<(Fabric, rcm::Device)> {
     let f = Fabric::new(rcm::FabricConfig {
         verify_icrc: true,
-        ..common::config(PORT)
+        ..common::config(port)
     });
-    let d1 = match f.add_device(common::ip(1)) {
-        Ok(d) => d,
+    match f.add_device(common::ip(1)) {
+        Ok(d) => Some((f, d)),
         Err(e) if std::env::var_os("RCM_REQUIRE_ROOT").is_none() => {
             eprintln!("SKIPPED: ICRC verification needs a raw socket (root): {e}");
-            return;
+            None
         }
         Err(e) => panic!("ICRC verification needs a raw socket: {e}"),
+    }
+}
+
+#[test]
+fn icrc_is_verified_on_receive() {
+    let Some((f, d1)) = verifying_fabric(PORT) else {
+        return;
     };
     f.add_device(common::ip(2)).expect("device 2");
 
@@ -178,18 +187,8 @@ fn icrc_is_verified_on_receive() {
 /// mistaken for. UDP port 28301.
 #[test]
 fn a_verifying_device_connects_to_itself() {
-    const SELF_PORT: u16 = 28301;
-    let f = Fabric::new(rcm::FabricConfig {
-        verify_icrc: true,
-        ..common::config(SELF_PORT)
-    });
-    let d1 = match f.add_device(common::ip(1)) {
-        Ok(d) => d,
-        Err(e) if std::env::var_os("RCM_REQUIRE_ROOT").is_none() => {
-            eprintln!("SKIPPED: ICRC verification needs a raw socket (root): {e}");
-            return;
-        }
-        Err(e) => panic!("ICRC verification needs a raw socket: {e}"),
+    let Some((f, d1)) = verifying_fabric(28301) else {
+        return;
     };
     let sch = EventChannel::new();
     let l = f.create_id_on(PortSpace::Tcp, &sch);

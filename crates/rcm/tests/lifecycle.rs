@@ -1207,6 +1207,24 @@ fn last_fabric_handle_dropped_by_a_callback_shuts_it_down() {
     assert_eq!(other.destroy(), Ok(DestroyOutcome::Done));
 }
 
+/// An id whose callback, once running (it is started here), waits until the returned
+/// sender says go (or `T` passes): a callback thread waiting for the test's thread.
+fn waiting_callback(f: &Fabric) -> (CmId, mpsc::Sender<()>) {
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    let (in_tx, in_rx) = mpsc::channel::<()>();
+    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = in_tx.send(());
+            let _ = go_rx.lock().expect("go").recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    b.resolve_addr(None, addr(1, 7000)).unwrap();
+    in_rx.recv_timeout(T).expect("the waiting callback runs");
+    (b, go_tx)
+}
+
 /// `Fabric::shutdown` called from a callback while another callback waits for that first
 /// one to go on: the shutdown must not wait for the callback threads there (it would wait
 /// for the waiting callback, which waits for it). It returns at once and completes on a
@@ -1215,16 +1233,7 @@ fn last_fabric_handle_dropped_by_a_callback_shuts_it_down() {
 fn shutdown_from_a_callback_while_another_waits_for_it() {
     let port = 25024;
     let f = fabric(port);
-    let (go_tx, go_rx) = mpsc::channel::<()>();
-    let go_rx = Arc::new(Mutex::new(go_rx));
-    let (b_in_tx, b_in_rx) = mpsc::channel::<()>();
-    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
-        if matches!(ev, Event::AddrResolved) {
-            let _ = b_in_tx.send(());
-            let _ = go_rx.lock().expect("go").recv_timeout(T);
-        }
-        Flow::Continue
-    });
+    let (b, go_tx) = waiting_callback(&f);
     let f2 = f.clone();
     let returned = Arc::new(AtomicBool::new(false));
     let r2 = returned.clone();
@@ -1236,8 +1245,6 @@ fn shutdown_from_a_callback_while_another_waits_for_it() {
         }
         Flow::Continue
     });
-    b.resolve_addr(None, addr(1, 7000)).unwrap();
-    b_in_rx.recv_timeout(T).expect("b's callback runs");
     a.resolve_addr(None, addr(1, 7000)).unwrap();
     // b's callback gives up waiting after T: well before that, shutdown must have returned.
     assert!(
@@ -1259,21 +1266,10 @@ fn shutdown_from_a_callback_while_another_waits_for_it() {
 fn last_handle_dropped_in_a_teardown_while_a_callback_waits() {
     let port = 25025;
     let f = fabric(port);
-    let (go_tx, go_rx) = mpsc::channel::<()>();
-    let go_rx = Arc::new(Mutex::new(go_rx));
-    let (b_in_tx, b_in_rx) = mpsc::channel::<()>();
-    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
-        if matches!(ev, Event::AddrResolved) {
-            let _ = b_in_tx.send(());
-            let _ = go_rx.lock().expect("go").recv_timeout(T);
-        }
-        Flow::Continue
-    });
+    let (b, go_tx) = waiting_callback(&f);
     let a = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
     a.set_context(f.clone());
     drop(f);
-    b.resolve_addr(None, addr(1, 7000)).unwrap();
-    b_in_rx.recv_timeout(T).expect("b's callback runs");
     let destroyed = within(T, move || a.destroy());
     assert_eq!(
         destroyed,
