@@ -591,30 +591,37 @@ fn flush_now(s: &Session) {
         return;
     }
     let mut buf = Vec::new();
-    {
-        let mut out = lock(&s.out);
-        if out.closed {
+    // Batch after batch while the client has credit and events wait: a batch holds at most
+    // EVENT_BATCH, and what is left after a whole one was sent would otherwise wait for the
+    // next event (the writer is only woken for a backlog or a contended wire).
+    loop {
+        buf.clear();
+        {
+            let mut out = lock(&s.out);
+            if out.closed {
+                return;
+            }
+            take_batch(&mut out, &mut buf);
+        }
+        if buf.is_empty() {
             return;
         }
-        take_batch(&mut out, &mut buf);
-    }
-    if buf.is_empty() {
-        return;
-    }
-    let sent = match send(&w.stream, &buf, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
-        Ok(n) => n,
-        Err(Errno::AGAIN | Errno::INTR) => 0,
-        Err(_) => {
-            drop(w);
-            fail(s);
+        let sent = match send(&w.stream, &buf, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+            Ok(n) => n,
+            Err(Errno::AGAIN | Errno::INTR) => 0,
+            Err(_) => {
+                drop(w);
+                fail(s);
+                return;
+            }
+        };
+        if sent < buf.len() {
+            // The rest of a frame may be cut: nothing else may be written before it.
+            w.backlog = buf.split_off(sent);
+            lock(&s.out).backlog = true;
+            s.out_cond.notify_all();
             return;
         }
-    };
-    if sent < buf.len() {
-        // The rest of a frame may be cut: nothing else may be written before it.
-        w.backlog = buf.split_off(sent);
-        lock(&s.out).backlog = true;
-        s.out_cond.notify_all();
     }
 }
 

@@ -472,6 +472,42 @@ fn unread_request_limit_refuses_on_the_wire() {
     wait_ids(&d, 0, 0);
 }
 
+/// Credit for more events than one batch (256) brings them all: after a whole batch went
+/// out, the rest waited (with credit) for the next event to be queued.
+#[test]
+fn credit_for_more_than_a_batch_brings_every_queued_event() {
+    const N: usize = 600;
+    let d = daemon("credit-batches", 47224, &[1]);
+    let (mut s, _) = raw(&d);
+    for _ in 0..N {
+        let h = create(&mut s);
+        ok(
+            &mut s,
+            &Command::Call(
+                h,
+                Op::ResolveAddr {
+                    src: None,
+                    dst: nowhere(),
+                },
+            ),
+        );
+    }
+    wait_stats(
+        &mut s,
+        |st| st.queued_events == N as u64,
+        "every event queued",
+    );
+    s.send(&Command::GetEvent(N as u32)).expect("send");
+    for k in 0..N {
+        match s.next_event() {
+            Ok(Message::Event { .. }) => {}
+            other => panic!("event {k} of {N}: {other:?}"),
+        }
+    }
+    drop(s);
+    wait_ids(&d, 0, 0);
+}
+
 #[test]
 fn queued_event_limit_drops_and_counts() {
     let d = daemon_with_limits(
