@@ -361,6 +361,60 @@ fn mra_for_req_extends_the_wait_once() {
     ));
 }
 
+/// An MRA does not fix who the peer is (cm_mra_handler records no remote ID): a REP from
+/// another id of the peer (the MRA's one destroyed, its REJ lost, our REQ retried) is still
+/// this connection's reply. It was dropped as unmatched and the connect timed out.
+#[test]
+fn an_mra_does_not_fix_the_peers_comm_id() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(
+        tid,
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_mraed: MsgCode::Req,
+            service_timeout: 20,
+            ..Mra::default()
+        }),
+    );
+    t.events();
+    assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
+    t.recv(
+        tid,
+        CmMessage::Rep(Rep {
+            local_comm_id: PEER_ID + 1,
+            ..peer_rep(req.local_comm_id)
+        }),
+    );
+    let ev = t.events();
+    assert!(
+        matches!(ev.as_slice(), [(eh, CmEvent::RepReceived(_))] if *eh == h),
+        "{ev:?}"
+    );
+}
+
+/// A DREP's private data may fill its area (224 bytes); a DREQ's is 220. Answering a DREQ
+/// was held to the DREQ's limit.
+#[test]
+fn drep_private_data_has_the_drep_limit() {
+    let mut t = T::new();
+    let (c, id) = t.established_passive();
+    assert!(matches!(
+        t.ep.disconnect(t.now, c, &[7; 221]),
+        Err(CmError::Wire(
+            rcm_wire::WireError::PrivateDataTooLong { .. }
+        ))
+    ));
+    t.recv(0x77, dreq(PEER_ID, id, 0x22));
+    t.events();
+    assert_eq!(t.ep.disconnect(t.now, c, &[7; 224]), Ok(()));
+    let CmMessage::Drep(d) = t.sent_one().msg else {
+        panic!("a DREP")
+    };
+    assert_eq!(d.private_data[..], [7; 224][..]);
+}
+
 #[test]
 fn second_mra_is_not_honoured() {
     let mut t = T::with(|c| c.retry = RetryPolicy::Classic);

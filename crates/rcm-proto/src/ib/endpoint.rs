@@ -671,8 +671,13 @@ impl Endpoint {
         h: CepHandle,
         private_data: &[u8],
     ) -> Result<(), CmError> {
-        check_pd("DREQ", private_data, cm::pd_size::DREQ)?;
         let agent = self.cfg.agent_id;
+        let c = self.cep_mut(h)?;
+        // The limit of the message this sends: DREQ (220) or DREP (224).
+        match c.state {
+            State::DreqRcvd => check_pd("DREP", private_data, cm::pd_size::DREP)?,
+            _ => check_pd("DREQ", private_data, cm::pd_size::DREQ)?,
+        }
         let c = self.cep_mut(h)?;
         match c.state {
             State::Established => {
@@ -1232,9 +1237,9 @@ impl Endpoint {
             _ => return self.unmatched(),
         };
         c.state = next;
-        if c.remote_id == 0 {
-            c.remote_id = mra.local_comm_id;
-        }
+        // The MRA's sender is not taken as the peer (cm_mra_handler records no remote ID): a
+        // REP from another of its ids (the MRA's one destroyed and its REJ lost, our REQ
+        // retried) must still be matched, as must a listener-less REJ with comm ID 0.
         // Honoured once: a peer cannot keep us waiting forever with repeated MRAs.
         if !c.mra_honoured {
             c.mra_honoured = true;
