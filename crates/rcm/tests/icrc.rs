@@ -39,21 +39,18 @@ fn verifying_fabric(port: u16) -> Option<(Fabric, rcm::Device)> {
     }
 }
 
-#[test]
-fn icrc_is_verified_on_receive() {
-    let Some((f, d1)) = verifying_fabric(PORT) else {
-        return;
-    };
-    f.add_device(common::ip(2)).expect("device 2");
-
-    // rcm to rcm, every datagram verified.
-    let sch = EventChannel::new();
-    let l = f.create_id_on(PortSpace::Tcp, &sch);
-    l.bind(SocketAddr::new(common::ip(1), 7800)).expect("bind");
-    l.listen(64).expect("listen");
+/// A connection from `src` (or the device resolution picks) to the listener on
+/// 127.0.0.1:`port` whose requests come on `sch`, up to both ends established: the client,
+/// its channel and the server's child.
+fn establish(
+    f: &Fabric,
+    sch: &EventChannel,
+    src: Option<std::net::IpAddr>,
+    port: u16,
+) -> (rcm::CmId, EventChannel, rcm::CmId) {
     let cch = EventChannel::new();
     let c = f.create_id_on(PortSpace::Tcp, &cch);
-    c.resolve_addr(Some(common::ip(2)), SocketAddr::new(common::ip(1), 7800))
+    c.resolve_addr(src, SocketAddr::new(common::ip(1), port))
         .expect("resolve");
     assert!(matches!(next(&cch), Event::AddrResolved));
     c.resolve_route().expect("route");
@@ -66,6 +63,22 @@ fn icrc_is_verified_on_receive() {
     assert!(matches!(next(&cch), Event::ConnectResponse { .. }));
     c.establish().expect("establish");
     assert!(matches!(next(&cch), Event::Established { .. }));
+    (c, cch, child)
+}
+
+#[test]
+fn icrc_is_verified_on_receive() {
+    let Some((f, d1)) = verifying_fabric(PORT) else {
+        return;
+    };
+    f.add_device(common::ip(2)).expect("device 2");
+
+    // rcm to rcm, every datagram verified.
+    let sch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &sch);
+    l.bind(SocketAddr::new(common::ip(1), 7800)).expect("bind");
+    l.listen(64).expect("listen");
+    let (c, cch, child) = establish(&f, &sch, Some(common::ip(2)), 7800);
     assert_eq!(d1.icrc_drops(), 0, "rcm's own ICRCs are right");
 
     // A DREQ nobody expects, sent raw from 127.0.0.3 with a nonzero IPv4 Identification (as
@@ -194,22 +207,8 @@ fn a_verifying_device_connects_to_itself() {
     let l = f.create_id_on(PortSpace::Tcp, &sch);
     l.bind(SocketAddr::new(common::ip(1), 7801)).expect("bind");
     l.listen(4).expect("listen");
-    let cch = EventChannel::new();
-    let c = f.create_id_on(PortSpace::Tcp, &cch);
-    c.resolve_addr(None, SocketAddr::new(common::ip(1), 7801))
-        .expect("resolve");
-    assert!(matches!(next(&cch), Event::AddrResolved));
+    let (c, _cch, _child) = establish(&f, &sch, None, 7801);
     assert_eq!(c.device_addr(), Some(common::ip(1)));
-    c.resolve_route().expect("route");
-    assert!(matches!(next(&cch), Event::RouteResolved));
-    c.connect(&ConnectOptions::default()).expect("connect");
-    let req = sch.get_event(Some(common::T)).expect("a connect request");
-    let child = req.id().clone();
-    drop(req);
-    child.accept(&AcceptOptions::default()).expect("accept");
-    assert!(matches!(next(&cch), Event::ConnectResponse { .. }));
-    c.establish().expect("establish");
-    assert!(matches!(next(&cch), Event::Established { .. }));
     assert_eq!(d1.icrc_drops(), 0);
     f.shutdown();
 }

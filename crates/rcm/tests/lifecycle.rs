@@ -51,12 +51,17 @@ struct Pair {
 }
 
 fn channel_pair(f: &Fabric, port: u16) -> Pair {
+    channel_pair_across(f, f, port)
+}
+
+/// Like [`channel_pair`], the listener on `server`'s fabric and the client on `client`'s.
+fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
     let srv = EventChannel::new();
     let cli = EventChannel::new();
-    let listener = f.create_id_on(PortSpace::Tcp, &srv);
+    let listener = server.create_id_on(PortSpace::Tcp, &srv);
     listener.bind(addr(1, port)).unwrap();
     listener.listen(0).unwrap();
-    let client = f.create_id_on(PortSpace::Tcp, &cli);
+    let client = client_f.create_id_on(PortSpace::Tcp, &cli);
     client.resolve_addr(None, addr(1, port)).unwrap();
     expect_ev(&cli, &client, "ADDR_RESOLVED");
     client.resolve_route().unwrap();
@@ -1137,23 +1142,9 @@ fn dropping_the_last_fabric_handle_shuts_it_down() {
     server.add_device(ip(1)).unwrap();
     let client_f = Fabric::new(config(port));
     client_f.add_device(ip(2)).unwrap();
-    let (srv, cli) = (EventChannel::new(), EventChannel::new());
-    let listener = server.create_id_on(PortSpace::Tcp, &srv);
-    listener.bind(addr(1, 7000)).unwrap();
-    listener.listen(0).unwrap();
-    let client = client_f.create_id_on(PortSpace::Tcp, &cli);
-    client.resolve_addr(None, addr(1, 7000)).unwrap();
-    expect_ev(&cli, &client, "ADDR_RESOLVED");
-    client.resolve_route().unwrap();
-    expect_ev(&cli, &client, "ROUTE_RESOLVED");
-    client.connect(&ConnectOptions::default()).unwrap();
-    let (child, ev) = next(&srv);
-    assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
-    child.accept(&AcceptOptions::default()).unwrap();
-    expect_ev(&cli, &client, "CONNECT_RESPONSE");
-    client.establish().unwrap();
-    expect_ev(&cli, &client, "ESTABLISHED");
-    expect_ev(&srv, &child, "ESTABLISHED");
+    let Pair {
+        srv, client, child, ..
+    } = channel_pair_across(&server, &client_f, 7000);
 
     let clone = client_f.clone();
     drop(client_f);
