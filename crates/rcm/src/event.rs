@@ -4,11 +4,19 @@ use crate::id::CmId;
 use rcm_wire::cm::RejReason;
 
 /// Connection parameters a peer offered (CONNECT_REQUEST / CONNECT_RESPONSE).
+///
+/// The RDMA read resources are given from this side's point of view, as Linux's rdma_cm
+/// gives them (`cm_format_req_event` and `cm_format_rep_event` in cm.c swap the two
+/// fields; so do siw and cma.c for an MPA request): `initiator_depth` is what the peer can
+/// answer (its responder resources, or IRD, on the wire) and `responder_resources` what it
+/// may ask of us (its initiator depth, or ORD). They are thus the most this side should
+/// use in its own [`crate::AcceptOptions`] or QP attributes, and can be passed on as they
+/// are.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnParam {
-    /// Responder resources.
+    /// RDMA reads the peer may have outstanding at us: the peer's initiator depth (ORD).
     pub responder_resources: u8,
-    /// Initiator depth.
+    /// RDMA reads we may have outstanding at the peer: the peer's responder resources (IRD).
     pub initiator_depth: u8,
     /// Retry count.
     pub retry_count: u8,

@@ -1800,9 +1800,11 @@ pub(crate) fn on_connect_request(
     let child = build(&lst.fabric, lst.ps, target);
     let ud = matches!(inc, Incoming::Ud { .. });
     let param = match inc {
+        // From our side (see `ConnParam`): the peer's initiator depth is what we must be
+        // able to respond to.
         Incoming::Rc(info) => ConnParam {
-            responder_resources: info.responder_resources,
-            initiator_depth: info.initiator_depth,
+            responder_resources: info.initiator_depth,
+            initiator_depth: info.responder_resources,
             retry_count: info.retry_count,
             rnr_retry_count: info.rnr_retry_count,
             srq: info.srq,
@@ -1943,8 +1945,8 @@ pub(crate) fn on_engine_event(
                         out = Some(Event::ConnectResponse {
                             private_data: info.private_data,
                             param: ConnParam {
-                                responder_resources: info.responder_resources,
-                                initiator_depth: info.initiator_depth,
+                                responder_resources: info.initiator_depth,
+                                initiator_depth: info.responder_resources,
                                 rnr_retry_count: info.rnr_retry_count,
                                 srq: info.srq,
                                 qpn: info.remote_qpn,
@@ -2562,9 +2564,10 @@ fn on_iw_connect_request(
         return refuse(dev);
     };
     let child = build(&lst.fabric, lst.ps, target);
+    // From our side (see `ConnParam`): the peer's ORD is what we must respond to.
     let param = ConnParam {
-        responder_resources: req.ird.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
-        initiator_depth: req.ord.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
+        responder_resources: req.ord.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
+        initiator_depth: req.ird.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
         ..ConnParam::default()
     };
     {
@@ -2576,8 +2579,8 @@ fn on_iw_connect_request(
         g.iw = std::num::NonZeroUsize::new(key);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
-        g.conn.responder_resources = param.initiator_depth;
-        g.conn.initiator_depth = param.responder_resources;
+        g.conn.responder_resources = param.responder_resources;
+        g.conn.initiator_depth = param.initiator_depth;
     }
     {
         let mut g = sync::lock(&lst.st);

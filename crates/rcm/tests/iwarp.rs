@@ -753,3 +753,38 @@ fn udp_port_space_is_refused_on_iwarp() {
     id.destroy().unwrap();
     f.shutdown();
 }
+
+/// An MPA v2 request's IRD and ORD are given from the listener's side, as siw and cma.c
+/// give them: the initiator's ORD is what the listener must answer (its responder
+/// resources), the initiator's IRD what the listener may ask for (its initiator depth).
+#[test]
+fn request_ird_ord_are_given_from_the_listeners_side() {
+    let f = iw_fabric(&[1, 2]);
+    let ch = rcm::EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 27915)).unwrap();
+    l.listen(4).unwrap();
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    c.resolve_addr(None, addr(1, 27915)).unwrap();
+    let param = loop {
+        let mut e = ch.get_event(Some(T)).expect("event");
+        let id = e.id().clone();
+        match e.take().unwrap() {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            // IRD 3, ORD 5.
+            Event::RouteResolved => id
+                .connect(&ConnectOptions {
+                    responder_resources: 3,
+                    initiator_depth: 5,
+                    ..ConnectOptions::default()
+                })
+                .unwrap(),
+            Event::ConnectRequest { param, .. } => break param,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!((param.responder_resources, param.initiator_depth), (5, 3));
+    c.destroy().unwrap();
+    l.destroy().unwrap();
+    f.shutdown();
+}

@@ -500,3 +500,60 @@ fn get_event_timeout_bounds_the_poll() {
     );
     assert!(ch.get_event(Some(Duration::ZERO)).is_none());
 }
+
+/// The RDMA read resources of CONNECT_REQUEST and CONNECT_RESPONSE are given from the
+/// receiver's side, as rdma_cm gives them (cm.c's `cm_format_req_event` and
+/// `cm_format_rep_event` swap the wire's two fields): what the peer sent as its initiator
+/// depth is what the receiver must have as responder resources, and the other way round.
+/// Asymmetric values, so a missed swap shows.
+#[test]
+fn conn_params_are_given_from_the_receivers_side() {
+    let f = fabric(24802);
+    let ch = EventChannel::new();
+    let srv = f.create_id_on(PortSpace::Tcp, &ch);
+    srv.bind(addr(1, 7473)).unwrap();
+    srv.listen(4).unwrap();
+    let cli = f.create_id_on(PortSpace::Tcp, &ch);
+    cli.resolve_addr(None, addr(1, 7473)).unwrap();
+    let (mut request, mut response) = (None, None);
+    while response.is_none() {
+        let mut e = ch.get_event(Some(T)).expect("event");
+        let id = e.id().clone();
+        match e.take().unwrap() {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => id
+                .connect(&ConnectOptions {
+                    responder_resources: 3,
+                    initiator_depth: 5,
+                    ..ConnectOptions::default()
+                })
+                .unwrap(),
+            Event::ConnectRequest { param, .. } => {
+                request = Some(param);
+                id.accept(&AcceptOptions {
+                    responder_resources: 2,
+                    initiator_depth: 4,
+                    ..AcceptOptions::default()
+                })
+                .unwrap();
+            }
+            Event::ConnectResponse { param, .. } => response = Some(param),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let request = request.expect("CONNECT_REQUEST came first");
+    let response = response.expect("CONNECT_RESPONSE");
+    assert_eq!(
+        (request.responder_resources, request.initiator_depth),
+        (5, 3),
+        "CONNECT_REQUEST: the client's initiator depth 5 and responder resources 3"
+    );
+    assert_eq!(
+        (response.responder_resources, response.initiator_depth),
+        (4, 2),
+        "CONNECT_RESPONSE: the server's initiator depth 4 and responder resources 2"
+    );
+    cli.destroy().unwrap();
+    srv.destroy().unwrap();
+    f.shutdown();
+}
