@@ -806,6 +806,51 @@ fn req_received_then_accept_then_rtu() {
     assert_eq!(t.ep.stats().rx_duplicates, 1);
 }
 
+/// `COMM_EST` (the QP got data before the RTU; ib_cm_notify): established at once, the REP
+/// is not retried any more, a late RTU is a duplicate; and only a passive side that sent
+/// its REP can be notified.
+#[test]
+fn notify_established_stands_in_for_a_lost_rtu() {
+    let mut t = T::new();
+    let (_, c, id) = t.req_rcvd();
+    assert_eq!(
+        t.ep.notify_established(c),
+        Err(CmError::InvalidState(State::ReqRcvd)),
+        "no REP sent yet"
+    );
+    t.ep.accept(t.now, c, &AcceptParams::default()).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rep(_)));
+    t.ep.notify_established(c).unwrap();
+    assert_eq!(t.ep.state(c), Some(State::Established));
+    assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
+    assert_eq!(
+        t.ep.notify_established(c),
+        Err(CmError::InvalidState(State::Established))
+    );
+    // The REP's retries (every 6.1 s here) are over.
+    t.advance(Duration::from_secs(60));
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+    t.recv(
+        TID,
+        CmMessage::Rtu(Rtu {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Rtu::default()
+        }),
+    );
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.stats().rx_duplicates, 1);
+    assert_eq!(t.ep.state(c), Some(State::Established));
+    // The active side establishes with `establish` (the RTU), not with this.
+    let mut a = T::new();
+    let (h, _, _) = a.rep_rcvd();
+    assert_eq!(
+        a.ep.notify_established(h),
+        Err(CmError::InvalidState(State::RepRcvd))
+    );
+}
+
 #[test]
 fn duplicate_req_while_unanswered_is_dropped() {
     let mut t = T::new();

@@ -75,6 +75,8 @@ pub mod kind {
     pub const INIT_QP_ATTR: u16 = 0x1C;
     /// `query`.
     pub const QUERY: u16 = 0x1D;
+    /// `notify_established` (`rdma_notify` with `COMM_EST`).
+    pub const NOTIFY: u16 = 0x1E;
     /// Reply to `Hello`.
     pub const HELLO_OK: u16 = 0x81;
     /// A command succeeded.
@@ -689,6 +691,7 @@ pub fn op_kind(op: &Op) -> u16 {
         Op::Disconnect => kind::DISCONNECT,
         Op::InitQpAttr(_) => kind::INIT_QP_ATTR,
         Op::Query => kind::QUERY,
+        Op::NotifyEstablished => kind::NOTIFY,
     }
 }
 
@@ -761,6 +764,7 @@ impl Command {
                     | Op::CreateQp
                     | Op::DestroyQp
                     | Op::Establish
+                    | Op::NotifyEstablished
                     | Op::Disconnect
                     | Op::Query => {}
                 }
@@ -1186,7 +1190,7 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
                 token: r.u64()?,
             }
         }
-        k @ kind::SET_REUSEADDR..=kind::QUERY => {
+        k @ kind::SET_REUSEADDR..=kind::NOTIFY => {
             let h = r.u32()?;
             let op = match k {
                 kind::SET_REUSEADDR => Op::SetReuseaddr(r.bool()?),
@@ -1216,6 +1220,7 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
                 }),
                 kind::REJECT => Op::Reject(r.bytes(MAX_PRIVATE_DATA, "private data")?),
                 kind::ESTABLISH => Op::Establish,
+                kind::NOTIFY => Op::NotifyEstablished,
                 kind::DISCONNECT => Op::Disconnect,
                 kind::INIT_QP_ATTR => {
                     Op::InitQpAttr(qp_state_from(r.u8()?).ok_or(ProtoError::BadValue("QP state"))?)

@@ -348,3 +348,55 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     client.shutdown();
     d.shutdown();
 }
+
+/// `notify_established` through the daemon (`NOTIFY`): the passive id whose RTU has not come
+/// is established by it, and the RTU that follows brings no second ESTABLISHED.
+#[test]
+fn notify_established_through_the_daemon() {
+    let d = daemon("notify", 47107, &[1, 2]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server session");
+    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    let dst = SocketAddr::new(ip(1), 7475);
+    let (l, sch) = listen(&server, dst);
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, dst, b"hello");
+    let req = next(&sch);
+    assert!(
+        matches!(req.event(), Event::ConnectRequest { .. }),
+        "{req:?}"
+    );
+    let child = req.id().clone();
+    drop(req);
+    child.accept(&AcceptOptions::default()).expect("accept");
+    let rep = next(&cch);
+    assert!(
+        matches!(rep.event(), Event::ConnectResponse { .. }),
+        "{rep:?}"
+    );
+    drop(rep);
+    // No RTU yet: the client has not called establish.
+    child.notify_established().expect("notify");
+    let e = next(&sch);
+    assert_eq!(e.id(), &child);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    assert_eq!(child.state(), State::Established);
+    assert_eq!(
+        child.notify_established(),
+        Err(rcm::Error::InvalidState(State::Established))
+    );
+    c.establish().expect("establish");
+    assert!(matches!(next(&cch).event(), Event::Established { .. }));
+    assert!(
+        sch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "no second ESTABLISHED"
+    );
+    c.disconnect().expect("disconnect");
+    assert!(matches!(next(&cch).event(), Event::Disconnected));
+    assert!(matches!(next(&sch).event(), Event::Disconnected));
+    for id in [c, child, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    client.shutdown();
+    server.shutdown();
+}

@@ -180,7 +180,7 @@ fn state(rng: &mut StdRng) -> State {
 }
 
 fn op(rng: &mut StdRng, addr: &mut dyn FnMut(&mut StdRng) -> SocketAddr) -> Op {
-    match rng.gen_range(0..14) {
+    match rng.gen_range(0..15) {
         0 => Op::SetReuseaddr(rng.gen()),
         1 => Op::Bind(addr(rng)),
         2 => Op::ResolveAddr {
@@ -214,6 +214,7 @@ fn op(rng: &mut StdRng, addr: &mut dyn FnMut(&mut StdRng) -> SocketAddr) -> Op {
         10 => Op::Establish,
         11 => Op::Disconnect,
         12 => Op::InitQpAttr(qp_state(rng)),
+        13 => Op::NotifyEstablished,
         _ => Op::Query,
     }
 }

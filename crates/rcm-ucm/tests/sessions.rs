@@ -52,6 +52,7 @@ fn handle_commands(h: u32, token: u64) -> Vec<Command> {
         Command::Call(h, Op::Accept(rcm::AcceptOptions::default())),
         Command::Call(h, Op::Reject(vec![1, 2, 3])),
         Command::Call(h, Op::Establish),
+        Command::Call(h, Op::NotifyEstablished),
         Command::Call(h, Op::Disconnect),
         Command::Call(h, Op::InitQpAttr(rcm::QpState::Rtr)),
         Command::Call(h, Op::Query),

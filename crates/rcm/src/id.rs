@@ -734,6 +734,7 @@ impl CmId {
             Op::Accept(o) => done(self.accept(&o)),
             Op::Reject(pd) => done(self.reject(&pd)),
             Op::Establish => done(self.establish()),
+            Op::NotifyEstablished => done(self.notify_established()),
             Op::Disconnect => done(self.disconnect()),
             Op::InitQpAttr(s) => self.init_qp_attr(s).map(Reply::QpAttr),
             Op::Query => {
@@ -1361,6 +1362,44 @@ impl CmId {
         };
         dev.with_engine(|ep, _| ep.establish(cep))?;
         Ok(())
+    }
+
+    /// `rdma_notify(id, IB_EVENT_COMM_EST)`: the application's QP received the peer's data
+    /// before the RTU came (the RTU was lost or is late), so the connection is up. On the
+    /// passive side of a RoCE connection that accepted (Connect, REP sent): the id becomes
+    /// Established at once, `Established` is delivered, the REP is no longer retried, and the
+    /// RTU, when it comes, changes nothing. Already established: `InvalidState(Established)`
+    /// (Linux: -EISCONN); before `accept`, on the active side or on a UD id:
+    /// `InvalidState`. On iWARP it does nothing and succeeds, as in Linux: the MPA exchange
+    /// has no RTU.
+    pub fn notify_established(&self) -> Result<()> {
+        if let Some(r) = self.forward(|| Op::NotifyEstablished) {
+            return r.map(drop);
+        }
+        let _op = sync::lock(&self.0.op);
+        if self.iw_conn()?.is_some() {
+            return Ok(());
+        }
+        let (dev, cep) = {
+            let g = self.usable()?;
+            if g.state != State::Connect || g.listener.is_none() || is_ud(self.0.ps) {
+                return Err(Error::InvalidState(g.state));
+            }
+            let (Some(dev), Some(cep)) = (g.device.clone(), g.cep) else {
+                return Err(Error::InvalidState(g.state));
+            };
+            (dev, cep)
+        };
+        // The engine's state names are not the id's: say it in the id's terms (the RTU may
+        // have come just now, its event not yet delivered).
+        dev.with_engine(|ep, _| ep.notify_established(cep))
+            .map_err(|e| match e {
+                rcm_proto::ib::CmError::InvalidState(ib::State::Established) => {
+                    Error::InvalidState(State::Established)
+                }
+                rcm_proto::ib::CmError::InvalidState(_) => Error::InvalidState(State::Connect),
+                e => e.into(),
+            })
     }
 
     /// Disconnects (`rdma_disconnect`): DREQ, or the DREP when the peer disconnected first.

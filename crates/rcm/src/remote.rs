@@ -47,6 +47,8 @@ pub enum Op {
     Reject(Vec<u8>),
     /// `establish`.
     Establish,
+    /// `notify_established`.
+    NotifyEstablished,
     /// `disconnect`.
     Disconnect,
     /// `init_qp_attr`.

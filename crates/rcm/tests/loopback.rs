@@ -557,3 +557,75 @@ fn conn_params_are_given_from_the_receivers_side() {
     srv.destroy().unwrap();
     f.shutdown();
 }
+
+/// `notify_established` (`rdma_notify` with `COMM_EST`): a passive id whose RTU has not come
+/// is established by it, once; the RTU that follows changes nothing. Here the client holds
+/// the RTU back (it does not call `establish` until after the notify).
+#[test]
+fn notify_established_stands_in_for_the_rtu() {
+    let f = fabric(24803);
+    let ch = EventChannel::new();
+    let srv = f.create_id_on(PortSpace::Tcp, &ch);
+    srv.bind(addr(1, 7474)).unwrap();
+    srv.listen(4).unwrap();
+    let cli = f.create_id_on(PortSpace::Tcp, &ch);
+    cli.resolve_addr(None, addr(1, 7474)).unwrap();
+    let mut child = None;
+    let mut responded = false;
+    while !(responded && child.is_some()) {
+        let mut e = ch.get_event(Some(T)).expect("event");
+        let id = e.id().clone();
+        match e.take().unwrap() {
+            Event::AddrResolved => id.resolve_route().unwrap(),
+            Event::RouteResolved => id.connect(&ConnectOptions::default()).unwrap(),
+            Event::ConnectRequest { .. } => {
+                assert_eq!(
+                    id.notify_established(),
+                    Err(Error::InvalidState(State::Connect)),
+                    "not accepted yet"
+                );
+                id.accept(&AcceptOptions::default()).unwrap();
+                child = Some(id);
+            }
+            Event::ConnectResponse { .. } => responded = true,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let child = child.unwrap();
+    assert_eq!(child.state(), State::Connect, "no RTU was sent");
+    assert_eq!(
+        cli.notify_established(),
+        Err(Error::InvalidState(State::Connect)),
+        "the active side sends the RTU instead"
+    );
+    child.notify_established().unwrap();
+    let e = ch.get_event(Some(T)).expect("ESTABLISHED");
+    assert_eq!(e.id(), &child);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    assert_eq!(child.state(), State::Established);
+    assert_eq!(
+        child.notify_established(),
+        Err(Error::InvalidState(State::Established))
+    );
+    // The RTU now: the client is established, the server sees no second ESTABLISHED.
+    cli.establish().unwrap();
+    let e = ch.get_event(Some(T)).expect("client ESTABLISHED");
+    assert_eq!(e.id(), &cli);
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "nothing more"
+    );
+    // And the connection works: a disconnect reaches both sides.
+    child.disconnect().unwrap();
+    for _ in 0..2 {
+        let e = ch.get_event(Some(T)).expect("DISCONNECTED");
+        assert!(matches!(e.event(), Event::Disconnected), "{e:?}");
+    }
+    for id in [cli, child, srv] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    f.shutdown();
+}

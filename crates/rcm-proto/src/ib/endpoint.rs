@@ -598,6 +598,22 @@ impl Endpoint {
         Ok(())
     }
 
+    /// The QP saw the peer's data before the RTU (its `COMM_EST` async event): the passive
+    /// side is established without it, as `ib_cm_notify(IB_EVENT_COMM_EST)` makes it in
+    /// Linux (cm.c `cm_establish`): RepSent/MraRepRcvd → Established, the REP is no longer
+    /// retried, and `Established` is emitted. An RTU that comes later is a duplicate.
+    /// Already established, or any other state: `InvalidState` (Linux: -EISCONN, -EINVAL).
+    pub fn notify_established(&mut self, h: CepHandle) -> Result<(), CmError> {
+        let c = self.cep_mut(h)?;
+        if !matches!(c.state, State::RepSent | State::MraRepRcvd) {
+            return Err(CmError::InvalidState(c.state));
+        }
+        c.state = State::Established;
+        self.cancel_timer(h);
+        self.emit(h, CmEvent::Established);
+        Ok(())
+    }
+
     /// Tells the peer we need more time (`service_timeout`, IBTA time value). With `lazy`
     /// the MRA is only sent when a duplicate REQ/REP shows the peer is retrying, as rdma_cm
     /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent.
