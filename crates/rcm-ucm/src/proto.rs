@@ -598,6 +598,7 @@ impl W {
                 self.u16(15);
                 self.str(s);
             }
+            Error::ShutDown => self.u16(16),
         }
     }
 }
@@ -1101,6 +1102,7 @@ impl<'a> R<'a> {
                 _ => return Err(ProtoError::BadValue("limit")),
             }),
             15 => Error::Remote(self.str()?),
+            16 => Error::ShutDown,
             32 => return Ok(WireError::NoSuchId),
             33 => return Ok(WireError::BadMessage(self.str()?)),
             34 => return Ok(WireError::Handshake(self.str()?)),

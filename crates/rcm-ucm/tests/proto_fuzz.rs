@@ -254,7 +254,7 @@ fn command(
 
 fn cm_error(rng: &mut StdRng) -> rcm::Error {
     use rcm::Error as E;
-    match rng.gen_range(0..17) {
+    match rng.gen_range(0..18) {
         0 => E::InvalidState(state(rng)),
         1 => E::Destroyed,
         2 => E::DeviceRemoved,
@@ -283,6 +283,7 @@ fn cm_error(rng: &mut StdRng) -> rcm::Error {
                 Limit::PendingCommands,
             ],
         )),
+        16 => E::ShutDown,
         _ => E::Remote(text(rng)),
     }
 }

@@ -58,6 +58,10 @@ pub enum Error {
     /// The provider reported an error that has no closer meaning here.
     #[error("provider: {0}")]
     Remote(String),
+    /// The fabric was shut down ([`crate::Fabric::shutdown`], or its last handle dropped):
+    /// it makes no new ids or devices.
+    #[error("the fabric is shut down")]
+    ShutDown,
 }
 
 impl From<std::io::Error> for Error {

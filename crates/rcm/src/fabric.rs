@@ -376,6 +376,9 @@ pub(crate) struct FabricInner {
     pub listen_lock: Mutex<()>,
     /// Held through a shutdown.
     shutting: Mutex<()>,
+    /// Set (under the id table's lock) when a shutdown starts: no id is published and no
+    /// device added after it, so the shutdown's walk of the table misses none.
+    pub shut: std::sync::atomic::AtomicBool,
     next_key: AtomicU64,
     next_qpn: AtomicU32,
     seed: u64,
@@ -501,6 +504,7 @@ impl Fabric {
             wildcard_listeners: Mutex::new(Vec::new()),
             listen_lock: Mutex::new(()),
             shutting: Mutex::new(()),
+            shut: std::sync::atomic::AtomicBool::new(false),
             next_key: AtomicU64::new(1),
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
             seed,
@@ -592,7 +596,16 @@ impl Fabric {
                 self.0.cfg.callbacks == CallbackMode::Inline,
             )?,
         };
-        sync::lock(&self.0.devices).push(dev.clone());
+        {
+            let mut devices = sync::lock(&self.0.devices);
+            // Checked under the lock the shutdown takes the devices with.
+            if self.0.shut.load(Ordering::SeqCst) {
+                drop(devices);
+                dev.shutdown();
+                return Err(crate::Error::ShutDown);
+            }
+            devices.push(dev.clone());
+        }
         crate::id::on_device_added(&self.0, &dev);
         Ok(Device(dev))
     }
@@ -642,7 +655,10 @@ impl Fabric {
     }
 
     /// Destroys every id (their peers are sent what a destroy sends: DREQ, or REJ to a
-    /// connection being set up) and stops every device and the dispatcher. Called from a
+    /// connection being set up) and stops every device and the dispatcher. From its start
+    /// the fabric makes nothing new: an id created then is born destroyed (the `try_` forms
+    /// say [`crate::Error::ShutDown`]), a connect request arriving then is refused, and
+    /// adding a device fails with `ShutDown`; so no id outlives it. Called from a
     /// callback (or an id's teardown, or one of rcm's threads) it returns at once and the
     /// shutdown completes on a thread of its own: waiting there for the fabric's threads
     /// could wait for the caller itself.
@@ -655,10 +671,11 @@ fn shutdown(f: &FabricInner) {
     // One at a time: a second shutdown (the last handle dropped while one started from a
     // callback runs, say) returns only once the devices are stopped and the ports released.
     let _one = sync::lock(&f.shutting);
-    let ids: Vec<_> = sync::lock(&f.ids)
-        .values()
-        .filter_map(Weak::upgrade)
-        .collect();
+    let ids: Vec<_> = {
+        let table = sync::lock(&f.ids);
+        f.shut.store(true, Ordering::SeqCst);
+        table.values().filter_map(Weak::upgrade).collect()
+    };
     for id in ids {
         drop(crate::id::CmId(id).begin_destroy());
     }

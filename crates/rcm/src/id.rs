@@ -520,9 +520,19 @@ impl crate::slot::SlotOwner for IdInner {
     }
 }
 
-/// Makes a fully built id visible to fabric-wide walks (device removal, shutdown).
-fn publish(id: &CmId) {
-    sync::lock(&id.0.fabric.ids).insert(id.0.key, Arc::downgrade(&id.0));
+/// Makes a fully built id visible to fabric-wide walks (device removal, shutdown). Once the
+/// fabric is shutting down nothing is published: the id is destroyed instead (no event of
+/// it is delivered) and this returns false.
+fn publish(id: &CmId) -> bool {
+    {
+        let mut table = sync::lock(&id.0.fabric.ids);
+        if !id.0.fabric.shut.load(std::sync::atomic::Ordering::SeqCst) {
+            table.insert(id.0.key, Arc::downgrade(&id.0));
+            return true;
+        }
+    }
+    drop(id.begin_destroy());
+    false
 }
 
 /// Whether a connect request's child, just published, was destroyed after it joined its
@@ -603,6 +613,11 @@ impl Fabric {
         target: Target<Event>,
     ) -> std::result::Result<CmId, (CmId, Error)> {
         let id = build(&self.0, ps, target);
+        if self.0.shut.load(std::sync::atomic::Ordering::SeqCst) {
+            // Never published, no callback can have run: this destroy is immediate.
+            let _ = id.0.slot.destroy(true);
+            return Err((id, Error::ShutDown));
+        }
         if let Some(p) = &self.0.provider {
             match p.create_id(ps, Sink(Arc::downgrade(&id.0))) {
                 Ok(r) => {
@@ -615,7 +630,9 @@ impl Fabric {
                 }
             }
         }
-        publish(&id);
+        if !publish(&id) {
+            return Err((id, Error::ShutDown));
+        }
         Ok(id)
     }
 }
@@ -1750,7 +1767,8 @@ pub(crate) fn remote_connect_request(
             .children
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
-    publish(&child);
+    // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
+    let _ = publish(&child);
     if gone_before_published(&child) {
         return None;
     }
@@ -1897,7 +1915,8 @@ pub(crate) fn on_connect_request(
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
     // Fully built (device set): visible to device removal from here on.
-    publish(&child);
+    // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
+    let _ = publish(&child);
     sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
     if gone_before_published(&child) {
         sync::lock(&dev.ceps).remove(&cep);
@@ -2638,7 +2657,8 @@ fn on_iw_connect_request(
             .children
             .insert(child.0.key, Arc::downgrade(&child.0));
     }
-    publish(&child);
+    // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
+    let _ = publish(&child);
     sync::lock(&iwd.owners).insert(key, Arc::downgrade(&child.0));
     if gone_before_published(&child) {
         sync::lock(&iwd.owners).remove(&key);

@@ -1118,7 +1118,8 @@ fn shutdown_destroys_every_id_and_drops_every_context_once() {
     }
     assert!(p.srv.get_event(Some(Duration::from_millis(50))).is_none());
     assert_eq!(drops.load(Ordering::SeqCst), 6);
-    // Ids made after shutdown still behave (typed errors, no panic, destroy works).
+    // A shut-down fabric makes no ids or devices: an id made after is born destroyed (its
+    // calls fail, destroy works), the fallible forms say why.
     let after = within(T, {
         let f = f.clone();
         move || {
@@ -1128,7 +1129,59 @@ fn shutdown_destroys_every_id_and_drops_every_context_once() {
         }
     })
     .expect("an id made after shutdown hung");
-    assert_eq!(after.1, Ok(DestroyOutcome::Done));
+    assert_eq!(after, (Err(Error::Destroyed), Ok(DestroyOutcome::Done)));
+    let ch = EventChannel::new();
+    assert_eq!(
+        f.try_create_id_on(PortSpace::Tcp, &ch).err(),
+        Some(Error::ShutDown)
+    );
+    assert_eq!(f.add_device(ip(3)).err(), Some(Error::ShutDown));
+    assert_eq!(f.live_ids(), 0);
+}
+
+/// Ids made while a shutdown runs: each is either among those it destroys or refused
+/// (`ShutDown`); none is left usable, with no device under it and events that would never
+/// come. (Before the shutdown state, an id published after the shutdown's walk of the id
+/// table survived it.)
+#[test]
+fn ids_made_during_a_shutdown_do_not_outlive_it() {
+    for round in 0..20 {
+        let f = fabric(25028);
+        let stop = Arc::new(AtomicBool::new(false));
+        let makers: Vec<_> = (0..3)
+            .map(|_| {
+                let f = f.clone();
+                let stop = stop.clone();
+                thread::spawn(move || {
+                    let ch = EventChannel::new();
+                    let mut made = Vec::new();
+                    while !stop.load(Ordering::SeqCst) {
+                        match f.try_create_id_on(PortSpace::Tcp, &ch) {
+                            Ok(id) => made.push(id),
+                            Err(e) => {
+                                assert_eq!(e, Error::ShutDown);
+                                break;
+                            }
+                        }
+                    }
+                    made
+                })
+            })
+            .collect();
+        thread::sleep(Duration::from_millis(5));
+        f.shutdown();
+        stop.store(true, Ordering::SeqCst);
+        for m in makers {
+            for id in m.join().expect("maker") {
+                assert_eq!(
+                    id.bind(addr(2, 0)),
+                    Err(Error::Destroyed),
+                    "round {round}: an id outlived the shutdown"
+                );
+            }
+        }
+        assert_eq!(f.live_ids(), 0, "round {round}");
+    }
 }
 
 /// Dropping the last `Fabric` handle shuts the fabric down, as `shutdown` does: a clone keeps
