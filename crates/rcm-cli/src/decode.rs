@@ -368,6 +368,8 @@ enum Phase {
     Fpdus,
     /// Not (or no longer) decodable; the reason was reported.
     Dead,
+    /// Not MPA at all (plain TCP: the stream did not start with "MPA "); skipped.
+    NotMpa,
 }
 
 #[derive(Debug, Default)]
@@ -402,7 +404,7 @@ impl IwarpDecoder {
         let mut left: Vec<(FlowKey, usize, f64, usize)> = self
             .dirs
             .iter()
-            .filter(|(_, d)| !d.buf.is_empty() && !matches!(d.phase, Phase::Dead))
+            .filter(|(_, d)| !d.buf.is_empty() && matches!(d.phase, Phase::Frame | Phase::Fpdus))
             .map(|(f, d)| {
                 let (i, t) = d.at.unwrap_or((0, 0.0));
                 (*f, i, t, d.buf.len())
@@ -465,6 +467,13 @@ impl IwarpDecoder {
                 StreamEvent::Gap {
                     flow, index, len, ..
                 } => {
+                    if self
+                        .dirs
+                        .get(&flow)
+                        .is_some_and(|d| matches!(d.phase, Phase::NotMpa))
+                    {
+                        continue;
+                    }
                     let mut r = self.tcp_record(flow, index, "MALFORMED");
                     r.error = Some(format!(
                         "{len} bytes missing from the capture; stream no longer decoded"
@@ -475,7 +484,7 @@ impl IwarpDecoder {
                 StreamEvent::Data(chunk) => {
                     let time = self.time_of(chunk.index);
                     let d = self.dirs.entry(chunk.flow).or_default();
-                    if matches!(d.phase, Phase::Dead) {
+                    if matches!(d.phase, Phase::Dead | Phase::NotMpa) {
                         continue;
                     }
                     if d.buf.is_empty() {
@@ -520,7 +529,19 @@ impl IwarpDecoder {
                 detail: None,
             };
             let used = match d.phase {
-                Phase::Dead => return,
+                Phase::Dead | Phase::NotMpa => return,
+                // Both keys start "MPA ": a stream that does not is some other TCP traffic,
+                // said once and skipped; one that does but goes wrong after is corrupt MPA.
+                Phase::Frame if !starts_like_mpa(&d.buf) => {
+                    rec.transport = "tcp";
+                    rec.kind = "TCP_DATA".into();
+                    rec.summary
+                        .push(kv("note", "not MPA (no MPA key): not decoded"));
+                    d.phase = Phase::NotMpa;
+                    d.buf = Vec::new();
+                    out.push(rec);
+                    return;
+                }
                 Phase::Frame => match MpaFrame::parse(&d.buf) {
                     Ok((f, used)) => {
                         rec.kind = match f.kind {
@@ -604,6 +625,13 @@ impl IwarpDecoder {
             out.push(rec);
         }
     }
+}
+
+/// Whether a TCP stream's first bytes could be an MPA Request or Reply ("MPA ID Re…").
+fn starts_like_mpa(buf: &[u8]) -> bool {
+    const COMMON: &[u8] = b"MPA ";
+    let n = buf.len().min(COMMON.len());
+    buf[..n] == COMMON[..n]
 }
 
 fn mpa_summary(f: &MpaFrame) -> Vec<(String, String)> {
@@ -846,6 +874,47 @@ mod tests {
             payload.extend(emit_gsi(&ip, ROCE_V2_UDP_PORT, 7, &rtu_mad(u32::from(k))));
         }
         ip_packet(v6, 0, &payload)
+    }
+
+    /// Plain TCP in a capture (the bench's TCP baseline, an HTTP request) is not iWARP: its
+    /// connections are listed, its data said once per direction and skipped, and nothing is
+    /// corrupt; an MPA stream beside it still decodes, and one that starts "MPA " but goes
+    /// wrong is still corrupt.
+    #[test]
+    fn plain_tcp_is_skipped_not_reported_corrupt() {
+        use crate::netbuild::TcpFlowBuilder;
+        let mut plain = TcpFlowBuilder::new(
+            "127.0.0.2:40000".parse().unwrap(),
+            "127.0.0.1:80".parse().unwrap(),
+        );
+        plain
+            .handshake()
+            .client_send(b"GET / HTTP/1.1\r\n\r\n")
+            .server_send(b"HTTP/1.1 200 OK\r\n\r\n")
+            .client_send(b"more of the same connection")
+            .close();
+        let mut broken = TcpFlowBuilder::new(
+            "127.0.0.2:40001".parse().unwrap(),
+            "127.0.0.1:7471".parse().unwrap(),
+        );
+        broken
+            .handshake()
+            .client_send(b"MPA ID Rxq Frame and then some bytes")
+            .close();
+        for (flow, corrupt) in [(&plain, 0), (&broken, 1)] {
+            let cap = crate::capture::read_pcap_bytes(&flow.to_pcap().unwrap()).unwrap();
+            let (recs, totals) = decode(&cap);
+            assert_eq!(totals.errors, corrupt, "{recs:#?}");
+            let data: Vec<_> = recs.iter().filter(|r| r.kind == "TCP_DATA").collect();
+            if corrupt == 0 {
+                assert_eq!(data.len(), 2, "one per direction: {recs:#?}");
+                assert!(data.iter().all(|r| !r.is_error()));
+                assert!(recs.iter().any(|r| r.kind == "TCP_SYN"));
+            } else {
+                assert!(data.is_empty(), "{recs:#?}");
+                assert!(recs.iter().any(|r| r.kind == "MALFORMED"), "{recs:#?}");
+            }
+        }
     }
 
     fn decoded(packets: &[Vec<u8>]) -> (Vec<Record>, Totals) {

@@ -54,8 +54,12 @@ enum Cmd {
     /// Decode RDMA CM traffic in a pcap/pcapng file: IB CM MADs over RoCEv2 (UDP 4791) and
     /// iWARP MPA over TCP, one line per message, every ICRC and MPA CRC verified.
     ///
+    /// TCP connections that do not start with an MPA key are not iWARP: they are listed
+    /// (SYN, FIN) and their data skipped, not reported as corrupt.
+    ///
     /// Exit status: 0 when every RoCEv2/MPA packet decoded and verified, 1 when any was
-    /// corrupt (reported with error=...), 2 when the file could not be read.
+    /// corrupt (reported with error=...) or the file ends inside a record (what came before
+    /// is decoded; a warning says where), 2 when the file could not be read.
     Decode {
         /// The capture file (pcap or pcapng; Ethernet, Linux cooked, raw IP or loopback).
         file: PathBuf,
@@ -606,14 +610,15 @@ fn decode(file: &std::path::Path, verbose: bool, json: bool) -> ExitCode {
         }
     }
     print!("{out}");
-    if let Some(w) = warning {
+    if let Some(w) = &warning {
         eprintln!("rcm decode: warning: {w}");
     }
     eprintln!(
         "rcm decode: {} frames, {} messages, {} corrupt, {} other frames skipped",
         totals.frames, totals.records, totals.errors, totals.skipped
     );
-    if totals.errors > 0 {
+    // A cut file was not decoded whole: not a clean result either.
+    if totals.errors > 0 || warning.is_some() {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
