@@ -67,6 +67,11 @@ impl Drop for Inner {
 }
 
 /// A session with a daemon; a [`Provider`] for [`Fabric::with_provider`].
+///
+/// One session serves one fabric: the fabric's shutdown (or its last handle's drop) ends
+/// the session. Clones share the session, so a `Client` given to two fabrics is ended by
+/// whichever shuts down first, and the other's ids then see `DeviceRemoval`; give each
+/// fabric its own (as [`fabric`] and [`fabric_with`] do).
 #[derive(Clone)]
 pub struct Client(Arc<Inner>);
 
