@@ -62,6 +62,12 @@ struct Conn {
     listen_port: Option<u16>,
     /// The socket is closed (or reset): the entry goes once drained.
     done: bool,
+    /// A close waits for `out` to be written until then; after, it becomes a reset (a peer
+    /// that stopped reading would otherwise hold the stream for good).
+    drain_by: Option<Instant>,
+    /// How long a close waits for the peer to take what is left to send (the Cep's close
+    /// timeout; the kernel bounds an orphaned socket's last bytes likewise).
+    drain_for: Duration,
 }
 
 struct Listener {
@@ -230,7 +236,7 @@ impl IwEngine {
             if c.done {
                 break;
             }
-            if let Err(graceful) = c.flush() {
+            if let Err(graceful) = c.flush(now) {
                 c.cep.on_tcp_closed(now, graceful);
                 continue;
             }
@@ -246,10 +252,11 @@ impl IwEngine {
 impl Conn {
     /// Writes what it can; applies the socket actions once everything is written. `Err` when
     /// the socket failed (the peer reset it).
-    fn flush(&mut self) -> Result<(), bool> {
+    fn flush(&mut self, now: Instant) -> Result<(), bool> {
         // A reset discards what is not yet sent: it is not held back behind those bytes, which
-        // a peer that stopped reading would never take (the stream would stay for good).
-        if self.after.contains(&TcpAction::Reset) {
+        // a peer that stopped reading would never take (the stream would stay for good). So
+        // does a close whose bytes the peer has not taken within `drain_for`.
+        if self.after.contains(&TcpAction::Reset) || self.drain_by.is_some_and(|t| t <= now) {
             self.out.clear();
             self.after.clear();
             reset(&self.stream);
@@ -262,7 +269,12 @@ impl Conn {
                 Ok(n) => {
                     self.out.drain(..n);
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if self.drain_by.is_none() && self.after.contains(&TcpAction::Close) {
+                        self.drain_by = Some(now + self.drain_for);
+                    }
+                    return Ok(());
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(_) => {
                     self.done = true;
@@ -372,6 +384,7 @@ impl DeviceInner {
             e.conns.insert(
                 key,
                 Conn {
+                    drain_for: cfg.close_timeout,
                     cep: Cep::active(cfg),
                     stream,
                     peer: dst,
@@ -380,6 +393,7 @@ impl DeviceInner {
                     after: VecDeque::new(),
                     listen_port: None,
                     done: false,
+                    drain_by: None,
                 },
             );
             Ok(key)
@@ -470,6 +484,7 @@ impl DeviceInner {
                 e.conns.insert(
                     k,
                     Conn {
+                        drain_for: iw.cfg.close_timeout,
                         cep: Cep::passive(now, iw.cfg.clone()),
                         stream,
                         peer,
@@ -478,6 +493,7 @@ impl DeviceInner {
                         after: VecDeque::new(),
                         listen_port: Some(port),
                         done: false,
+                        drain_by: None,
                     },
                 );
             }
@@ -561,7 +577,20 @@ impl DeviceInner {
         for k in due {
             e.with_cep(k, now, &iw.registry, |c| c.on_timer(now));
         }
-        e.conns.values().filter_map(|c| c.cep.poll_timeout()).min()
+        let drained: Vec<ConnKey> = e
+            .conns
+            .iter()
+            .filter(|(_, c)| c.drain_by.is_some_and(|t| t <= now))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in drained {
+            e.drive(k, now, &iw.registry);
+        }
+        e.conns
+            .values()
+            .filter_map(|c| c.cep.poll_timeout())
+            .chain(e.conns.values().filter_map(|c| c.drain_by))
+            .min()
     }
 }
 

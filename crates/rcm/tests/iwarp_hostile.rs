@@ -210,15 +210,24 @@ fn mpa_revision_of_the_request_follows_the_device() {
     }
 }
 
-/// A peer that completes MPA and then stops reading: rcm's sends fill the socket and queue
-/// behind it. Destroying the connection resets the stream at once, discarding what is
-/// unsent (before, the reset waited behind those bytes, which the peer never takes, and the
-/// stream stayed for good). TCP port 27973.
-#[test]
-fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
-    const LPORT: u16 = 27973;
-    let f = Fabric::new(common::config(27989));
-    f.add_iwarp_device(ip(1)).expect("iWARP device");
+/// A connection whose peer completed MPA and then stopped reading, with 32 MiB sent to it:
+/// far more than both sockets' buffers hold, so the rest waits in rcm. Returns the fabric
+/// (iWARP device on 127.0.0.1, Cep close timeout `close`), the listener, the child, the
+/// peer's socket, and the engine's stream count before the connection.
+fn stuck_stream(
+    lport: u16,
+    udp: u16,
+    close: Duration,
+) -> (Fabric, rcm::CmId, rcm::CmId, TcpStream, usize) {
+    let f = Fabric::new(common::config(udp));
+    f.add_iwarp_device_with(
+        ip(1),
+        rcm_proto::iw::CepConfig {
+            close_timeout: close,
+            ..rcm_proto::iw::CepConfig::default()
+        },
+    )
+    .expect("iWARP device");
     let child = Arc::new(std::sync::Mutex::new(None));
     let (tx, up) = std::sync::mpsc::channel();
     let slot = child.clone();
@@ -238,10 +247,10 @@ fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
         }
         Flow::Continue
     });
-    l.bind(SocketAddr::new(ip(1), LPORT)).expect("bind");
+    l.bind(SocketAddr::new(ip(1), lport)).expect("bind");
     l.listen(4).expect("listen");
     let base = f.engine_ceps();
-    let mut peer = TcpStream::connect(SocketAddr::new(ip(1), LPORT)).expect("TCP connect");
+    let mut peer = TcpStream::connect(SocketAddr::new(ip(1), lport)).expect("TCP connect");
     peer.write_all(
         &MpaFrame::request_v1(b"then silence".to_vec())
             .to_vec()
@@ -252,12 +261,20 @@ fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
     peer.read_exact(&mut reply).expect("the MPA reply");
     up.recv_timeout(common::T).expect("established");
     let c = child.lock().expect("slot").clone().expect("the child");
-    // 32 MiB: far more than both sockets' buffers hold; the rest waits in rcm.
     let msg = vec![0x42u8; 64 * 1024];
     for _ in 0..512 {
         c.send(&msg).expect("send");
     }
     assert_eq!(f.engine_ceps(), base + 1);
+    (f, l, c, peer, base)
+}
+
+/// Destroying a connection whose peer stopped reading resets the stream at once, discarding
+/// what is unsent (before, the reset waited behind those bytes, which the peer never takes,
+/// and the stream stayed for good). TCP port 27973.
+#[test]
+fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
+    let (f, l, c, peer, base) = stuck_stream(27973, 27989, Duration::from_secs(10));
     let t0 = Instant::now();
     drop(c.destroy());
     assert!(
@@ -268,4 +285,73 @@ fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
     drop(l.destroy());
     f.shutdown();
     drop(peer);
+}
+
+/// `disconnect` then `destroy` (rdma_disconnect + rdma_destroy_id) on such a connection: the
+/// graceful close waits for the unsent bytes, but only for the Cep's close timeout (1 s
+/// here); then the stream is reset and goes (before, the close waited behind bytes the peer
+/// never takes, and the stream stayed for good). TCP port 27974.
+#[test]
+fn a_close_waits_for_unsent_bytes_only_so_long() {
+    let (f, l, c, peer, base) = stuck_stream(27974, 27988, Duration::from_secs(1));
+    let t0 = Instant::now();
+    c.disconnect().expect("disconnect");
+    drop(c.destroy());
+    assert!(
+        eventually(Duration::from_secs(5), || f.engine_ceps() == base),
+        "the stream is still there {} s after the close",
+        t0.elapsed().as_secs_f32()
+    );
+    drop(l.destroy());
+    f.shutdown();
+    drop(peer);
+}
+
+/// An MPA v2 Request may ask for far more RDMA reads than this device takes (IRD and ORD
+/// are 14-bit on the wire): the CONNECT_REQUEST gives them capped by the device's limits,
+/// as siw caps them before its upcall, so `accept` with the event's values succeeds (it
+/// refused values over the limits). TCP port 27975.
+#[test]
+fn request_ird_ord_beyond_the_device_are_capped() {
+    let f = Fabric::new(common::config(27987));
+    f.add_iwarp_device(ip(1)).expect("iWARP device");
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(SocketAddr::new(ip(1), 27975)).expect("bind");
+    l.listen(4).expect("listen");
+    let mut peer = TcpStream::connect(SocketAddr::new(ip(1), 27975)).expect("TCP connect");
+    peer.write_all(
+        &MpaFrame::request_v2(5000, 200, b"greedy".to_vec())
+            .to_vec()
+            .expect("an MPA request"),
+    )
+    .expect("write");
+    let mut e = ch.get_event(Some(common::T)).expect("CONNECT_REQUEST");
+    let child = e.id().clone();
+    let Some(Event::ConnectRequest { param, .. }) = e.take() else {
+        panic!("expected a connect request")
+    };
+    drop(e);
+    let max = rcm_proto::iw::CepConfig::default();
+    assert_eq!(
+        (
+            u16::from(param.responder_resources),
+            u16::from(param.initiator_depth)
+        ),
+        (200.min(max.max_ird), 5000.min(max.max_ord)),
+        "the peer's ORD (200) and IRD (5000), capped"
+    );
+    child
+        .accept(&AcceptOptions {
+            responder_resources: param.responder_resources,
+            initiator_depth: param.initiator_depth,
+            ..AcceptOptions::default()
+        })
+        .expect("accept with the event's values");
+    let mut reply = [0u8; 24];
+    peer.read_exact(&mut reply).expect("the MPA reply");
+    assert_eq!(&reply[..16], b"MPA ID Rep Frame");
+    drop(child.destroy());
+    drop(l.destroy());
+    f.shutdown();
 }
