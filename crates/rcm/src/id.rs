@@ -1251,7 +1251,7 @@ impl CmId {
         if let Some((dev, key)) = self.iw_conn()? {
             return self.iw_accept(&dev, key, opts);
         }
-        let (dev, cep, qpn) = {
+        let (dev, cep, qpn, psn) = {
             let mut g = self.usable()?;
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
@@ -1261,9 +1261,8 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             };
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
-            (dev, cep, qpn)
+            (dev, cep, qpn, g.conn.local_psn)
         };
-        let psn = rand::random::<u32>() & 0xFF_FFFF;
         if is_ud(self.0.ps) {
             // Receive on the QPN before the SIDR_REP announces it: the peer may send at once.
             sync::lock(&self.0.st).conn.local_qpn = qpn;
@@ -1298,7 +1297,10 @@ impl CmId {
         match r {
             Ok(()) => {
                 g.conn.local_qpn = qpn;
-                g.conn.local_psn = psn;
+                // What the REP announced is what the QP gets (cm.c's ib_send_cm_rep keeps
+                // the accept's values for the RTR and RTS attributes).
+                g.conn.responder_resources = opts.responder_resources;
+                g.conn.initiator_depth = opts.initiator_depth;
                 g.conn.accepted = true;
                 if is_ud(self.0.ps) && g.state == State::Connect {
                     g.state = State::Established;
@@ -1495,7 +1497,10 @@ impl CmId {
         }
         a.path_mtu = g.path.mtu;
         a.dest_qp_num = g.conn.remote_qpn;
-        a.rq_psn = g.conn.remote_psn;
+        // Each side's REQ or REP announces the PSN it expects to receive (cm.c keeps the
+        // REQ's and REP's starting PSN as the sender's rq_psn and the receiver's sq_psn;
+        // cma.c's rdma_init_qp_attr gives RTR its own seq_num).
+        a.rq_psn = g.conn.local_psn;
         a.max_dest_rd_atomic = g.conn.responder_resources;
         a.min_rnr_timer = 12;
         a.sgid = Gid::from_ip(src.ip());
@@ -1503,7 +1508,7 @@ impl CmId {
         a.flow_label = g.path.flow_label;
         a.hop_limit = g.path.hop_limit;
         a.traffic_class = g.path.traffic_class;
-        a.sq_psn = g.conn.local_psn;
+        a.sq_psn = g.conn.remote_psn;
         a.timeout = g.conn.ack_timeout;
         a.retry_cnt = g.conn.retry_count;
         a.rnr_retry = g.conn.rnr_retry_count;
@@ -1881,6 +1886,9 @@ pub(crate) fn on_connect_request(
         if let Incoming::Rc(info) = inc {
             g.conn.remote_qpn = info.remote_qpn;
             g.conn.remote_psn = info.starting_psn;
+            // Chosen now, not at accept (as cma.c's `seq_num` is at creation): librdmacm's
+            // rdma_accept moves the QP to RTR, whose receive PSN this is, before it accepts.
+            g.conn.local_psn = rand::random::<u32>() & 0xFF_FFFF;
             g.conn.responder_resources = info.initiator_depth;
             g.conn.initiator_depth = info.responder_resources;
             g.conn.retry_count = info.retry_count;
@@ -2622,10 +2630,14 @@ fn on_iw_connect_request(
         return refuse(dev);
     };
     let child = build(&lst.fabric, lst.ps, target);
-    // From our side (see `ConnParam`): the peer's ORD is what we must respond to.
+    // From our side (see `ConnParam`): the peer's ORD is what we must respond to. Capped by
+    // what this device takes, as siw caps them before its upcall, so that `accept` with
+    // these values succeeds.
+    let cap =
+        |v: Option<u16>, max: u16| v.map_or(0, |v| u8::try_from(v.min(max)).unwrap_or(u8::MAX));
     let param = ConnParam {
-        responder_resources: req.ord.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
-        initiator_depth: req.ird.map_or(0, |v| u8::try_from(v).unwrap_or(u8::MAX)),
+        responder_resources: cap(req.ord, iwd.cfg.max_ird),
+        initiator_depth: cap(req.ird, iwd.cfg.max_ord),
         ..ConnParam::default()
     };
     {

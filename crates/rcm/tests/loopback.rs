@@ -629,3 +629,162 @@ fn notify_established_stands_in_for_the_rtu() {
     }
     f.shutdown();
 }
+
+/// The next CM message a raw peer's socket receives.
+fn recv_cm(peer: &std::net::UdpSocket) -> rcm_wire::cm::CmMessage {
+    let mut buf = [0u8; 4096];
+    let (n, _) = peer
+        .recv_from(&mut buf)
+        .expect("a datagram within the timeout");
+    let d = rcm_wire::roce::GsiDatagram::parse(&buf[..n]).expect("a GSI datagram");
+    rcm_wire::cm::CmMad::parse(d.mad).expect("a CM MAD").msg
+}
+
+/// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
+/// on 127.0.0.2 that plays the other side. A REQ's or REP's starting PSN is the PSN its
+/// sender receives from (cm.c keeps it as the sender's rq_psn and the receiver's sq_psn), so
+/// RTR's `rq_psn` is the PSN this side announced and RTS's `sq_psn` the one the peer
+/// announced. On the passive side both are known before `accept` (librdmacm's rdma_accept
+/// moves the QP to RTR and RTS first), and RTR/RTS carry the read resources the REP
+/// announced.
+#[test]
+fn psns_and_read_resources_follow_the_wire() {
+    use rcm_wire::cm::{CmMad, CmMessage, Rep, Req, ReqPath, TransportType};
+    use rcm_wire::cma::{self, CmaHdr};
+    use rcm_wire::roce::{emit_gsi, IpForIcrc};
+    use std::net::{Ipv4Addr, UdpSocket};
+    let port = 24804;
+    let f = Fabric::new(FabricConfig {
+        udp_port: port,
+        ..FabricConfig::default()
+    });
+    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    let peer = UdpSocket::bind(("127.0.0.2", port)).unwrap();
+    peer.set_read_timeout(Some(T)).unwrap();
+    let (me, them) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
+    let send = |msg: CmMessage, tid: u64| {
+        let mad = CmMad::send(tid, msg).emit().expect("encodes");
+        let udp = emit_gsi(&IpForIcrc::v4(me, them), port, 0, &mad);
+        peer.send_to(&udp, ("127.0.0.1", port)).unwrap();
+    };
+
+    // Passive: the raw peer's REQ announces PSN 0x123456 and asks for 16/16.
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 7475)).unwrap();
+    l.listen(4).unwrap();
+    let req = Req {
+        local_comm_id: 0xABCD,
+        service_id: cma::service_id(PortSpace::Tcp, 7475),
+        local_qpn: 0x77,
+        responder_resources: 16,
+        initiator_depth: 16,
+        remote_cm_response_timeout: 20,
+        transport_type: TransportType::Rc,
+        starting_psn: 0x12_3456,
+        local_cm_response_timeout: 20,
+        retry_count: 7,
+        pkey: 0xFFFF,
+        path_mtu: 3,
+        rnr_retry_count: 7,
+        max_cm_retries: 15,
+        primary_path: ReqPath {
+            local_gid: rcm_wire::Gid::from_ip(me.into()),
+            remote_gid: rcm_wire::Gid::from_ip(them.into()),
+            hop_limit: 64,
+            local_ack_timeout: 19,
+            ..ReqPath::default()
+        },
+        private_data: CmaHdr {
+            src_port: 40000,
+            src: me.into(),
+            dst: them.into(),
+        }
+        .with_user_data(b"", cma::limits::CONNECT)
+        .expect("cma_hdr"),
+        ..Req::default()
+    };
+    send(CmMessage::Req(req), 0x5151);
+    let e = ch.get_event(Some(T)).expect("CONNECT_REQUEST");
+    assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
+    let child = e.id().clone();
+    drop(e);
+    let rts = child.init_qp_attr(QpState::Rts).unwrap();
+    assert_eq!(
+        rts.sq_psn, 0x12_3456,
+        "sends from the REQ's PSN, before accept"
+    );
+    let announced = child.init_qp_attr(QpState::Rtr).unwrap().rq_psn;
+    child
+        .accept(&AcceptOptions {
+            responder_resources: 2,
+            initiator_depth: 3,
+            ..AcceptOptions::default()
+        })
+        .unwrap();
+    let CmMessage::Rep(rep) = recv_cm(&peer) else {
+        panic!("expected a REP")
+    };
+    assert_eq!(
+        rep.starting_psn, announced,
+        "the REP announces the RTR's PSN"
+    );
+    assert_eq!((rep.responder_resources, rep.initiator_depth), (2, 3));
+    let rtr = child.init_qp_attr(QpState::Rtr).unwrap();
+    let rts = child.init_qp_attr(QpState::Rts).unwrap();
+    assert_eq!((rtr.rq_psn, rts.sq_psn), (announced, 0x12_3456));
+    assert_eq!(
+        (rtr.max_dest_rd_atomic, rts.max_rd_atomic),
+        (2, 3),
+        "what the REP announced, not the REQ's 16/16"
+    );
+
+    // Active: our REQ announces a PSN, the raw peer's REP announces 0x654321.
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    c.resolve_addr(None, SocketAddr::new(me.into(), 7476))
+        .unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::AddrResolved
+    ));
+    c.resolve_route().unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::RouteResolved
+    ));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let req = loop {
+        // Skipping anything else (the child's REP retries, say).
+        if let CmMessage::Req(r) = recv_cm(&peer) {
+            break r;
+        }
+    };
+    send(
+        CmMessage::Rep(Rep {
+            local_comm_id: 0xBEEF,
+            remote_comm_id: req.local_comm_id,
+            local_qpn: 0x99,
+            starting_psn: 0x65_4321,
+            responder_resources: 1,
+            initiator_depth: 1,
+            rnr_retry_count: 7,
+            ..Rep::default()
+        }),
+        0x6161,
+    );
+    loop {
+        let e = ch.get_event(Some(T)).expect("CONNECT_RESPONSE");
+        if e.id() == &c {
+            assert!(matches!(e.event(), Event::ConnectResponse { .. }), "{e:?}");
+            break;
+        }
+    }
+    let rtr = c.init_qp_attr(QpState::Rtr).unwrap();
+    let rts = c.init_qp_attr(QpState::Rts).unwrap();
+    assert_eq!(
+        rtr.rq_psn, req.starting_psn,
+        "receives from the PSN its REQ announced"
+    );
+    assert_eq!(rts.sq_psn, 0x65_4321, "sends from the REP's PSN");
+    f.shutdown();
+}
