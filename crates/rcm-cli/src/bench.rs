@@ -23,8 +23,12 @@ pub struct BenchOpts {
     pub connections: usize,
     /// One connection at a time instead of all in flight.
     pub serial: bool,
-    /// Serve only (on `bind`, forever or until `connections` were served).
+    /// Serve only, on `bind`: until interrupted, or until `serve` connections were served.
     pub listen: bool,
+    /// With `listen`: how many connections to serve before returning.
+    pub serve: Option<usize>,
+    /// A `listen` server's own report as JSON (the client's report is printed by the caller).
+    pub json: bool,
     /// Connect to a server elsewhere instead of running both sides here.
     pub server: Option<IpAddr>,
     /// Local addresses (client side with `server`, ids spread over them; server side with
@@ -301,7 +305,24 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let disconnect = Timing::new(n);
     let qp_timing = Timing::new(n);
     let init_timing = Timing::new(n);
-    let mut failed = vec![false; n];
+    // Per-connection flags. Made with every page written (`resident_flags`), as are the
+    // id list's and index's buffers below: memory a step writes for the first time later
+    // would otherwise count as rcm's.
+    let mut failed = resident_flags(n);
+    let mut early = resident_flags(n);
+    let mut responded = resident_flags(n);
+    let mut skip_est = resident_flags(n);
+    let call_failed: Vec<std::sync::atomic::AtomicBool> = (0..n)
+        .map(|_| std::sync::atomic::AtomicBool::new(true))
+        .collect();
+    for f in &call_failed {
+        f.store(false, Ordering::Relaxed);
+    }
+    for slot in ids.spare_capacity_mut() {
+        *slot = std::mem::MaybeUninit::zeroed();
+    }
+    index.extend((0..n as u64).map(|k| (u64::MAX - k, 0)));
+    index.clear();
     let rss_before = rss_bytes();
     let mut rss_established = 0u64;
     let mut rss_trimmed = 0u64;
@@ -341,9 +362,6 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let mut init_attr = Duration::ZERO;
     let mut full = Duration::ZERO;
     let mut cycle = Duration::ZERO;
-    let call_failed: Vec<std::sync::atomic::AtomicBool> = (0..n)
-        .map(|_| std::sync::atomic::AtomicBool::new(false))
-        .collect();
     let call_failures = AtomicUsize::new(0);
     let late = std::sync::Mutex::new(Vec::new());
     let events = Events {
@@ -358,9 +376,6 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     };
     // Per connection, made once (a per-connection step must not cost the whole run's
     // size, or one-at-a-time timings would grow with -c).
-    let mut early = vec![false; n];
-    let mut responded = vec![false; n];
-    let mut skip_est = vec![false; n];
 
     // What this thread sends (calls made here, the RTUs its event handling sends) goes out
     // together when it is about to wait for an event and none is queued: get_event sends
@@ -521,18 +536,22 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             },
         );
         t_est += est_start.elapsed();
+        // The memory readings (and the trim) are not the connections' time.
+        let mut reading = Duration::ZERO;
         if range.end == n {
+            let r0 = Instant::now();
             rss_established = rss_bytes();
             if trim_heap() {
                 rss_trimmed = rss_bytes();
             }
+            reading = r0.elapsed();
         }
         for i in range.clone() {
             if skip_est[i] && !early[i] {
                 failed[i] = true;
             }
         }
-        full += full_start.elapsed();
+        full += full_start.elapsed().saturating_sub(reading);
         // disconnect
         let s = Instant::now();
         let issue = |k: usize, id: &CmId| {
@@ -555,7 +574,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             },
         );
         t_disc += s.elapsed();
-        cycle += full_start.elapsed();
+        cycle += full_start.elapsed().saturating_sub(reading);
     }
     drop(sends);
     failures.extend(
@@ -825,6 +844,13 @@ fn trim_heap() -> bool {
 }
 
 /// Resident set size of this process, from /proc/self/statm (0 where unavailable).
+/// `n` false flags, every page of them already written (not calloc's untouched zero pages).
+fn resident_flags(n: usize) -> Vec<bool> {
+    let mut v = vec![true; n];
+    v.fill(false);
+    v
+}
+
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
@@ -833,7 +859,7 @@ fn rss_bytes() -> u64 {
                 .nth(1)
                 .and_then(|p| p.parse::<u64>().ok())
         })
-        .map_or(0, |pages| pages * 4096)
+        .map_or(0, |pages| pages * rustix::param::page_size() as u64)
 }
 
 /// Median loopback UDP round trip between two sockets, in microseconds. With a nonzero
@@ -997,8 +1023,23 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
     Ok((f, binds.to_vec()))
 }
 
+/// What a `--listen` server that served its `-c` connections reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServeReport {
+    /// "server".
+    pub role: &'static str,
+    /// Connections it was to serve.
+    pub connections: usize,
+    /// Connections established (counted at their ESTABLISHED).
+    pub established: usize,
+    /// Connections still up when it stopped waiting for their disconnects (10 s after the
+    /// last was established). The rates are the client's to measure.
+    pub open_at_end: usize,
+}
+
 /// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
-/// interrupted (returns `None`), `--server` runs the client from `--bind`.
+/// interrupted, or with `serve` until that many were served (then prints its own report and
+/// returns `None`); `--server` runs the client from `--bind`.
 pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
     if o.listen && o.bind.len() > 1 {
         return Err("--listen serves on one --bind address".into());
@@ -1023,17 +1064,56 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
             served.clone(),
         )
         .map_err(|e| format!("listen: {e}"))?;
+        let Some(want) = o.serve else {
+            eprintln!(
+                "rcm bench: serving on {bind}:{} (UDP {}); Ctrl-C to stop",
+                o.port, o.udp_port
+            );
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                eprintln!(
+                    "rcm bench: {} connections served",
+                    served.load(Ordering::Relaxed)
+                );
+            }
+        };
         eprintln!(
-            "rcm bench: serving on {bind}:{} (UDP {}); Ctrl-C to stop",
+            "rcm bench: serving {want} connections on {bind}:{} (UDP {})",
             o.port, o.udp_port
         );
+        let mut report_at = Instant::now();
         loop {
-            std::thread::sleep(Duration::from_secs(5));
-            eprintln!(
-                "rcm bench: {} connections served",
-                served.load(Ordering::Relaxed)
+            std::thread::sleep(Duration::from_millis(1));
+            let n = served.load(Ordering::Relaxed);
+            if n >= want {
+                break;
+            }
+            if report_at.elapsed() >= Duration::from_secs(5) {
+                eprintln!("rcm bench: {n} of {want} connections served");
+                report_at = Instant::now();
+            }
+        }
+        // The client disconnects; each child is destroyed at its DISCONNECTED.
+        let waited = Instant::now();
+        while fabric.live_ids() > 1 && waited.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let r = ServeReport {
+            role: "server",
+            connections: want,
+            established: served.load(Ordering::Relaxed),
+            open_at_end: fabric.live_ids().saturating_sub(1),
+        };
+        fabric.shutdown();
+        if o.json {
+            println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+        } else {
+            println!(
+                "rcm bench: served {} connections ({} established, {} still open)",
+                r.connections, r.established, r.open_at_end
             );
         }
+        return Ok(None);
     }
     let server = o.server.ok_or("--server is required")?;
     let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o);
@@ -1072,11 +1152,19 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
         measure_rtt(&mut r, srcs[0], server_ip, o.spin);
     }
     // The baseline is this host's loopback TCP, whatever the daemon serves.
-    if o.baseline_tcp {
-        r.baseline_conn_per_s =
-            Some(tcp_baseline(o.connections).map_err(|e| format!("TCP baseline: {e}"))?);
-    }
+    add_baseline(&mut r, o);
     Ok(Some(r))
+}
+
+/// With `--baseline tcp`: the TCP baseline beside the run. A baseline that fails is one
+/// failure of the report (exit 1), which keeps the run's own results.
+fn add_baseline(r: &mut Report, o: &BenchOpts) {
+    if o.baseline_tcp {
+        match tcp_baseline(o.connections) {
+            Ok(b) => r.baseline_conn_per_s = Some(b),
+            Err(e) => r.failures.push(format!("TCP baseline: {e}")),
+        }
+    }
 }
 
 /// Runs the default benchmark: server and client in this process on two loopback devices.
@@ -1131,10 +1219,7 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         IpAddr::from([127, 0, 0, 1]),
         o.spin,
     );
-    if o.baseline_tcp {
-        r.baseline_conn_per_s =
-            Some(tcp_baseline(o.connections).map_err(|e| format!("TCP baseline: {e}"))?);
-    }
+    add_baseline(&mut r, o);
     Ok(Some(r))
 }
 
@@ -1197,8 +1282,14 @@ pub fn print_table(r: &Report) {
         );
     }
     if let Some(b) = r.baseline_conn_per_s {
+        // The baseline always runs its connections two threads at a time.
+        let how = if r.serial {
+            " (rcm one at a time here, the baseline two at a time)"
+        } else {
+            ""
+        };
         println!(
-            "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x",
+            "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x{how}",
             r.cycle_per_s / b
         );
     }

@@ -576,7 +576,16 @@ impl IwarpDecoder {
                     let (Some(mine), Some(peer)) = (d.frame.as_ref(), peer_frame.as_ref()) else {
                         // FPDUs before the peer's frame (the P2P RTR can be that early): wait.
                         if d.buf.len() > 1 << 20 {
+                            // Said, not dropped silently (a capture of one direction only).
+                            rec.kind = "MALFORMED".into();
+                            rec.error = Some(format!(
+                                "{} bytes of FPDUs without the peer's MPA frame (is the other \
+                                 direction in the capture?); stream no longer decoded",
+                                d.buf.len()
+                            ));
                             d.phase = Phase::Dead;
+                            d.buf = Vec::new();
+                            out.push(rec);
                         }
                         return;
                     };
@@ -915,6 +924,41 @@ mod tests {
                 assert!(recs.iter().any(|r| r.kind == "MALFORMED"), "{recs:#?}");
             }
         }
+    }
+
+    /// A capture of one direction only: the initiator's Request and then more than 1 MiB of
+    /// FPDUs that cannot be decoded without the peer's Reply. They are reported (they were
+    /// dropped without a word past 1 MiB, and the capture decoded "clean").
+    #[test]
+    fn fpdus_without_the_peers_frame_are_reported_not_dropped() {
+        use crate::netbuild::TcpFlowBuilder;
+        let mut b = TcpFlowBuilder::new(
+            "127.0.0.2:40002".parse().unwrap(),
+            "127.0.0.1:7471".parse().unwrap(),
+        );
+        let req = rcm_wire::mpa::MpaFrame::request_v2(1, 1, b"x".to_vec())
+            .to_vec()
+            .unwrap();
+        b.handshake()
+            .client_send(&req)
+            .client_send(&vec![0u8; (1 << 20) + 4096]);
+        let cap = crate::capture::read_pcap_bytes(&b.to_pcap().unwrap()).unwrap();
+        let (recs, totals) = decode(&cap);
+        assert_eq!(
+            totals.errors,
+            1,
+            "{:?}",
+            recs.iter().map(Record::line).collect::<Vec<_>>()
+        );
+        let bad = recs.iter().find(|r| r.is_error()).unwrap();
+        assert!(
+            bad.error
+                .as_deref()
+                .unwrap_or("")
+                .contains("without the peer's MPA frame"),
+            "{}",
+            bad.line()
+        );
     }
 
     fn decoded(packets: &[Vec<u8>]) -> (Vec<Record>, Totals) {

@@ -74,17 +74,19 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Connections.
-    #[arg(short = 'c', long = "connections", default_value_t = 1000,
+    /// Connections (default 1000). With --listen: serve this many, then exit (without it,
+    /// serve until interrupted).
+    #[arg(short = 'c', long = "connections",
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    connections: u32,
+    connections: Option<u32>,
     /// Make connections one at a time (latency) instead of all in flight (throughput).
     #[arg(long)]
     serial: bool,
     /// Transport: roce (RoCEv2 CM over UDP) or iwarp (MPA over TCP).
     #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"])]
     transport: String,
-    /// Callback threads.
+    /// Callback threads (used with --no-send-batch; by default the server's callbacks run on
+    /// the device threads and the client takes its events from a channel).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
     /// rdma_cm port (TCP port space).
@@ -102,19 +104,21 @@ struct BenchArgs {
     /// Write the connect-latency distribution (CDF) as an SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
-    /// Serve only, on --bind (another host runs the client with --server).
-    #[arg(long, conflicts_with = "server", requires = "bind")]
+    /// Serve only, on --bind (default 127.0.0.1; another host runs the client with --server).
+    #[arg(long, conflicts_with = "server")]
     listen: bool,
     /// Run only the client, against a server on this address.
-    #[arg(long, value_name = "IP", requires = "bind")]
+    #[arg(long, value_name = "IP")]
     server: Option<std::net::IpAddr>,
     /// Local address of this side (its device). The client (--server) takes it more than
     /// once to spread its ids over several devices: one address has ~28,000 ephemeral
-    /// ports, so 100,000 connections need four.
+    /// ports, so 100,000 connections need four. Default with --listen 127.0.0.1; with
+    /// --server, 127.0.0.2 toward a loopback server, else the address the routing table
+    /// picks for the server.
     #[arg(long, value_name = "IP")]
     bind: Vec<std::net::IpAddr>,
-    /// Seconds to wait for any one step before giving up.
-    #[arg(long, default_value_t = 60)]
+    /// Seconds to wait for any one step before giving up (at most a day).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout: u64,
     /// Go through the `rcm daemon` at this socket (server and client are two sessions of it)
     /// instead of devices in this process.
@@ -258,7 +262,9 @@ struct PingArgs {
     /// Connect to a server at this address.
     #[arg(long, value_name = "IP")]
     connect: Option<std::net::IpAddr>,
-    /// This side's address (its device). Defaults: server 127.0.0.1, client 127.0.0.2.
+    /// This side's address (its device). Defaults: server 127.0.0.1; client 127.0.0.2 toward
+    /// a loopback server (127.0.0.1 toward 127.0.0.2), else the address the routing table
+    /// picks for --connect.
     #[arg(long, value_name = "IP")]
     bind: Option<std::net::IpAddr>,
     /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
@@ -302,8 +308,8 @@ struct PingArgs {
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
-    /// Give up after this many seconds.
-    #[arg(long, default_value_t = 60)]
+    /// Give up after this many seconds (at most a day).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -526,12 +532,28 @@ fn fix_mmap_threshold() {}
 
 fn bench(a: &BenchArgs) -> ExitCode {
     use rcm_cli::bench;
+    let mut bind = a.bind.clone();
+    if bind.is_empty() && a.daemon.is_none() {
+        if a.listen {
+            bind.push(std::net::Ipv4Addr::LOCALHOST.into());
+        } else if let Some(server) = a.server {
+            match rcm_cli::default_source(server) {
+                Ok(b) => bind.push(b),
+                Err(e) => {
+                    eprintln!("rcm bench: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    }
     let o = bench::BenchOpts {
-        connections: a.connections as usize,
+        connections: a.connections.unwrap_or(1000) as usize,
+        serve: a.connections.filter(|_| a.listen).map(|c| c as usize),
+        json: a.json,
         serial: a.serial,
         listen: a.listen,
         server: a.server,
-        bind: a.bind.clone(),
+        bind,
         port: a.port,
         udp_port: a.udp_port,
         threads: a.threads as usize,

@@ -490,7 +490,7 @@ fn unfinished(state: State, dst: SocketAddr, iwarp: bool, ud: bool) -> Option<St
 fn client_loop(
     fabric: &Fabric,
     ch: &EventChannel,
-    dst: SocketAddr,
+    (src, dst): (IpAddr, SocketAddr),
     o: &PingOpts,
     r: &mut PingReport,
     deadline: Instant,
@@ -500,7 +500,9 @@ fn client_loop(
     let mut ids = HashMap::new();
     for i in 0..n {
         let id = fabric.create_id_on(o.ps, ch);
-        if let Err(e) = id.resolve_addr(None, dst) {
+        // From the bound device's address: through a daemon with several devices, the one
+        // asked for, not the daemon's pick.
+        if let Err(e) = id.resolve_addr(Some(src), dst) {
             r.errors.push(format!("client {i}: resolve_addr: {e}"));
             continue;
         }
@@ -639,6 +641,12 @@ fn client_loop(
                         "client {i}: rejected, reason {} ({reason:?})",
                         reason.raw()
                     ));
+                } else if *reason != rcm_wire::cm::RejReason::ConsumerDefined {
+                    // Not the server's rdma_reject (28): no listener (8), a stale connection…
+                    r.errors.push(format!(
+                        "client {i}: rejected with reason {} ({reason:?}), not by the server's reject",
+                        reason.raw()
+                    ));
                 } else if pd_matches(private_data, reject_pd(o)) {
                     r.private_data_ok += 1;
                 } else {
@@ -678,19 +686,43 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
                     .into(),
             );
         }
-        if o.private_data.len() > rcm::IWARP_PRIVATE_DATA_MAX {
-            return Err(format!(
-                "--private-data is {} bytes; an MPA Request carries at most {}",
-                o.private_data.len(),
-                rcm::IWARP_PRIVATE_DATA_MAX
-            ));
-        }
-    } else if o.private_data.len() > 56 && !ud(o.ps) {
+    }
+    // The client sends --private-data in its request and the server answers with it in its
+    // accept: both must carry it. Rejects carry --reject-data (or --private-data).
+
+    let (pd_max, pd_what, rej_max, rej_what) = match (o.iwarp, ud(o.ps)) {
+        (true, _) => (
+            rcm::IWARP_PRIVATE_DATA_MAX,
+            "an MPA Request or Reply",
+            rcm::IWARP_PRIVATE_DATA_MAX,
+            "an MPA Reply",
+        ),
+        (false, false) => (
+            rcm_wire::cma::limits::CONNECT.min(rcm_wire::cma::limits::ACCEPT),
+            "a REQ (after rdma_cm's header)",
+            rcm_wire::cma::limits::REJECT,
+            "a REJ",
+        ),
+        (false, true) => (
+            rcm_wire::cma::limits::CONNECT_UD.min(rcm_wire::cma::limits::ACCEPT_UD),
+            "a SIDR_REP",
+            rcm_wire::cma::limits::REJECT_UD,
+            "a SIDR_REP",
+        ),
+    };
+    if o.private_data.len() > pd_max {
         return Err(format!(
-            "--private-data is {} bytes; a REQ carries at most 56 user bytes",
+            "--private-data is {} bytes; {pd_what} carries at most {pd_max}",
             o.private_data.len()
         ));
-    } else if ud(o.ps) && o.messages > 0 {
+    }
+    if reject_pd(o).len() > rej_max {
+        return Err(format!(
+            "--reject-data is {} bytes; {rej_what} carries at most {rej_max}",
+            reject_pd(o).len()
+        ));
+    }
+    if !o.iwarp && ud(o.ps) && o.messages > 0 {
         if o.daemon.is_some() {
             return Err(
                 "--ps udp: UD datagrams are not carried through the daemon (add --messages 0)"
@@ -770,18 +802,17 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         }
         Some(false) => {
             let dst = o.connect.ok_or("--connect needs an address")?;
-            let bind = o.bind.or(second).unwrap_or(if dst.is_ipv4() {
-                IpAddr::from([127, 0, 0, 2])
-            } else {
-                dst
-            });
+            let bind = match o.bind.or(second) {
+                Some(b) => b,
+                None => crate::default_source(dst)?,
+            };
             add(bind)?;
             let ch = EventChannel::new();
             r.role = "client".into();
             client_loop(
                 &fabric,
                 &ch,
-                SocketAddr::new(dst, default_port),
+                (bind, SocketAddr::new(dst, default_port)),
                 o,
                 &mut r,
                 deadline,
@@ -814,7 +845,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             client_loop(
                 &fabric,
                 &ch,
-                SocketAddr::new(s, default_port),
+                (c, SocketAddr::new(s, default_port)),
                 o,
                 &mut r,
                 deadline,

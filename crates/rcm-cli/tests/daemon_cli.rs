@@ -179,10 +179,12 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     assert!(!path.exists(), "the socket file is removed on shutdown");
 }
 
+/// Also: the client's `--bind` picks which of the daemon's devices it connects from (it was
+/// only checked to exist, and the daemon chose: 127.0.0.2 here).
 #[test]
 fn separate_server_and_client_processes_through_one_daemon() {
     let path = sock("procs");
-    let mut d = start(&path, 27803, &["127.0.0.1"]);
+    let mut d = start(&path, 27803, &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
     let p = path.to_str().unwrap().to_string();
     // Server process: serves 3 connections and exits.
     let p2 = p.clone();
@@ -205,6 +207,8 @@ fn separate_server_and_client_processes_through_one_daemon() {
             &p,
             "--connect",
             "127.0.0.1",
+            "--bind",
+            "127.0.0.3",
             "-p",
             "7600",
             "-c",
@@ -219,12 +223,21 @@ fn separate_server_and_client_processes_through_one_daemon() {
         }
     }
     let out = server.join().unwrap().expect("server ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),
         Some(0),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
+        "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    let peers: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("established with"))
+        .collect();
+    assert_eq!(peers.len(), 3, "{stdout}");
+    assert!(
+        peers.iter().all(|l| l.contains("127.0.0.3:")),
+        "every client came from its --bind: {stdout}"
     );
     sigterm(&d);
     assert_eq!(wait_exit(&mut d), 0);

@@ -134,13 +134,91 @@ fn bench_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["bench", "-c", "0"]);
     assert_eq!(code, 2);
     assert!(err.contains("connections"), "{err}");
-    let (code, _, err) = rcm(&["bench", "--listen"]);
+    let (code, _, err) = rcm(&["bench", "--listen", "--server", "127.0.0.1"]);
     assert_eq!(code, 2);
-    assert!(err.contains("--bind"), "{err}");
+    assert!(err.contains("--server"), "{err}");
+    let (code, _, err) = rcm(&["bench", "--timeout", "18446744073709551615"]);
+    assert_eq!(
+        code, 2,
+        "a huge --timeout is refused, not an overflow panic"
+    );
+    assert!(err.contains("timeout"), "{err}");
     // iWARP works now (tests/iwarp_tools.rs); what it cannot do is a usage error.
     let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--ps", "udp"]);
     assert_eq!(code, 2);
     assert!(err.contains("iWARP"), "{err}");
+    // Private data longer than a message carries is refused before anything starts (a UD
+    // ping with 190 bytes used to fail its connect, then wait out --timeout).
+    let long = |n: usize| "x".repeat(n);
+    for (args, what) in [
+        (vec!["--private-data", &*long(57)], "REQ"),
+        (
+            vec!["--ps", "udp", "--private-data", &*long(137)],
+            "SIDR_REP",
+        ),
+        (vec!["--reject", "--reject-data", &*long(149)], "REJ"),
+        (
+            vec!["--ps", "udp", "--reject-data", &*long(137)],
+            "SIDR_REP",
+        ),
+    ] {
+        let t0 = std::time::Instant::now();
+        let mut all = vec!["ping"];
+        all.extend(args.iter().copied());
+        let (code, _, err) = rcm(&all);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{args:?}");
+    }
+}
+
+/// The contract's command lines as they are written, no `--bind`: `rcm bench --listen -c N`
+/// serves N connections and exits 0 with its own JSON report; `rcm bench --server IP`
+/// connects from the default source (127.0.0.2 toward 127.0.0.1).
+#[test]
+fn bench_server_and_client_processes_without_bind() {
+    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "bench",
+            "--listen",
+            "-c",
+            "20",
+            "--udp-port",
+            "26805",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--server",
+        "127.0.0.1",
+        "-c",
+        "20",
+        "--udp-port",
+        "26805",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let c: serde_json::Value = serde_json::from_str(&out).expect("client JSON");
+    assert_eq!(
+        (c["established"].as_u64(), c["errors"].as_u64()),
+        (Some(20), Some(0))
+    );
+    let s = server.wait_with_output().unwrap();
+    let sout = String::from_utf8_lossy(&s.stdout);
+    assert!(
+        s.status.success(),
+        "{sout}{}",
+        String::from_utf8_lossy(&s.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&sout).expect("server JSON");
+    assert_eq!(v["role"], "server", "{sout}");
+    assert_eq!(v["established"], 20, "{sout}");
+    assert_eq!(v["open_at_end"], 0, "{sout}");
 }
 
 #[test]
@@ -181,6 +259,54 @@ fn ping_ud_and_reject_and_json() {
     let (code, out, _) = rcm(&["ping", "--reject", "-c", "2", "--udp-port", "26796"]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("2 rejected"), "{out}");
+}
+
+/// `--reject` counts only the server's own reject (reason 28, consumer defined): a REJ for
+/// a port nobody listens on (reason 8) is an error, even when the expected private data is
+/// empty and so matches anything.
+#[test]
+fn ping_reject_is_not_satisfied_by_a_missing_listener() {
+    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "ping",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "-p",
+            "7998",
+            "--udp-port",
+            "26806",
+            "--timeout",
+            "5",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--reject",
+        "--private-data",
+        "",
+        "--connect",
+        "127.0.0.1",
+        "-p",
+        "7999",
+        "--udp-port",
+        "26806",
+        "--timeout",
+        "5",
+    ]);
+    // Our own child, by its PID: it would otherwise wait out its --timeout.
+    let mut server = server;
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("not by the server's reject"),
+        "{out}\n{err}"
+    );
 }
 
 #[test]
