@@ -7,8 +7,10 @@
 //! Calls go on *command channels*: further connections attached to the session, each used
 //! by one calling thread at a time, which writes its command and reads the reply itself (a
 //! reply then wakes one thread, not the reader and then the caller). When no channel can be
-//! had, a call goes on the session's connection and the reader hands the reply over. Losing
-//! the daemon is a device removal for every id.
+//! had, a call goes on the session's connection and the reader hands the reply over. What
+//! goes on the session's connection (such calls, event credit, releases without a channel)
+//! is written by a thread of its own, in order, so the reader never waits on a full socket.
+//! Losing the daemon is a device removal for every id.
 
 use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
@@ -39,7 +41,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 type Waiter = mpsc::SyncSender<Result<Answer, WireError>>;
 
 struct Inner {
-    writer: Mutex<UnixStream>,
+    /// Frames for the session's connection, written in order by its writer thread: whoever
+    /// sends (the reader giving credit back, a release, a call without a channel) never
+    /// blocks on the socket. The reader must not: if it did, with the daemon blocked writing
+    /// to this client and the socket full both ways, the session would hang for good.
+    out: mpsc::Sender<Vec<u8>>,
     pending: Mutex<HashMap<u32, Waiter>>,
     seq: AtomicU32,
     sinks: Mutex<HashMap<u32, (Sink, Arc<QpCache>)>>,
@@ -138,8 +144,23 @@ impl Client {
             Err(e) => return Err(Error::Remote(format!("bad answer to Hello: {e}"))),
         };
         s.write_all(&Command::GetEvent(WINDOW).encode(0))?;
+        let (out, frames) = mpsc::channel::<Vec<u8>>();
+        let mut wire = s.try_clone()?;
+        std::thread::Builder::new()
+            .name("rcm-ucm-out".into())
+            .spawn(move || {
+                // Ends when the session ends (every sender gone) or the socket fails; a failed
+                // write shuts the connection down, so the reader sees the end and fails the
+                // calls waiting for answers.
+                for frame in frames {
+                    if wire.write_all(&frame).is_err() {
+                        let _ = wire.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                }
+            })?;
         let inner = Arc::new(Inner {
-            writer: Mutex::new(s.try_clone()?),
+            out,
             pending: Mutex::new(HashMap::new()),
             seq: AtomicU32::new(2),
             sinks: Mutex::new(HashMap::new()),
@@ -207,10 +228,9 @@ impl Inner {
         }
     }
 
-    fn send(&self, frame: &[u8]) -> rcm::Result<()> {
-        lock(&self.writer)
-            .write_all(frame)
-            .map_err(|_| Error::DeviceRemoved)
+    /// Queues a frame for the session's connection (see `Inner::out`).
+    fn send(&self, frame: Vec<u8>) -> rcm::Result<()> {
+        self.out.send(frame).map_err(|_| Error::DeviceRemoved)
     }
 
     /// An idle command channel, or a new one while fewer than [`CHANNELS`] are open.
@@ -306,7 +326,7 @@ impl Inner {
             }
             p.insert(seq, tx);
         }
-        if let Err(e) = self.send(&cmd.encode(seq)) {
+        if let Err(e) = self.send(cmd.encode(seq)) {
             lock(&self.pending).remove(&seq);
             return Err(e);
         }
@@ -456,14 +476,15 @@ impl RemoteId for Handle {
         // On a channel the destroy is done when this returns, so the client's next call
         // (say, a create at the id limit) comes after it. Without one: fire and forget on
         // the session's connection (seq 0 is never waited for), where the daemon finishes it
-        // in order with the commands that follow there.
+        // in order with the commands that follow on that connection (a later call that does
+        // get a channel may overtake it).
         if c.alive.load(Ordering::SeqCst) {
             if let Some(ch) = c.channel() {
                 let _ = c.call_on(ch, &cmd);
                 return;
             }
         }
-        let _ = c.send(&cmd.encode(0));
+        let _ = c.send(cmd.encode(0));
     }
 }
 
@@ -532,7 +553,7 @@ fn give_credit(c: &Inner, used: &mut u32) -> bool {
     if *used < WINDOW / 4 {
         return true;
     }
-    if c.send(&Command::GetEvent(*used).encode(0)).is_err() {
+    if c.send(Command::GetEvent(*used).encode(0)).is_err() {
         return false;
     }
     *used = 0;

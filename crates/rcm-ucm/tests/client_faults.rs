@@ -215,3 +215,90 @@ fn a_long_error_text_is_cut_to_what_decodes() {
         m => panic!("{m:?}"),
     }
 }
+
+/// The client's reader never blocks writing to the daemon. Here the daemon (fake) stops
+/// reading the session's connection while the client destroys 599 ids without a command
+/// channel (fire-and-forget DESTROY_IDs, more than the socket holds) and then sends 3,000
+/// events: the reader must take them all, giving credit back on the way. It used to write
+/// that credit itself, behind the destroying thread blocked on the full socket, and stopped
+/// reading at the first quarter window (1,024): with a real daemon blocked writing to the
+/// client in turn, the whole session hung.
+#[test]
+fn the_reader_keeps_reading_while_the_daemon_reads_nothing() {
+    // Run where a hang (the old behaviour: even the fabric's drop waited on the socket) is
+    // a failure, not a stuck test.
+    let (tx, done) = mpsc::channel();
+    std::thread::spawn(move || {
+        reader_keeps_reading();
+        let _ = tx.send(());
+    });
+    match done.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => {}
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the session hung"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the test body failed (above)"),
+    }
+}
+
+fn reader_keeps_reading() {
+    const IDS: u32 = 600;
+    const EVENTS: usize = 3000;
+    let (path, session) = fake_daemon("reader-never-writes");
+    let client = Client::connect(&path).expect("session");
+    let f = rcm::Fabric::with_provider(
+        std::sync::Arc::new(client.clone()),
+        rcm::FabricConfig::default(),
+    );
+    let mut s = session.recv_timeout(T).expect("the session");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let ch = rcm::EventChannel::new();
+    let maker = {
+        let (f, ch) = (f.clone(), ch.clone());
+        std::thread::spawn(move || {
+            (0..IDS)
+                .map(|_| {
+                    f.try_create_id_on(rcm::PortSpace::Tcp, &ch)
+                        .expect("create")
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    for h in 1..=IDS {
+        let (seq, cmd) = read_command(&mut s);
+        assert_eq!(cmd, Command::CreateId(rcm::PortSpace::Tcp));
+        let ok = Message::Ok(proto::Answer::Handle(h));
+        s.write_all(&ok.encode(seq)).expect("reply");
+    }
+    let mut ids = maker.join().expect("maker");
+    let kept = ids.remove(0);
+    // From here the daemon reads nothing. The destroys fill the socket to the daemon.
+    let destroyer = std::thread::spawn(move || {
+        for id in ids {
+            drop(id.begin_destroy());
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let event = Message::Event {
+        handle: 1,
+        event: proto::WireEvent::AddrResolved,
+        qp: None,
+    }
+    .encode(0);
+    let writer = std::thread::spawn(move || {
+        for _ in 0..EVENTS {
+            if s.write_all(&event).is_err() {
+                return;
+            }
+        }
+        // Held open until the test is done reading.
+        std::thread::sleep(Duration::from_secs(10));
+    });
+    for k in 0..EVENTS {
+        let e = ch
+            .get_event(Some(Duration::from_secs(5)))
+            .unwrap_or_else(|| panic!("the reader stopped after {k} of {EVENTS} events"));
+        assert_eq!(e.id(), &kept);
+    }
+    destroyer.join().expect("destroyer");
+    drop(writer);
+    let _ = std::fs::remove_file(&path);
+}
