@@ -486,9 +486,18 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         }
     }
     let ws = s.clone();
-    let w = std::thread::Builder::new()
+    let w = match std::thread::Builder::new()
         .name(format!("rcm-ucm-w{order}"))
-        .spawn(move || writer_loop(&ws))?;
+        .spawn(move || writer_loop(&ws))
+    {
+        Ok(w) => w,
+        Err(e) => {
+            // No writer: undo the session (it holds nothing yet) as for a failed reader.
+            lock(&sh.sessions).remove(&order);
+            fail(&s);
+            return Err(e);
+        }
+    };
     let sh2 = sh.clone();
     let rs = s.clone();
     let w = Arc::new(Mutex::new(Some(w)));

@@ -551,9 +551,12 @@ fn gone_before_published(child: &CmId) -> bool {
 /// A child checks that its device is not being removed before it joins its listener, and
 /// is published (put in the id table) after. A removal that starts in between walks the
 /// table without it, so the child checks again once published: if the device is going and
-/// the walk did not reach it, it gets its `DeviceRemoval` here (after its request, so the
-/// application sees both), and the removal waits for it too. Both sides decide under the
-/// child's state lock, and the walk skips ids already marked, so it gets exactly one.
+/// the walk did not reach it, it gets its `DeviceRemoval` here, and the removal waits for it
+/// too. Like every removal it replaces what was still queued: a request not yet delivered
+/// goes with it, as unread requests do when their device goes (Linux bug 3's test), so the
+/// application may see only the removal of an id it never heard of. Both sides decide
+/// under the child's state lock, and the walk skips ids already marked, so it gets exactly
+/// one.
 fn removal_after_publish(child: &CmId, dev: &Arc<DeviceInner>) {
     if !dev.removed.load(std::sync::atomic::Ordering::SeqCst) {
         return;
@@ -1421,8 +1424,9 @@ impl CmId {
             })
     }
 
-    /// Disconnects (`rdma_disconnect`): DREQ, or the DREP when the peer disconnected first.
-    /// Established → Disconnect; `Disconnected` follows.
+    /// Disconnects (`rdma_disconnect`): DREQ. Established → Disconnect; `Disconnected`
+    /// follows. On a connection already going down (the peer's DREQ was answered, or this
+    /// side disconnected before) it does nothing and succeeds, as `rdma_disconnect` does.
     pub fn disconnect(&self) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Disconnect) {
             return r.map(drop);
@@ -1433,6 +1437,11 @@ impl CmId {
         }
         let (dev, cep) = {
             let g = self.usable()?;
+            // Already going down (either side's disconnect, a DREQ answered): nothing to
+            // send, and not an error, as rdma_disconnect returns 0 there.
+            if g.state == State::Disconnect && !is_ud(self.0.ps) {
+                return Ok(());
+            }
             if g.state != State::Established || is_ud(self.0.ps) {
                 return Err(Error::InvalidState(g.state));
             }
@@ -1445,9 +1454,7 @@ impl CmId {
             Ok(()) => {}
             // The peer's DREQ won the race: the connection is already going down (the
             // Disconnected event is on its way), exactly as if we had looked a moment later.
-            Err(ib::CmError::InvalidState(_)) => {
-                return Err(Error::InvalidState(State::Disconnect))
-            }
+            Err(ib::CmError::InvalidState(_)) => return Ok(()),
             Err(e) => return Err(e.into()),
         }
         let mut g = sync::lock(&self.0.st);
@@ -2395,6 +2402,10 @@ impl CmId {
     fn iw_disconnect(&self, dev: &Arc<DeviceInner>, key: ConnKey) -> Result<()> {
         {
             let g = self.usable()?;
+            // As on RoCE (iw_cm_disconnect in CLOSING is a no-op returning 0).
+            if g.state == State::Disconnect {
+                return Ok(());
+            }
             if g.state != State::Established {
                 return Err(Error::InvalidState(g.state));
             }
@@ -2404,7 +2415,8 @@ impl CmId {
         match dev.iw_cep(key, iw::Cep::disconnect) {
             Some(Ok(())) => {}
             Some(Err(e)) => return Err(iw_err(e, State::Disconnect)),
-            None => return Err(Error::InvalidState(State::Disconnect)),
+            // The stream is gone already (the peer closed it): going down, as above.
+            None => return Ok(()),
         }
         let mut g = sync::lock(&self.0.st);
         if g.state == State::Established {
