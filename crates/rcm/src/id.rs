@@ -1839,6 +1839,12 @@ pub(crate) fn on_connect_request(
     let Ok(hdr) = CmaHdr::parse(&pd) else {
         return refuse(dev);
     };
+    // The request is for this device's address (cma.c's validate_net_dev; the header's IP
+    // version is the device's, cma_match_private_data): a REQ naming another host does not
+    // reach a wildcard listener, whose child would take that foreign address as its own.
+    if hdr.dst != dev.ip {
+        return refuse(dev);
+    }
     let candidates: Vec<Arc<IdInner>> = {
         let l = sync::lock(&dev.listens);
         l.get(&sid)
@@ -1859,6 +1865,17 @@ pub(crate) fn on_connect_request(
         .filter(|l| l.slot.is_live())
         .cloned();
     let Some(lst) = pick else { return refuse(dev) };
+    // A REQ for an RC port space, a SIDR_REQ for a UD one (cma_ib_check_req_qp_type; the IB
+    // port space takes either): otherwise the child could neither accept nor reject it.
+    let ud_request = matches!(inc, Incoming::Ud { .. });
+    let fits = match lst.ps {
+        PortSpace::Udp | PortSpace::Ipoib => ud_request,
+        PortSpace::Tcp => !ud_request,
+        PortSpace::Ib => true,
+    };
+    if !fits {
+        return refuse(dev);
+    }
     let Some(target) = lst.slot_target() else {
         return refuse(dev);
     };

@@ -634,14 +634,90 @@ fn notify_established_stands_in_for_the_rtu() {
     f.shutdown();
 }
 
-/// The next CM message a raw peer's socket receives.
-fn recv_cm(peer: &std::net::UdpSocket) -> rcm_wire::cm::CmMessage {
-    let mut buf = [0u8; 4096];
-    let (n, _) = peer
-        .recv_from(&mut buf)
-        .expect("a datagram within the timeout");
-    let d = rcm_wire::roce::GsiDatagram::parse(&buf[..n]).expect("a GSI datagram");
-    rcm_wire::cm::CmMad::parse(d.mad).expect("a CM MAD").msg
+/// A raw RoCEv2 CM peer on 127.0.0.2 (UDP port `port`), for tests that check rcm's bytes or
+/// send it what rcm itself would not. The fabric under test must not have a device there.
+struct RawPeer {
+    sock: std::net::UdpSocket,
+    port: u16,
+}
+
+impl RawPeer {
+    fn new(port: u16) -> Self {
+        let sock = std::net::UdpSocket::bind(("127.0.0.2", port)).unwrap();
+        sock.set_read_timeout(Some(T)).unwrap();
+        RawPeer { sock, port }
+    }
+
+    /// Sends `msg` to 127.0.0.1 as a GSI datagram.
+    fn send(&self, msg: rcm_wire::cm::CmMessage, tid: u64) {
+        use rcm_wire::roce::{emit_gsi, IpForIcrc};
+        let mad = rcm_wire::cm::CmMad::send(tid, msg).emit().expect("encodes");
+        let ip = IpForIcrc::v4(
+            std::net::Ipv4Addr::new(127, 0, 0, 2),
+            std::net::Ipv4Addr::LOCALHOST,
+        );
+        let udp = emit_gsi(&ip, self.port, 0, &mad);
+        self.sock.send_to(&udp, ("127.0.0.1", self.port)).unwrap();
+    }
+
+    /// The next CM message it receives.
+    fn recv(&self) -> rcm_wire::cm::CmMessage {
+        let mut buf = [0u8; 4096];
+        let (n, _) = self
+            .sock
+            .recv_from(&mut buf)
+            .expect("a datagram within the timeout");
+        let d = rcm_wire::roce::GsiDatagram::parse(&buf[..n]).expect("a GSI datagram");
+        rcm_wire::cm::CmMad::parse(d.mad).expect("a CM MAD").msg
+    }
+}
+
+/// A REQ from the raw peer for 127.0.0.1:`port` whose rdma_cm header names `dst`.
+fn raw_req(port: u16, dst: IpAddr, psn: u32) -> rcm_wire::cm::Req {
+    use rcm_wire::cm::{Req, ReqPath, TransportType};
+    use rcm_wire::cma::{self, CmaHdr};
+    let me = IpAddr::from([127, 0, 0, 2]);
+    Req {
+        local_comm_id: 0xABCD,
+        service_id: cma::service_id(PortSpace::Tcp, port),
+        local_qpn: 0x77,
+        responder_resources: 16,
+        initiator_depth: 16,
+        remote_cm_response_timeout: 20,
+        transport_type: TransportType::Rc,
+        starting_psn: psn,
+        local_cm_response_timeout: 20,
+        retry_count: 7,
+        pkey: 0xFFFF,
+        path_mtu: 3,
+        rnr_retry_count: 7,
+        max_cm_retries: 15,
+        primary_path: ReqPath {
+            local_gid: rcm_wire::Gid::from_ip(me),
+            remote_gid: rcm_wire::Gid::from_ip(dst),
+            hop_limit: 64,
+            local_ack_timeout: 19,
+            ..ReqPath::default()
+        },
+        private_data: CmaHdr {
+            src_port: 40000,
+            src: me,
+            dst,
+        }
+        .with_user_data(b"", cma::limits::CONNECT)
+        .expect("cma_hdr"),
+        ..Req::default()
+    }
+}
+
+/// A fabric with one device, 127.0.0.1, on UDP port `port` (a raw peer takes 127.0.0.2).
+fn one_device(port: u16) -> Fabric {
+    let f = Fabric::new(FabricConfig {
+        udp_port: port,
+        ..FabricConfig::default()
+    });
+    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    f
 }
 
 /// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
@@ -653,62 +729,19 @@ fn recv_cm(peer: &std::net::UdpSocket) -> rcm_wire::cm::CmMessage {
 /// announced.
 #[test]
 fn psns_and_read_resources_follow_the_wire() {
-    use rcm_wire::cm::{CmMad, CmMessage, Rep, Req, ReqPath, TransportType};
-    use rcm_wire::cma::{self, CmaHdr};
-    use rcm_wire::roce::{emit_gsi, IpForIcrc};
-    use std::net::{Ipv4Addr, UdpSocket};
-    let port = 24804;
-    let f = Fabric::new(FabricConfig {
-        udp_port: port,
-        ..FabricConfig::default()
-    });
-    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
-    let peer = UdpSocket::bind(("127.0.0.2", port)).unwrap();
-    peer.set_read_timeout(Some(T)).unwrap();
-    let (me, them) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
-    let send = |msg: CmMessage, tid: u64| {
-        let mad = CmMad::send(tid, msg).emit().expect("encodes");
-        let udp = emit_gsi(&IpForIcrc::v4(me, them), port, 0, &mad);
-        peer.send_to(&udp, ("127.0.0.1", port)).unwrap();
-    };
+    use rcm_wire::cm::{CmMessage, Rep};
+    let f = one_device(24804);
+    let peer = RawPeer::new(24804);
 
     // Passive: the raw peer's REQ announces PSN 0x123456 and asks for 16/16.
     let ch = EventChannel::new();
     let l = f.create_id_on(PortSpace::Tcp, &ch);
     l.bind(addr(1, 7475)).unwrap();
     l.listen(4).unwrap();
-    let req = Req {
-        local_comm_id: 0xABCD,
-        service_id: cma::service_id(PortSpace::Tcp, 7475),
-        local_qpn: 0x77,
-        responder_resources: 16,
-        initiator_depth: 16,
-        remote_cm_response_timeout: 20,
-        transport_type: TransportType::Rc,
-        starting_psn: 0x12_3456,
-        local_cm_response_timeout: 20,
-        retry_count: 7,
-        pkey: 0xFFFF,
-        path_mtu: 3,
-        rnr_retry_count: 7,
-        max_cm_retries: 15,
-        primary_path: ReqPath {
-            local_gid: rcm_wire::Gid::from_ip(me.into()),
-            remote_gid: rcm_wire::Gid::from_ip(them.into()),
-            hop_limit: 64,
-            local_ack_timeout: 19,
-            ..ReqPath::default()
-        },
-        private_data: CmaHdr {
-            src_port: 40000,
-            src: me.into(),
-            dst: them.into(),
-        }
-        .with_user_data(b"", cma::limits::CONNECT)
-        .expect("cma_hdr"),
-        ..Req::default()
-    };
-    send(CmMessage::Req(req), 0x5151);
+    peer.send(
+        CmMessage::Req(raw_req(7475, IpAddr::from([127, 0, 0, 1]), 0x12_3456)),
+        0x5151,
+    );
     let e = ch.get_event(Some(T)).expect("CONNECT_REQUEST");
     assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
     let child = e.id().clone();
@@ -726,7 +759,7 @@ fn psns_and_read_resources_follow_the_wire() {
             ..AcceptOptions::default()
         })
         .unwrap();
-    let CmMessage::Rep(rep) = recv_cm(&peer) else {
+    let CmMessage::Rep(rep) = peer.recv() else {
         panic!("expected a REP")
     };
     assert_eq!(
@@ -745,8 +778,7 @@ fn psns_and_read_resources_follow_the_wire() {
 
     // Active: our REQ announces a PSN, the raw peer's REP announces 0x654321.
     let c = f.create_id_on(PortSpace::Tcp, &ch);
-    c.resolve_addr(None, SocketAddr::new(me.into(), 7476))
-        .unwrap();
+    c.resolve_addr(None, addr(2, 7476)).unwrap();
     assert!(matches!(
         ch.get_event(Some(T)).expect("event").event(),
         Event::AddrResolved
@@ -759,11 +791,11 @@ fn psns_and_read_resources_follow_the_wire() {
     c.connect(&ConnectOptions::default()).unwrap();
     let req = loop {
         // Skipping anything else (the child's REP retries, say).
-        if let CmMessage::Req(r) = recv_cm(&peer) {
+        if let CmMessage::Req(r) = peer.recv() {
             break r;
         }
     };
-    send(
+    peer.send(
         CmMessage::Rep(Rep {
             local_comm_id: 0xBEEF,
             remote_comm_id: req.local_comm_id,
@@ -790,5 +822,69 @@ fn psns_and_read_resources_follow_the_wire() {
         "receives from the PSN its REQ announced"
     );
     assert_eq!(rts.sq_psn, 0x65_4321, "sends from the REP's PSN");
+    f.shutdown();
+}
+
+/// Requests rdma_cm turns away before any listener sees them: a REQ whose rdma_cm header
+/// names another host than the device it reached (cma.c validate_net_dev) is rejected,
+/// even by a wildcard listener, whose child took that foreign address as its own; and a
+/// SIDR_REQ for a TCP-port-space listener (cma_ib_check_req_qp_type) gets a rejecting
+/// SIDR_REP, where the child could neither accept nor reject it. No CONNECT_REQUEST either
+/// way; a proper REQ after them still gets through.
+#[test]
+fn requests_for_another_host_or_the_wrong_qp_type_are_turned_away() {
+    use rcm_wire::cm::{CmMessage, SidrReq, SidrStatus};
+    use rcm_wire::cma::{self, CmaHdr};
+    let f = one_device(24805);
+    let peer = RawPeer::new(24805);
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 7477))
+        .unwrap();
+    l.listen(4).unwrap();
+
+    peer.send(
+        CmMessage::Req(raw_req(7477, IpAddr::from([127, 0, 0, 9]), 1)),
+        0x71,
+    );
+    assert!(
+        matches!(peer.recv(), CmMessage::Rej(_)),
+        "a REQ for 127.0.0.9 is rejected"
+    );
+    let sidr = SidrReq {
+        request_id: 0x4242,
+        service_id: cma::service_id(PortSpace::Tcp, 7477),
+        private_data: CmaHdr {
+            src_port: 40001,
+            src: IpAddr::from([127, 0, 0, 2]),
+            dst: IpAddr::from([127, 0, 0, 1]),
+        }
+        .with_user_data(b"", cma::limits::CONNECT_UD)
+        .expect("cma_hdr"),
+        ..SidrReq::default()
+    };
+    peer.send(CmMessage::SidrReq(sidr), 0x72);
+    match peer.recv() {
+        CmMessage::SidrRep(rep) => assert_ne!(rep.status, SidrStatus::Success),
+        other => panic!("expected a SIDR_REP, got {other:?}"),
+    }
+    assert!(
+        ch.get_event(Some(Duration::from_millis(200))).is_none(),
+        "no CONNECT_REQUEST for either"
+    );
+    peer.send(
+        CmMessage::Req(raw_req(7477, IpAddr::from([127, 0, 0, 1]), 1)),
+        0x73,
+    );
+    let e = ch
+        .get_event(Some(T))
+        .expect("the proper REQ's CONNECT_REQUEST");
+    assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
+    assert_eq!(
+        e.id().local_addr(),
+        Some(addr(1, 7477)),
+        "the child's address is the device's"
+    );
+    drop(e);
     f.shutdown();
 }
