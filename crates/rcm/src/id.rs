@@ -2567,16 +2567,22 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                     iw::ConnectReply::Error(e) => {
                         g.state = State::Disconnect;
                         CmId::unclaim_qp(&mut g);
-                        // `cma_iw_handler`: -ETIMEDOUT → UNREACHABLE, -ECONNRESET →
-                        // REJECTED, anything else → CONNECT_ERROR.
+                        // `cma_iw_handler`: -ETIMEDOUT → UNREACHABLE, -ECONNRESET and
+                        // -ECONNREFUSED → REJECTED, anything else → CONNECT_ERROR. siw's
+                        // `siw_proc_mpareply` refuses a Reply asking for markers with
+                        // -ECONNREFUSED and one that drops MPA v2 after our enhanced Request
+                        // with -ECONNRESET.
                         match e {
                             iw::ConnectError::Timeout => Event::Unreachable(Unreachable::Timeout),
-                            iw::ConnectError::PeerClosed | iw::ConnectError::Reset => {
-                                Event::Rejected {
-                                    reason: RejReason::ConsumerDefined,
-                                    private_data: Vec::new(),
-                                }
-                            }
+                            iw::ConnectError::PeerClosed
+                            | iw::ConnectError::Reset
+                            | iw::ConnectError::Protocol(
+                                iw::ProtocolError::MarkersRequested
+                                | iw::ProtocolError::RevisionMismatch,
+                            ) => Event::Rejected {
+                                reason: RejReason::ConsumerDefined,
+                                private_data: Vec::new(),
+                            },
                             iw::ConnectError::Protocol(p) => {
                                 Event::ConnectError(Error::Io(format!("MPA protocol error: {p:?}")))
                             }

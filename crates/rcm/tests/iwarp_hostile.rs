@@ -355,3 +355,62 @@ fn request_ird_ord_beyond_the_device_are_capped() {
     drop(l.destroy());
     f.shutdown();
 }
+
+/// A responder whose MPA Reply asks for markers, or drops MPA v2 after our enhanced
+/// Request (with `accept_v1_reply` off, as siw): siw refuses it with -ECONNREFUSED / -ECONNRESET, which rdma_cm reports as
+/// REJECTED (it was CONNECT_ERROR here). A raw TCP responder on 127.0.0.1:27976.
+#[test]
+fn unacceptable_replies_are_rejections() {
+    use std::net::TcpListener;
+    let replies: [(&str, Vec<u8>); 2] = [
+        ("markers", {
+            let mut r = MpaFrame::reply_v2(1, 1, Vec::new());
+            r.flags.markers = true;
+            r.to_vec().expect("a reply")
+        }),
+        (
+            "revision 1",
+            MpaFrame::reply_v1(Vec::new()).to_vec().expect("a reply"),
+        ),
+    ];
+    let f = Fabric::new(common::config(27986));
+    // As siw: a revision-1 Reply to an enhanced Request is a protocol failure.
+    f.add_iwarp_device_with(
+        ip(2),
+        rcm_proto::iw::CepConfig {
+            accept_v1_reply: false,
+            ..rcm_proto::iw::CepConfig::default()
+        },
+    )
+    .expect("iWARP device");
+    let server = TcpListener::bind(SocketAddr::new(ip(1), 27976)).expect("listen");
+    for (what, reply) in replies {
+        let ch = EventChannel::new();
+        let c = f.create_id_on(PortSpace::Tcp, &ch);
+        c.resolve_addr(None, SocketAddr::new(ip(1), 27976))
+            .expect("resolve");
+        assert!(matches!(
+            ch.get_event(Some(common::T)).expect("event").event(),
+            Event::AddrResolved
+        ));
+        c.resolve_route().expect("route");
+        assert!(matches!(
+            ch.get_event(Some(common::T)).expect("event").event(),
+            Event::RouteResolved
+        ));
+        c.connect(&ConnectOptions::default()).expect("connect");
+        let (mut s, _) = server.accept().expect("the TCP connect");
+        let mut req = [0u8; 24];
+        s.read_exact(&mut req).expect("the MPA request");
+        s.write_all(&reply).expect("the reply");
+        let e = ch.get_event(Some(common::T)).expect("the answer");
+        assert!(
+            matches!(e.event(), Event::Rejected { .. }),
+            "{what}: {:?}",
+            e.event()
+        );
+        drop(e);
+        drop(c.destroy());
+    }
+    f.shutdown();
+}
