@@ -1984,3 +1984,60 @@ fn no_terminate_after_our_write_side_is_shut() {
         vec![TcpAction::Shutdown, TcpAction::Close]
     );
 }
+
+/// A zero-length RDMA Read Request gets a Read Response while this side agreed to answer
+/// reads (IRD ≥ 1), and ends the stream with a Terminate (RDMAP, remote operation,
+/// catastrophic for the stream) when it agreed to none (IRD 0), as siw's `siw_init_rresp`
+/// does; it was answered whatever the IRD.
+#[test]
+fn read_requests_are_answered_only_within_the_ird() {
+    let read_request = {
+        let mut u =
+            DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, 1, 0)
+                .to_vec()
+                .unwrap();
+        u.extend_from_slice(
+            &mpa::ReadRequest {
+                sink_stag: 9,
+                sink_to: 0,
+                size: 0,
+                source_stag: 3,
+                source_to: 0,
+            }
+            .to_bytes(),
+        );
+        fpdu(&u)
+    };
+    for ird in [1u16, 0] {
+        let mut n = Net::new(Frag::Whole, 30);
+        n.establish(
+            &ConnectParams {
+                ord: ird,
+                ..ConnectParams::default()
+            },
+            &AcceptParams {
+                ird,
+                ..AcceptParams::default()
+            },
+        );
+        assert_eq!(established(n.events(B)).ird, ird);
+        let mark = n.sides[B].sent.len();
+        let now = n.now;
+        n.b().on_bytes(now, &read_request);
+        n.pump();
+        let sent = ulpdus(&n.sides[B].sent[mark..]);
+        let (first, _) = DdpRdmapHeader::parse(sent.first().expect("an answer")).unwrap();
+        if ird == 1 {
+            // (The Read Response reaches A, which asked for none; what A does then is not
+            // this test's business.)
+            assert_eq!(first.opcode, RdmapOpcode::RdmaReadResponse);
+        } else {
+            let t = last_terminate(&n.sides[B].sent[mark..]);
+            assert_eq!(
+                (t.layer, t.error_type, t.error_code),
+                (term_layer::RDMAP, term_etype::RDMAP_REMOTE_OPERATION, 0x07)
+            );
+            assert!(n.sides[B].cep.is_closed());
+        }
+    }
+}

@@ -35,6 +35,7 @@ const DDP_UNTAGGED_BAD_VERSION: u8 = 0x06;
 const RDMAP_INVALID_STAG: u8 = 0x00;
 const RDMAP_BAD_VERSION: u8 = 0x05;
 const RDMAP_UNEXPECTED_OPCODE: u8 = 0x06;
+const RDMAP_CATASTROPHIC_STREAM: u8 = 0x07;
 
 /// What the receive side expects next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1107,6 +1108,17 @@ impl Cep {
             {
                 if msn != self.rx_msn_read {
                     self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_MSN_RANGE);
+                    return false;
+                }
+                // We agreed to answer no reads (IRD 0): siw's siw_init_rresp terminates the
+                // stream, as RFC 5040 has a read beyond the IRD do.
+                if self.neg.as_ref().is_some_and(|n| n.ird == 0) {
+                    self.header_error(
+                        ulpdu,
+                        term_layer::RDMAP,
+                        REMOTE_OP,
+                        RDMAP_CATASTROPHIC_STREAM,
+                    );
                     return false;
                 }
                 match ReadRequest::parse(payload) {
