@@ -126,6 +126,18 @@ fn bench_without_send_batches() {
         let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
         assert_eq!(r["established"], 200, "{out}");
         assert_eq!(r["errors"], 0, "{out}");
+        // The "full connect" row, as cmtime's: each connection's time to being up gives
+        // max and min (the sum is left out: they overlap), within the row's total.
+        let full = r["steps"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["step"] == "full connect"))
+            .expect("a full connect row");
+        let f = |k: &str| full[k].as_f64().expect(k);
+        assert_eq!((f("sum_us"), f("us_per_conn")), (0.0, 0.0), "{full}");
+        assert!(
+            0.0 < f("min_us") && f("min_us") <= f("max_us") && f("max_us") <= f("total_us"),
+            "{full}"
+        );
     }
 }
 
