@@ -7,6 +7,19 @@ mod common;
 
 use common::rcm;
 
+/// Starts `rcm` with `args` as a server process (stdout and stderr piped) and gives it
+/// 300 ms to open its devices and listen.
+fn start_server(args: &[&str]) -> std::process::Child {
+    let c = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn rcm");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    c
+}
+
 #[test]
 fn bench_json_reports_every_connection_and_the_table() {
     let dir = std::env::temp_dir().join(format!("rcm-bench-{}", std::process::id()));
@@ -189,21 +202,15 @@ fn bench_usage_errors_are_clear() {
 /// connects from the default source (127.0.0.2 toward 127.0.0.1).
 #[test]
 fn bench_server_and_client_processes_without_bind() {
-    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args([
-            "bench",
-            "--listen",
-            "-c",
-            "20",
-            "--udp-port",
-            "26805",
-            "--json",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let server = start_server(&[
+        "bench",
+        "--listen",
+        "-c",
+        "20",
+        "--udp-port",
+        "26805",
+        "--json",
+    ]);
     let (code, out, err) = rcm(&[
         "bench",
         "--server",
@@ -278,24 +285,18 @@ fn ping_ud_and_reject_and_json() {
 /// empty and so matches anything.
 #[test]
 fn ping_reject_is_not_satisfied_by_a_missing_listener() {
-    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args([
-            "ping",
-            "--listen",
-            "--bind",
-            "127.0.0.1",
-            "-p",
-            "7998",
-            "--udp-port",
-            "26806",
-            "--timeout",
-            "5",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let server = start_server(&[
+        "ping",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-p",
+        "7998",
+        "--udp-port",
+        "26806",
+        "--timeout",
+        "5",
+    ]);
     let (code, out, err) = rcm(&[
         "ping",
         "--reject",
@@ -323,23 +324,18 @@ fn ping_reject_is_not_satisfied_by_a_missing_listener() {
 
 #[test]
 fn ping_separate_server_and_client_processes() {
-    let server = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args([
-            "ping",
-            "--listen",
-            "--bind",
-            "127.0.0.1",
-            "-c",
-            "2",
-            "--udp-port",
-            "26797",
-            "--timeout",
-            "20",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    let server = start_server(&[
+        "ping",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-c",
+        "2",
+        "--udp-port",
+        "26797",
+        "--timeout",
+        "20",
+    ]);
     let (code, out, err) = rcm(&[
         "ping",
         "--connect",

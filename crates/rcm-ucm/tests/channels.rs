@@ -13,25 +13,6 @@ use rcm_ucm::raw::RawSession;
 use rcm_ucm::{Daemon, MAX_CHANNELS};
 use std::time::Duration;
 
-fn attach_cmd(token: u64) -> Command {
-    Command::Attach {
-        min: proto::VERSION,
-        max: proto::VERSION,
-        token,
-    }
-}
-
-/// A connection attached to the session holding `token`.
-fn channel(d: &Daemon, token: u64) -> RawSession {
-    let mut c = RawSession::connect(d.socket()).expect("connect");
-    assert_eq!(
-        ok(&mut c, &attach_cmd(token)),
-        Answer::Reply(Reply::Done),
-        "attach"
-    );
-    c
-}
-
 fn attach_err(d: &Daemon, cmd: &Command) -> WireError {
     let mut c = RawSession::connect(d.socket()).expect("connect");
     err(&mut c, cmd)

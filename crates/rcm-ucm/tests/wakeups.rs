@@ -5,9 +5,8 @@
 mod common;
 
 use common::*;
-use rcm::remote::{Op, Reply};
-use rcm_ucm::proto::{self, Answer, Command, Message, WireEvent};
-use rcm_ucm::raw::RawSession;
+use rcm::remote::Op;
+use rcm_ucm::proto::{Answer, Command, Message, WireEvent};
 
 /// The ids of this process's threads named `name`.
 fn threads_named(name: &str) -> Vec<String> {
@@ -49,19 +48,7 @@ fn session_reader_sleeps_while_its_events_are_read() {
     let reader = &reader[0];
     // Credit for every event, given before counting.
     s.send(&Command::GetEvent(EVENTS)).expect("credit");
-    let mut c = RawSession::connect(d.socket()).expect("channel");
-    c.set_timeout(T).expect("timeout");
-    assert_eq!(
-        ok(
-            &mut c,
-            &Command::Attach {
-                min: proto::VERSION,
-                max: proto::VERSION,
-                token
-            }
-        ),
-        Answer::Reply(Reply::Done)
-    );
+    let mut c = channel(&d, token);
     // Let the reader take the credit and fall asleep.
     wait_stats(&mut c, |st| st.credit == u64::from(EVENTS), "the credit");
     std::thread::sleep(std::time::Duration::from_millis(50));

@@ -65,9 +65,6 @@ struct Conn {
     /// A close waits for `out` to be written until then; after, it becomes a reset (a peer
     /// that stopped reading would otherwise hold the stream for good).
     drain_by: Option<Instant>,
-    /// How long a close waits for the peer to take what is left to send (the Cep's close
-    /// timeout; the kernel bounds an orphaned socket's last bytes likewise).
-    drain_for: Duration,
 }
 
 struct Listener {
@@ -255,7 +252,8 @@ impl Conn {
     fn flush(&mut self, now: Instant) -> Result<(), bool> {
         // A reset discards what is not yet sent: it is not held back behind those bytes, which
         // a peer that stopped reading would never take (the stream would stay for good). So
-        // does a close whose bytes the peer has not taken within `drain_for`.
+        // does a close whose bytes the peer has not taken within the Cep's close timeout (the
+        // kernel bounds an orphaned socket's last bytes likewise).
         if self.after.contains(&TcpAction::Reset) || self.drain_by.is_some_and(|t| t <= now) {
             self.out.clear();
             self.after.clear();
@@ -271,7 +269,7 @@ impl Conn {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if self.drain_by.is_none() && self.after.contains(&TcpAction::Close) {
-                        self.drain_by = Some(now + self.drain_for);
+                        self.drain_by = Some(now + self.cep.config().close_timeout);
                     }
                     return Ok(());
                 }
@@ -384,7 +382,6 @@ impl DeviceInner {
             e.conns.insert(
                 key,
                 Conn {
-                    drain_for: cfg.close_timeout,
                     cep: Cep::active(cfg),
                     stream,
                     peer: dst,
@@ -484,7 +481,6 @@ impl DeviceInner {
                 e.conns.insert(
                     k,
                     Conn {
-                        drain_for: iw.cfg.close_timeout,
                         cep: Cep::passive(now, iw.cfg.clone()),
                         stream,
                         peer,

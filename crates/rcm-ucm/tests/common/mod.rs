@@ -285,3 +285,24 @@ pub fn assert_silent(s: &mut RawSession, d: Duration) {
     }
     s.set_timeout(T).expect("timeout");
 }
+
+/// `Attach` to the session holding `token`, at this protocol version.
+pub fn attach_cmd(token: u64) -> Command {
+    Command::Attach {
+        min: rcm_ucm::proto::VERSION,
+        max: rcm_ucm::proto::VERSION,
+        token,
+    }
+}
+
+/// A command channel: a connection attached to the session holding `token`.
+pub fn channel(d: &Daemon, token: u64) -> RawSession {
+    let mut c = RawSession::connect(d.socket()).expect("connect");
+    c.set_timeout(T).expect("timeout");
+    assert_eq!(
+        ok(&mut c, &attach_cmd(token)),
+        Answer::Reply(rcm::remote::Reply::Done),
+        "attach"
+    );
+    c
+}
