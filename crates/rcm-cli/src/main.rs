@@ -133,7 +133,8 @@ struct BenchArgs {
     /// default the calls a burst makes in a row, and the answers its event loop makes while
     /// more events are waiting, send their datagrams together (`rcm::SendBatch`: one system
     /// call per peer and batch), and the server's callbacks run on the device thread that
-    /// received their event, their answers sent together (`rcm::CallbackMode::Inline`).
+    /// received their event, their answers sent together (`rcm::CallbackMode::Inline`; with
+    /// --daemon, on the session's reader thread).
     #[arg(long)]
     no_send_batch: bool,
 }
@@ -156,12 +157,12 @@ struct DaemonArgs {
     /// wait on one: one thread is enough, and fewer threads mean fewer wake-ups).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
-    /// Where the daemon's callbacks run: on its callback threads (threads), there with their
-    /// datagrams sent together (batched), or on the device thread that received their event
-    /// (inline; see rcm::CallbackMode). Its callbacks never block, so all three are safe. On
-    /// a 2-core VM, interleaved, inline and threads were within noise of each other (serial
-    /// connect p50 212-286 vs 265-390 µs, bursts 3.9-7.1k vs 4.7-7.8k conn/s).
-    #[arg(long, default_value = "threads", value_parser = ["threads", "batched", "inline"])]
+    /// Where the daemon's callbacks run: on the device thread that received their event
+    /// (inline; see rcm::CallbackMode), on its callback threads (threads), or there with
+    /// their datagrams sent together (batched). Its callbacks never block, so all three are
+    /// safe. Inline saves a thread hop per event: on a 2-core VM, interleaved, serial connect
+    /// p50 ~216 µs against ~288 with threads; bursts within noise.
+    #[arg(long, default_value = "inline", value_parser = ["threads", "batched", "inline"])]
     callbacks: String,
     /// Microseconds an idle device, callback or client-reading thread polls for work before
     /// it sleeps (0: sleep at once). Waking a sleeping thread costs tens of µs per hop. A
@@ -427,8 +428,9 @@ struct StressArgs {
     #[arg(long, value_name = "PATH")]
     daemon: Option<PathBuf>,
     /// Where callbacks run: on callback threads (threads), there with their datagrams sent
-    /// together (batched), or on the device thread that received their event (inline); see
-    /// rcm::CallbackMode. The stress callbacks never block, so all three apply.
+    /// together (batched), or on the device thread that received their event (inline; with
+    /// --daemon, on the session's reader thread); see rcm::CallbackMode. The stress
+    /// callbacks never block, so all three apply.
     #[arg(long, default_value = "threads", value_parser = ["threads", "batched", "inline"])]
     callbacks: String,
 }

@@ -123,7 +123,8 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         ..FabricConfig::default()
     };
     let (fabric, client, primary, removable) = if let Some(p) = &o.daemon {
-        let c = rcm_ucm::Client::connect(p).map_err(|e| format!("daemon {}: {e}", p.display()))?;
+        let c = rcm_ucm::Client::connect_for(p, &cfg)
+            .map_err(|e| format!("daemon {}: {e}", p.display()))?;
         let f = Fabric::with_provider(Arc::new(c.clone()), cfg);
         let devs = f.device_addrs();
         let first = *devs.first().ok_or("the daemon has no devices")?;

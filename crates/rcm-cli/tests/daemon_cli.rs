@@ -158,6 +158,20 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(!out.contains("VIOLATION"), "{out}");
+    // The callbacks on the session's reader: the same races, their calls on channels.
+    let (code, out, err) = rcm(&[
+        "stress",
+        "--daemon",
+        p,
+        "-d",
+        "2",
+        "--seed",
+        "8",
+        "--callbacks",
+        "inline",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(!out.contains("VIOLATION"), "{out}");
 
     // A second daemon on the same socket is refused, and the first keeps serving.
     let (code, _, err) = rcm(&[

@@ -3,7 +3,9 @@
 //! in-process devices.
 //!
 //! One connection is one daemon session. A reader thread feeds its events to the ids' sinks;
-//! callbacks run on the fabric's own dispatcher threads, so they may make blocking calls.
+//! callbacks run on the fabric's own dispatcher threads, so they may make blocking calls, or
+//! with [`rcm::CallbackMode::Inline`] on the reader itself, after each batch of events it
+//! read (one thread hop less per event; the mode's rules for callbacks apply).
 //! Calls go on *command channels*: further connections attached to the session, each used
 //! by one calling thread at a time, which writes its command and reads the reply itself (a
 //! reply then wakes one thread, not the reader and then the caller). When no channel can be
@@ -25,7 +27,7 @@ use std::net::IpAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, Weak};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 
 /// Event credit granted to the daemon at a time.
 const WINDOW: u32 = 4096;
@@ -58,6 +60,12 @@ struct Inner {
     idle: Mutex<Vec<BufReader<SpinRead>>>,
     /// Command channels open (idle or in use).
     channels: AtomicUsize,
+    /// Command channels attached and not failed: while there is one, a call from a callback
+    /// on the reader can wait for it to be idle (channel calls never need the reader).
+    attached: AtomicUsize,
+    /// Callers waiting for an idle channel (only calls on the reader thread wait).
+    idle_waiters: AtomicUsize,
+    idle_cond: Condvar,
     /// Set when the daemon refused a channel: calls use the session's connection.
     no_channels: AtomicBool,
     /// How long reading threads poll before they sleep.
@@ -86,9 +94,10 @@ pub fn fabric(path: impl AsRef<Path>) -> rcm::Result<Fabric> {
     fabric_with(path, FabricConfig::default())
 }
 
-/// Like [`fabric`], with a configuration (only `dispatcher_threads` and `spin` matter).
+/// Like [`fabric`], with a configuration (only `dispatcher_threads`, `spin` and
+/// `callbacks` matter; see [`Client::connect_for`]).
 pub fn fabric_with(path: impl AsRef<Path>, cfg: FabricConfig) -> rcm::Result<Fabric> {
-    let c = Client::connect_with(path, cfg.spin)?;
+    let c = Client::connect_for(path, &cfg)?;
     Ok(Fabric::with_provider(Arc::new(c), cfg))
 }
 
@@ -125,7 +134,27 @@ impl Client {
     /// Opens a session whose reading threads poll for `spin` before they sleep (see
     /// [`rcm::FabricConfig::spin`]).
     pub fn connect_with(path: impl AsRef<Path>, spin: std::time::Duration) -> rcm::Result<Client> {
-        let path = path.as_ref();
+        Self::open(path.as_ref(), spin, false)
+    }
+
+    /// Opens a session for a fabric with configuration `cfg`: its reading threads poll for
+    /// `cfg.spin`, and with [`rcm::CallbackMode::Inline`] the session's reader runs the
+    /// callbacks of the events it read itself, after each batch (a thread hop less per
+    /// event), instead of handing them to the fabric's dispatcher threads. A callback's calls
+    /// then go on command channels, waiting for one to be idle when all are busy (they never
+    /// need the reader); the mode's rules apply: a callback must not wait for another id's
+    /// callback, and one that blocks holds back every event of the session. Until the
+    /// session has a command channel, and if the daemon refuses them, callbacks run on the
+    /// dispatcher threads.
+    pub fn connect_for(path: impl AsRef<Path>, cfg: &FabricConfig) -> rcm::Result<Client> {
+        Self::open(
+            path.as_ref(),
+            cfg.spin,
+            cfg.callbacks == rcm::CallbackMode::Inline,
+        )
+    }
+
+    fn open(path: &Path, spin: std::time::Duration, inline: bool) -> rcm::Result<Client> {
         let mut s = UnixStream::connect(path)
             .map_err(|e| Error::Io(format!("daemon socket {}: {e}", path.display())))?;
         s.write_all(
@@ -171,6 +200,9 @@ impl Client {
             path: path.to_owned(),
             idle: Mutex::new(Vec::new()),
             channels: AtomicUsize::new(0),
+            attached: AtomicUsize::new(0),
+            idle_waiters: AtomicUsize::new(0),
+            idle_cond: Condvar::new(),
             no_channels: AtomicBool::new(false),
             spin,
         });
@@ -182,7 +214,8 @@ impl Client {
                 // Polls a while before sleeping, as the fabric's threads do: a sleeping
                 // reader adds a wake-up (tens of µs) to every event.
                 let r = std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(s, spin));
-                reader(&weak, r);
+                ON_READER.with(|f| f.set(true));
+                reader(&weak, r, inline);
             })?;
         Ok(Client(inner))
     }
@@ -246,7 +279,10 @@ impl Inner {
             return None;
         }
         match self.attach() {
-            Ok(c) => Some(c),
+            Ok(c) => {
+                self.attached.fetch_add(1, Ordering::SeqCst);
+                Some(c)
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "no command channel; this call shares the session's connection");
                 // The daemon's refusal (its limit, or an older daemon) is for good; a socket
@@ -297,6 +333,8 @@ impl Inner {
         let Ok(h) = r else {
             // The daemon is gone or closed the session; the reader sees it too.
             self.channels.fetch_sub(1, Ordering::SeqCst);
+            self.attached.fetch_sub(1, Ordering::SeqCst);
+            self.wake_idle_waiter();
             return Err(Error::DeviceRemoved);
         };
         let answer = match decode_message(h.kind, &body) {
@@ -306,12 +344,61 @@ impl Inner {
             Err(e) => Err(Error::Remote(format!("bad answer from the daemon: {e}"))),
         };
         lock(&self.idle).push(ch);
+        self.wake_idle_waiter();
         answer
+    }
+
+    fn wake_idle_waiter(&self) {
+        if self.idle_waiters.load(Ordering::SeqCst) > 0 {
+            // Taken so a waiter between its check and its wait cannot miss this.
+            drop(lock(&self.idle));
+            self.idle_cond.notify_all();
+        }
+    }
+
+    /// For a call on the reader thread (from a callback it runs): a command channel, waited
+    /// for while every one is busy. `None` when the session has none: the call cannot be
+    /// answered, since answers on the session's connection are read by this very thread.
+    fn channel_on_reader(&self) -> Option<BufReader<SpinRead>> {
+        loop {
+            if let Some(c) = self.channel() {
+                return Some(c);
+            }
+            if !self.alive.load(Ordering::SeqCst) {
+                return None;
+            }
+            self.idle_waiters.fetch_add(1, Ordering::SeqCst);
+            let mut idle = lock(&self.idle);
+            while idle.is_empty()
+                && self.attached.load(Ordering::SeqCst) > 0
+                && self.alive.load(Ordering::SeqCst)
+            {
+                idle = self
+                    .idle_cond
+                    .wait(idle)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            let none = idle.is_empty();
+            drop(idle);
+            self.idle_waiters.fetch_sub(1, Ordering::SeqCst);
+            if none {
+                return None;
+            }
+        }
     }
 
     fn request(&self, cmd: &Command) -> rcm::Result<Answer> {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(Error::DeviceRemoved);
+        }
+        if ON_READER.with(std::cell::Cell::get) {
+            return match self.channel_on_reader() {
+                Some(ch) => self.call_on(ch, cmd),
+                None if !self.alive.load(Ordering::SeqCst) => Err(Error::DeviceRemoved),
+                None => Err(Error::Remote(
+                    "no command channel for a call from a callback on the session's reader".into(),
+                )),
+            };
         }
         if let Some(ch) = self.channel() {
             return self.call_on(ch, cmd);
@@ -488,11 +575,30 @@ impl RemoteId for Handle {
     }
 }
 
-fn reader(weak: &Weak<Inner>, mut s: impl Read) {
+std::thread_local! {
+    /// Set on a session's reader thread, where a call must not wait for an answer on the
+    /// session's connection (this thread reads them).
+    static ON_READER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `inline`: run the callbacks of each batch of events here (see [`Client::connect_for`]).
+fn reader(weak: &Weak<Inner>, mut s: BufReader<SpinRead>, inline: bool) {
     let mut body = Vec::new();
     let mut used: u32 = 0;
-    while let Ok(h) = read_frame(&mut s, &mut body) {
+    let mut here: Option<rcm::CallbacksHere> = None;
+    loop {
+        // The batch is what was read at once: its callbacks run before this thread waits
+        // for more, so none waits on the socket.
+        if here.is_some() && s.buffer().is_empty() {
+            here = None;
+        }
+        let Ok(h) = read_frame(&mut s, &mut body) else {
+            break;
+        };
         let Some(c) = weak.upgrade() else { return };
+        if inline && here.is_none() && c.attached.load(Ordering::SeqCst) > 0 {
+            here = Some(rcm::CallbacksHere::begin());
+        }
         let msg = match decode_message(h.kind, &body) {
             Ok(m) => m,
             Err(e) => {
@@ -533,6 +639,7 @@ fn reader(weak: &Weak<Inner>, mut s: impl Read) {
             }
         }
     }
+    drop(here);
     // The daemon is gone: fail the waiting calls, and it is a device removal for every id.
     let Some(c) = weak.upgrade() else { return };
     {

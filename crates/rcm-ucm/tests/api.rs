@@ -148,17 +148,51 @@ fn connect_accept_disconnect_between_two_clients() {
 
 #[test]
 fn handlers_flow_destroy_and_destroy_inside_callback() {
-    let d = daemon("handlers", 47102, &[1]);
-    let server = rcm_ucm::fabric(d.socket()).expect("server");
-    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let threads = handlers_case("handlers", 47102, rcm::CallbackMode::Threads);
+    assert!(
+        threads.iter().all(|t| t.starts_with("rcm-cb-")),
+        "callbacks ran on {threads:?}"
+    );
+}
+
+#[test]
+fn inline_handlers_run_on_the_sessions_reader_with_every_guarantee() {
+    // The same story with the callbacks on each session's reader (CallbackMode::Inline):
+    // their calls (accept, connect, establish, disconnect, destroy from inside) go on
+    // command channels, which never need the reader.
+    let threads = handlers_case("handlers-inline", 47108, rcm::CallbackMode::Inline);
+    assert!(
+        threads.iter().all(|t| t == "rcm-ucm-client"),
+        "callbacks ran on {threads:?}"
+    );
+}
+
+/// A server accepting from its handler and a client driving its connection from its own,
+/// through the daemon, with fabrics in `mode`; returns the names of the threads the
+/// callbacks ran on.
+fn handlers_case(name: &str, port: u16, mode: rcm::CallbackMode) -> Vec<String> {
+    let d = daemon(name, port, &[1]);
+    let cfg = FabricConfig {
+        callbacks: mode,
+        ..FabricConfig::default()
+    };
+    let server = rcm_ucm::fabric_with(d.socket(), cfg.clone()).expect("server");
+    let client = rcm_ucm::fabric_with(d.socket(), cfg).expect("client");
     let (tx, rx) = mpsc::channel::<String>();
     let inside = Arc::new(AtomicUsize::new(0));
     let ins = inside.clone();
+    let names = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let (snames, cnames) = (names.clone(), names.clone());
+    let here = |names: &std::sync::Mutex<Vec<String>>| {
+        let t = std::thread::current().name().unwrap_or("?").to_string();
+        names.lock().expect("names").push(t);
+    };
     // The server accepts every request from its handler; the child destroys itself from
     // inside its own callback on Disconnected (Deferred), the listener is destroyed last.
     let stx = tx.clone();
     let l = server
         .try_create_id(PortSpace::Tcp, move |id, ev| {
+            here(&snames);
             let _ = stx.send(format!("server {}", ev.name()));
             match ev {
                 Event::ConnectRequest { .. } => {
@@ -177,11 +211,12 @@ fn handlers_flow_destroy_and_destroy_inside_callback() {
             }
         })
         .expect("create listener");
-    l.bind(SocketAddr::new(ip(1), 7001)).expect("bind");
+    l.bind(SocketAddr::new(ip(1), port - 40100)).expect("bind");
     l.listen(4).expect("listen");
     let ctx = tx.clone();
     let c = client
         .try_create_id(PortSpace::Tcp, move |id, ev| {
+            here(&cnames);
             let _ = ctx.send(format!("client {}", ev.name()));
             match ev {
                 Event::AddrResolved => {
@@ -206,7 +241,7 @@ fn handlers_flow_destroy_and_destroy_inside_callback() {
             }
         })
         .expect("create client");
-    c.resolve_addr(None, SocketAddr::new(ip(1), 7001))
+    c.resolve_addr(None, SocketAddr::new(ip(1), port - 40100))
         .expect("resolve");
     let mut seen = Vec::new();
     let t0 = Instant::now();
@@ -238,6 +273,9 @@ fn handlers_flow_destroy_and_destroy_inside_callback() {
     }
     drop(server);
     drop(client);
+    let n = names.lock().expect("names").clone();
+    assert!(!n.is_empty());
+    n
 }
 
 /// Commands the daemon has read from `c`'s session, counting this one (the `Stats` asking).

@@ -316,3 +316,123 @@ fn events_survive_a_full_socket_whole_once_and_in_order() {
     }
     assert_eq!(stats(&mut a).dropped_events, 0);
 }
+
+/// Sets its flag when dropped.
+struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// `f`'s result; fails the test if it takes over a minute (a deadlock would hang it, and the
+/// threads it hangs with, for good).
+fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("still running after a minute: deadlocked")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("sent before"),
+    }
+}
+
+/// A server fabric whose callbacks run on its session's reader (`CallbackMode::Inline`) and
+/// accept every request from there; `max_channels` command channels per session at the
+/// daemon. Connects `n` clients while four threads of the server make calls on the same
+/// session without pause, and returns the names of the threads the callbacks ran on.
+fn inline_accepts_under_load(name: &str, port: u16, max_channels: usize, n: usize) -> Vec<String> {
+    use rcm::{AcceptOptions, Flow};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let mut cfg = config(name, port, &[1, 2]);
+    cfg.max_channels = max_channels;
+    let d = Daemon::start(cfg).expect("daemon");
+    let server = rcm_ucm::fabric_with(
+        d.socket(),
+        rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+    .expect("server");
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let names = Arc::new(Mutex::new(Vec::new()));
+    let seen = names.clone();
+    let l = server
+        .try_create_id(PortSpace::Tcp, move |id, ev| {
+            let t = std::thread::current().name().unwrap_or("?").to_string();
+            seen.lock().expect("names").push(t);
+            if let Event::ConnectRequest { .. } = ev {
+                id.accept(&AcceptOptions::default())
+                    .expect("accept from the callback");
+            }
+            Flow::Continue
+        })
+        .expect("listener");
+    let addr = sa(1, port - 40000);
+    l.bind(addr).expect("bind");
+    l.listen(64).expect("listen");
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    let id = server
+                        .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+                        .expect("create");
+                    id.bind(sa(1, 0)).expect("bind");
+                    id.destroy().expect("destroy");
+                }
+            });
+        }
+        // Set however the connects end, so a failed one fails the test instead of leaving
+        // the scope waiting for the callers.
+        let _stop = Stop(&stop);
+        for _ in 0..n {
+            let ch = EventChannel::new();
+            let c = dial(&client, &ch, addr, b"");
+            let rep = next(&ch);
+            assert!(
+                matches!(rep.event(), Event::ConnectResponse { .. }),
+                "{rep:?}"
+            );
+            drop(rep);
+            c.establish().expect("establish");
+            assert!(matches!(next(&ch).event(), Event::Established { .. }));
+            c.destroy().expect("destroy");
+        }
+    });
+    let n = names.lock().expect("names").clone();
+    drop(l);
+    n
+}
+
+#[test]
+fn inline_callbacks_wait_for_a_busy_channel() {
+    // One channel for the whole session, nearly always busy with the other threads' calls:
+    // an accept from a callback on the reader must wait for it. Taking the session's
+    // connection instead would wait for an answer that only the reader, itself, reads.
+    let threads = within_a_minute(|| inline_accepts_under_load("ch-inline-busy", 47308, 1, 50));
+    assert!(
+        threads.iter().any(|t| t == "rcm-ucm-client"),
+        "callbacks ran on {threads:?}"
+    );
+}
+
+#[test]
+fn inline_callbacks_without_channels_run_on_the_dispatcher() {
+    // No channels at all: every answer comes on the session's connection, which the reader
+    // reads, so callbacks must not run there.
+    let threads = within_a_minute(|| inline_accepts_under_load("ch-inline-none", 47309, 0, 10));
+    assert!(
+        !threads.is_empty() && threads.iter().all(|t| t.starts_with("rcm-cb-")),
+        "callbacks ran on {threads:?}"
+    );
+}

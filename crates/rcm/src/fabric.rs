@@ -76,7 +76,8 @@ pub enum CallbackMode {
     /// after the batch of datagrams it received, with what the callbacks send held and sent
     /// together at the end: one thread hop less per event (on a 2-core VM, serial connect
     /// p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's, iWARP's)
-    /// run as in `BatchedThreads`.
+    /// run as in `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the
+    /// callbacks run on the session's reader thread after each batch of events it read.
     Inline,
 }
 
