@@ -18,11 +18,11 @@ use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
-use crate::spin::SpinRead;
+use crate::spin::{send_all, SpinRead};
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
 use rcm::{Error, Event, Fabric, FabricConfig, PortSpace, QpAttr, QpState};
 use std::collections::HashMap;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, Read};
 use std::net::IpAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -157,7 +157,8 @@ impl Client {
     fn open(path: &Path, spin: std::time::Duration, inline: bool) -> rcm::Result<Client> {
         let mut s = UnixStream::connect(path)
             .map_err(|e| Error::Io(format!("daemon socket {}: {e}", path.display())))?;
-        s.write_all(
+        send_all(
+            &s,
             &Command::Hello {
                 min: proto::VERSION,
                 max: proto::VERSION,
@@ -172,9 +173,9 @@ impl Client {
             Ok(_) => return Err(Error::Remote("unexpected answer to Hello".into())),
             Err(e) => return Err(Error::Remote(format!("bad answer to Hello: {e}"))),
         };
-        s.write_all(&Command::GetEvent(WINDOW).encode(0))?;
+        send_all(&s, &Command::GetEvent(WINDOW).encode(0))?;
         let (out, frames) = mpsc::channel::<Vec<u8>>();
-        let mut wire = s.try_clone()?;
+        let wire = s.try_clone()?;
         std::thread::Builder::new()
             .name("rcm-ucm-out".into())
             .spawn(move || {
@@ -182,7 +183,7 @@ impl Client {
                 // write shuts the connection down, so the reader sees the end and fails the
                 // calls waiting for answers.
                 for frame in frames {
-                    if wire.write_all(&frame).is_err() {
+                    if send_all(&wire, &frame).is_err() {
                         let _ = wire.shutdown(std::net::Shutdown::Both);
                         return;
                     }
@@ -297,8 +298,9 @@ impl Inner {
     }
 
     fn attach(&self) -> rcm::Result<BufReader<SpinRead>> {
-        let mut s = UnixStream::connect(&self.path)?;
-        s.write_all(
+        let s = UnixStream::connect(&self.path)?;
+        send_all(
+            &s,
             &Command::Attach {
                 min: proto::VERSION,
                 max: proto::VERSION,
@@ -320,16 +322,12 @@ impl Inner {
     fn call_on(&self, mut ch: BufReader<SpinRead>, cmd: &Command) -> rcm::Result<Answer> {
         let seq = self.next_seq();
         let mut body = Vec::new();
-        let r = ch
-            .get_mut()
-            .stream
-            .write_all(&cmd.encode(seq))
-            .and_then(|()| loop {
-                let h = read_frame(&mut ch, &mut body)?;
-                if h.seq == seq {
-                    break Ok(h);
-                }
-            });
+        let r = send_all(&ch.get_ref().stream, &cmd.encode(seq)).and_then(|()| loop {
+            let h = read_frame(&mut ch, &mut body)?;
+            if h.seq == seq {
+                break Ok(h);
+            }
+        });
         let Ok(h) = r else {
             // The daemon is gone or closed the session; the reader sees it too.
             self.channels.fetch_sub(1, Ordering::SeqCst);

@@ -19,20 +19,20 @@ use crate::proto::{
     self, decode_command, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
-use crate::spin::SpinRead;
+use crate::spin::{send_all, SpinRead};
 use rcm::remote::{Limit, Reply};
 use rcm::{CmId, Event, Fabric, FabricConfig, Flow, QpAttr, QpState};
 use rustix::io::Errno;
 use rustix::net::{send, SendFlags};
 use std::collections::{HashMap, VecDeque};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::IpAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Which transport the daemon's devices speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +61,10 @@ pub struct DaemonConfig {
     /// Command channels one session may have open at once ([`MAX_CHANNELS`] by default;
     /// 0 refuses them all, and clients then make every call on the session's connection).
     pub max_channels: usize,
+    /// How long a new connection may take to open its session (`HELLO`) or attach as a
+    /// channel (`ATTACH`) before the daemon closes it (10 s by default): a connection that
+    /// never says anything holds threads of the daemon's.
+    pub handshake_timeout: Duration,
 }
 
 impl DaemonConfig {
@@ -86,6 +90,7 @@ impl DaemonConfig {
             limits: Limits::default(),
             mode: 0o660,
             max_channels: MAX_CHANNELS,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -122,6 +127,7 @@ struct Shared {
     spin: Duration,
     limits: Limits,
     max_channels: usize,
+    handshake_timeout: Duration,
     socket: PathBuf,
     /// The socket file's device and inode, as bound.
     socket_file: Option<(u64, u64)>,
@@ -253,6 +259,7 @@ impl Daemon {
             limits,
             mode,
             max_channels,
+            handshake_timeout,
         } = cfg;
         if binds.is_empty() {
             return Err(DaemonError::NoBinds);
@@ -298,6 +305,7 @@ impl Daemon {
             spin,
             limits,
             max_channels,
+            handshake_timeout,
             socket,
             socket_file,
             stopping: AtomicBool::new(false),
@@ -579,7 +587,7 @@ fn writer_loop(s: &Session) {
             out.backlog = false;
             take_batch(&mut out, &mut buf);
         }
-        if w.stream.write_all(&backlog).is_err() || w.stream.write_all(&buf).is_err() {
+        if send_all(&w.stream, &backlog).is_err() || send_all(&w.stream, &buf).is_err() {
             drop(w);
             fail(s);
             return;
@@ -651,7 +659,7 @@ fn push_reply(s: &Session, frame: &[u8]) {
     // read its replies blocks here, stalling only its own session.
     let mut w = lock(&s.wire);
     let backlog = std::mem::take(&mut w.backlog);
-    if w.stream.write_all(&backlog).is_err() || w.stream.write_all(frame).is_err() {
+    if send_all(&w.stream, &backlog).is_err() || send_all(&w.stream, frame).is_err() {
         drop(w);
         fail(s);
     }
@@ -661,6 +669,8 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
     // Buffered: a client that pipelines commands has them read in one system call.
     let mut stream =
         std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(stream, Duration::ZERO));
+    // Until the session is open (or the channel attached): a silent connection is closed.
+    stream.get_mut().deadline = Some(Instant::now() + sh.handshake_timeout);
     let max = sh.limits.max_message as usize;
     let mut body = Vec::new();
     let mut hello = false;
@@ -723,6 +733,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
             (Command::Hello { min, max }, false) => match check_version(*min, *max) {
                 Ok(()) => {
                     hello = true;
+                    stream.get_mut().deadline = None;
                     let token = loop {
                         let t: u64 = rand::random();
                         if t != 0 {
@@ -743,6 +754,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                 match attach(sh, s, *min, *max, *token) {
                     Ok(t) => {
                         hello = true;
+                        stream.get_mut().deadline = None;
                         target = Some(t);
                         // The client waits on this channel for each answer and sends its next
                         // command right after: worth polling for.

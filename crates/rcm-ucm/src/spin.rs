@@ -16,9 +16,9 @@
 
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rustix::event::{poll, PollFd, PollFlags};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 use rustix::net::{recv, RecvFlags};
 
@@ -26,11 +26,17 @@ use rustix::net::{recv, RecvFlags};
 pub(crate) struct SpinRead {
     pub(crate) stream: UnixStream,
     pub(crate) spin: Duration,
+    /// When set, a read still waiting at this instant fails with `TimedOut`.
+    pub(crate) deadline: Option<Instant>,
 }
 
 impl SpinRead {
     pub(crate) fn new(stream: UnixStream, spin: Duration) -> Self {
-        SpinRead { stream, spin }
+        SpinRead {
+            stream,
+            spin,
+            deadline: None,
+        }
     }
 }
 
@@ -60,11 +66,38 @@ impl Read for SpinRead {
                 Err(e) => return Err(e.into()),
             }
             // Readable, hung up or in error: the next recv says which.
+            let left = match self.deadline {
+                None => None,
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => Some(Timespec {
+                        tv_sec: i64::try_from(left.as_secs()).unwrap_or(i64::MAX),
+                        tv_nsec: left.subsec_nanos().into(),
+                    }),
+                    _ => return Err(io::ErrorKind::TimedOut.into()),
+                },
+            };
             let mut fds = [PollFd::new(&self.stream, PollFlags::IN)];
-            match poll(&mut fds, None) {
+            match poll(&mut fds, left.as_ref()) {
                 Ok(_) | Err(Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
             }
         }
     }
+}
+
+/// Writes all of `buf` to `stream` (blocking), with `MSG_NOSIGNAL`: a peer that went away
+/// is an `EPIPE` error here, never a `SIGPIPE`, which by default kills the process. The
+/// client library and an embedded daemon run inside programs that may not ignore it (Rust
+/// binaries do; C hosts, or Rust ones that restore the default, do not).
+pub(crate) fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    use rustix::net::{send, SendFlags};
+    while !buf.is_empty() {
+        match send(stream, buf, SendFlags::NOSIGNAL) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }

@@ -1273,3 +1273,33 @@ fn destroying_a_listener_while_its_children_get_events() {
     eprintln!("{n} rounds without a deadlock");
     peer.shutdown();
 }
+
+#[test]
+fn a_connection_that_never_opens_its_session_is_closed() {
+    use std::io::{Read, Write};
+    let mut cfg = config("handshake", 47225, &[1]);
+    cfg.handshake_timeout = Duration::from_millis(300);
+    let d = Daemon::start(cfg).expect("daemon");
+    // Silent; half a frame header; and a session that said Hello in time, then nothing.
+    let mut silent = std::os::unix::net::UnixStream::connect(d.socket()).expect("connect");
+    let mut partial = std::os::unix::net::UnixStream::connect(d.socket()).expect("connect");
+    partial.write_all(&[0u8; 5]).expect("write");
+    let (mut open, _) = RawSession::open(d.socket()).expect("session");
+    wait_until(
+        || d.sessions() == 3,
+        || format!("{} sessions", d.sessions()),
+    );
+    wait_until(
+        || d.sessions() == 1,
+        || format!("{} sessions after the handshake timeout", d.sessions()),
+    );
+    let mut b = [0u8; 1];
+    silent.set_read_timeout(Some(T)).expect("timeout");
+    assert_eq!(silent.read(&mut b).expect("closed, not timed out"), 0);
+    partial.set_read_timeout(Some(T)).expect("timeout");
+    assert_eq!(partial.read(&mut b).expect("closed, not timed out"), 0);
+    // The open session keeps its place however long it stays quiet.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(d.sessions(), 1);
+    create(&mut open);
+}
