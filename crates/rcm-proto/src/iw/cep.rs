@@ -74,6 +74,47 @@ struct PeerRequest {
     rtr: Option<RtrKind>,
 }
 
+/// Received bytes not parsed yet. What is parsed is consumed by moving an offset, and the
+/// buffer is compacted only when bytes are added: a read carrying many small FPDUs costs
+/// time linear in its length (removing each FPDU from the front of a `Vec` moved the rest
+/// every time, quadratic in the FPDUs per read, with the device's lock held).
+#[derive(Debug, Default)]
+struct RxBuf {
+    buf: Vec<u8>,
+    off: usize,
+}
+
+impl RxBuf {
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..]
+    }
+
+    fn len(&self) -> usize {
+        self.buf.len() - self.off
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.off = (self.off + n).min(self.buf.len());
+    }
+
+    fn extend(&mut self, bytes: &[u8]) {
+        if self.off > 0 {
+            self.buf.drain(..self.off);
+            self.off = 0;
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.off = 0;
+    }
+}
+
 /// One iWARP connection endpoint over one established TCP stream. See the module docs.
 #[derive(Debug)]
 pub struct Cep {
@@ -85,7 +126,7 @@ pub struct Cep {
     /// Our write side is shut down (`disconnect`): nothing more may be queued.
     write_shut: bool,
     rx_mode: RxMode,
-    rx: Vec<u8>,
+    rx: RxBuf,
     /// Do not try to parse before `rx` holds this many bytes (the parser said so).
     rx_need: usize,
     /// Active: the Request we sent. Passive: what the Request asked.
@@ -122,7 +163,7 @@ impl Cep {
             closed: false,
             write_shut: false,
             rx_mode,
-            rx: Vec::new(),
+            rx: RxBuf::default(),
             rx_need: 0,
             our_request: None,
             peer_request: None,
@@ -492,7 +533,7 @@ impl Cep {
             self.fail(ProtocolError::UnexpectedData, None);
             return;
         }
-        self.rx.extend_from_slice(bytes);
+        self.rx.extend(bytes);
         self.process_rx(now);
     }
 
@@ -638,9 +679,9 @@ impl Cep {
 
     /// Parses an MPA frame from `rx`. `Ok(None)`: more bytes needed.
     fn parse_frame(&mut self) -> Result<Option<MpaFrame>, ProtocolError> {
-        match MpaFrame::parse_with_limit(&self.rx, MAX_PRIVATE_DATA) {
+        match MpaFrame::parse_with_limit(self.rx.bytes(), MAX_PRIVATE_DATA) {
             Ok((f, used)) => {
-                self.rx.drain(..used);
+                self.rx.consume(used);
                 self.rx_need = 0;
                 Ok(Some(f))
             }
@@ -656,7 +697,7 @@ impl Cep {
                 value,
             }) => Err(ProtocolError::BadRevision(value as u8)),
             Err(e @ WireError::BadLength { .. }) => {
-                let pd = match self.rx.get(18..20) {
+                let pd = match self.rx.bytes().get(18..20) {
                     Some(b) => u16::from_be_bytes([b[0], b[1]]) as usize,
                     None => 0,
                 };
@@ -918,11 +959,11 @@ impl Cep {
 
     /// One FPDU from `rx`.
     fn rx_fpdu(&mut self, _now: Instant) -> bool {
-        let (ulpdu, crc_ok) = match mpa::Fpdu::parse(&self.rx) {
+        let (ulpdu, crc_ok) = match mpa::Fpdu::parse(self.rx.bytes()) {
             Ok((f, used)) => {
                 let ok = !self.crc || f.verify_crc().is_ok();
                 let u = f.ulpdu.to_vec();
-                self.rx.drain(..used);
+                self.rx.consume(used);
                 self.rx_need = 0;
                 (u, ok)
             }
