@@ -26,11 +26,13 @@ fn pump(a: &mut Cep, b: &mut Cep, now: Instant) {
     }
 }
 
+/// Takes the Cep's events; the messages among them are taken by the application at once.
 fn drain(c: &mut Cep) -> usize {
     let mut n = 0;
     while let Some(e) = c.poll_event() {
         n += usize::from(matches!(e, Event::Message(_)));
     }
+    c.messages_taken(n);
     n
 }
 

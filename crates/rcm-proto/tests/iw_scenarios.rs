@@ -2048,7 +2048,12 @@ fn thousands_of_fpdus_in_one_read_or_in_odd_pieces_arrive_whole_and_in_order() {
     // one read of 3,000 small FPDUs, then pieces cutting FPDUs anywhere, with both
     // parsed-but-not-compacted and partial bytes held between reads.
     for frag in [Frag::Whole, Frag::Random(37), Frag::OneByte] {
-        let mut n = Net::new(frag, 91);
+        // Receive buffers for all of them (none is taken here).
+        let cb = CepConfig {
+            recv_queue: 3000,
+            ..CepConfig::default()
+        };
+        let mut n = Net::with_configs(frag, 91, CepConfig::default(), cb);
         n.establish(&v1(), &AcceptParams::default());
         n.pipes[A].hold = true;
         let want: Vec<Vec<u8>> = (0..3000u32)
@@ -2065,4 +2070,39 @@ fn thousands_of_fpdus_in_one_read_or_in_odd_pieces_arrive_whole_and_in_order() {
         assert_eq!(n.messages(B), want, "{frag:?}");
         assert_eq!(n.sides[B].cep.state(), State::Established);
     }
+}
+
+#[test]
+fn a_send_with_every_receive_buffer_taken_is_terminated_like_siw() {
+    let cb = CepConfig {
+        recv_queue: 2,
+        ..CepConfig::default()
+    };
+    let mut n = Net::with_configs(Frag::Random(9), 5, CepConfig::default(), cb);
+    n.establish(&v1(), &AcceptParams::default());
+    // Buffers come back as the application takes messages: any number passes.
+    for i in 0..10u8 {
+        n.send(A, &[i; 3]);
+        n.b().messages_taken(1);
+    }
+    // Two held, none taken: the third Send's first segment has no buffer.
+    n.send(A, b"one");
+    n.send(A, b"two");
+    let mark = n.sides[B].sent.len();
+    n.send(A, &vec![3u8; 4000]);
+    let got = n.messages(B);
+    assert_eq!(got.len(), 12);
+    assert_eq!(&got[10..], [b"one".to_vec(), b"two".to_vec()]);
+    let t = last_terminate(&n.sides[B].sent[mark..]);
+    assert_eq!(
+        (t.layer, t.error_type, t.error_code),
+        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    );
+    // The offending segment's DDP header goes with it.
+    assert!(t.d && t.m, "{t:?}");
+    assert!(n.sides[B].cep.is_closed());
+    assert!(matches!(
+        last_close(n.events(A)),
+        Some(CloseReason::PeerTerminated(_))
+    ));
 }

@@ -2486,6 +2486,8 @@ impl CmId {
         let mut q = sync::lock(&mail.inbox);
         loop {
             if let Some(m) = q.pop_front() {
+                drop(q);
+                self.iw_message_taken();
                 return Some(m);
             }
             let left = end.saturating_duration_since(std::time::Instant::now());
@@ -2498,7 +2500,22 @@ impl CmId {
 
     /// The next message already received, if any.
     pub fn try_recv_message(&self) -> Option<Vec<u8>> {
-        sync::lock(&self.0.mail_if_any()?.inbox).pop_front()
+        let m = sync::lock(&self.0.mail_if_any()?.inbox).pop_front()?;
+        self.iw_message_taken();
+        Some(m)
+    }
+
+    /// A received message was taken: its receive buffer is free for the next Send
+    /// ([`rcm_proto::iw::CepConfig::recv_queue`]).
+    fn iw_message_taken(&self) {
+        let (dev, key) = {
+            let g = sync::lock(&self.0.st);
+            match (&g.device, g.iw) {
+                (Some(d), Some(k)) => (d.clone(), k.get()),
+                _ => return,
+            }
+        };
+        dev.iw_cep(key, |c, _| c.messages_taken(1));
     }
 }
 

@@ -791,3 +791,59 @@ fn request_ird_ord_are_given_from_the_listeners_side() {
     l.destroy().unwrap();
     f.shutdown();
 }
+
+#[test]
+fn a_peer_cannot_make_an_id_hold_more_messages_than_its_receive_buffers() {
+    // Four receive buffers on the server's device; the client's device has the default.
+    let f = Fabric::new(common::config(27990));
+    f.add_iwarp_device_with(
+        ip(1),
+        rcm_proto::iw::CepConfig {
+            recv_queue: 4,
+            ..rcm_proto::iw::CepConfig::default()
+        },
+    )
+    .expect("iWARP device");
+    f.add_iwarp_device(ip(2)).expect("iWARP device");
+    let log = Log::new();
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let ch = children.clone();
+    let l = listener(&f, addr(1, 27916), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            ch.lock().unwrap().push(id.clone());
+        }
+        accept_with(b"")(id, ev)
+    });
+
+    // Taken as they come, any number passes.
+    let c = client(&f, addr(1, 27916), b"", &log, cont);
+    log.wait_n("established", 2);
+    let s = children.lock().unwrap()[0].clone();
+    for i in 0..20u8 {
+        c.send(&[i]).unwrap();
+        let end = Instant::now() + T;
+        let got = loop {
+            if let Some(m) = s.try_recv_message() {
+                break m;
+            }
+            assert!(Instant::now() < end, "message {i} never came");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(got, [i]);
+    }
+    assert_eq!(s.state(), State::Established);
+
+    // Never taken: the fifth Send finds no buffer, and the server ends the stream with a
+    // Terminate (DDP, untagged buffer, "no buffer available") as siw does; it keeps the four.
+    for i in 0..5u8 {
+        c.send(&[i]).unwrap();
+    }
+    log.wait_n("disconnected", 2);
+    let kept: Vec<Vec<u8>> = std::iter::from_fn(|| s.recv_message(Duration::ZERO)).collect();
+    assert_eq!(kept, [[0u8], [1], [2], [3]]);
+    for id in [c, s, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    assert_clean(&f);
+    f.shutdown();
+}

@@ -28,6 +28,7 @@ const DDP_CATASTROPHIC_LOCAL: u8 = 0x00;
 const DDP_TAGGED_INVALID_STAG: u8 = 0x00;
 const DDP_TAGGED_BAD_VERSION: u8 = 0x04;
 const DDP_UNTAGGED_INVALID_QN: u8 = 0x01;
+const DDP_UNTAGGED_NO_BUFFER: u8 = 0x02;
 const DDP_UNTAGGED_MSN_RANGE: u8 = 0x03;
 const DDP_UNTAGGED_INVALID_MO: u8 = 0x04;
 const DDP_UNTAGGED_TOO_LONG: u8 = 0x05;
@@ -127,6 +128,9 @@ pub struct Cep {
     write_shut: bool,
     rx_mode: RxMode,
     rx: RxBuf,
+    /// Messages reported ([`Event::Message`]) and not yet taken by the application
+    /// ([`Cep::messages_taken`]): the receive buffers in use.
+    undelivered: usize,
     /// Do not try to parse before `rx` holds this many bytes (the parser said so).
     rx_need: usize,
     /// Active: the Request we sent. Passive: what the Request asked.
@@ -164,6 +168,7 @@ impl Cep {
             write_shut: false,
             rx_mode,
             rx: RxBuf::default(),
+            undelivered: 0,
             rx_need: 0,
             our_request: None,
             peer_request: None,
@@ -451,6 +456,12 @@ impl Cep {
             TcpAction::Close,
         );
         Ok(())
+    }
+
+    /// The application took `n` of the messages reported ([`Event::Message`]): their receive
+    /// buffers are free again (see [`CepConfig::recv_queue`]).
+    pub fn messages_taken(&mut self, n: usize) {
+        self.undelivered = self.undelivered.saturating_sub(n);
     }
 
     /// Queue `payload` as an RDMAP Send (untagged, queue 0, the next MSN), split into DDP
@@ -1107,6 +1118,14 @@ impl Cep {
                 | RdmapOpcode::SendSeInvalidate,
                 DdpBuffer::Untagged { qn, msn, mo, .. },
             ) => {
+                // A Send's first segment takes a receive buffer: with none free (every one
+                // holds a message the application has not taken), siw's siw_proc_send
+                // terminates the stream before looking at the header ("Invalid MSN - no
+                // buffer available", RFC 5041 §7.2): a peer cannot make us hold more.
+                if self.reassembly.is_empty() && self.undelivered >= self.cfg.recv_queue {
+                    self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_NO_BUFFER);
+                    return false;
+                }
                 if qn != QN_SEND {
                     self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_INVALID_QN);
                     return false;
@@ -1127,6 +1146,7 @@ impl Cep {
                 if h.last {
                     self.rx_msn_send = self.rx_msn_send.wrapping_add(1);
                     let msg = std::mem::take(&mut self.reassembly);
+                    self.undelivered += 1;
                     self.events.push_back(Event::Message(msg));
                 }
                 true

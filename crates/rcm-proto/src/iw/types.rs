@@ -84,6 +84,12 @@ pub struct CepConfig {
     /// Largest received message reassembled; a longer one is answered with a Terminate
     /// (DDP untagged buffer error, "message too long"). Default 1 MiB.
     pub max_recv_message: usize,
+    /// Receive buffers: how many received messages may wait for the application
+    /// ([`Cep::messages_taken`](super::Cep::messages_taken)). A Send arriving when all are
+    /// taken ends the stream with a Terminate (DDP untagged buffer error, "no buffer
+    /// available"), as siw does without a posted receive. Default 1024 (at most 1 GiB held
+    /// with the default `max_recv_message`; lower both to hold less).
+    pub recv_queue: usize,
 }
 
 impl Default for CepConfig {
@@ -99,6 +105,7 @@ impl Default for CepConfig {
             accept_v1_reply: true,
             max_send_segment: 1436,
             max_recv_message: 1 << 20,
+            recv_queue: 1024,
         }
     }
 }
