@@ -646,6 +646,7 @@ fn limit_code(l: Limit) -> u8 {
         Limit::MessageSize => 4,
         Limit::PendingCommands => 5,
         Limit::Channels => 6,
+        Limit::SendBuffer => 7,
     }
 }
 
@@ -1099,6 +1100,7 @@ impl<'a> R<'a> {
                 4 => Limit::MessageSize,
                 5 => Limit::PendingCommands,
                 6 => Limit::Channels,
+                7 => Limit::SendBuffer,
                 _ => return Err(ProtoError::BadValue("limit")),
             }),
             15 => Error::Remote(self.str()?),

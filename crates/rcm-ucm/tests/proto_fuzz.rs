@@ -281,6 +281,8 @@ fn cm_error(rng: &mut StdRng) -> rcm::Error {
                 Limit::UnreadRequests,
                 Limit::MessageSize,
                 Limit::PendingCommands,
+                Limit::Channels,
+                Limit::SendBuffer,
             ],
         )),
         16 => E::ShutDown,

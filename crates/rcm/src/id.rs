@@ -2445,7 +2445,9 @@ impl CmId {
     /// Sends one message over an established iWARP connection: an RDMAP Send, framed in
     /// MPA FPDUs on the TCP stream (split into DDP segments when long). The peer gets it from
     /// [`CmId::recv_message`]. On RoCE (rcm does not carry RoCE's data path), on a daemon's
-    /// id, and on a connection that is not established this fails, sending nothing.
+    /// id, and on a connection that is not established this fails, sending nothing; so it
+    /// does with `LimitExceeded(SendBuffer)` while [`crate::IW_SEND_BUFFER`] bytes wait for
+    /// a peer that is not reading (try again once it has).
     pub fn send(&self, msg: &[u8]) -> Result<()> {
         if self.0.remote().is_some() {
             return Err(Error::InvalidArgument(
@@ -2469,9 +2471,12 @@ impl CmId {
                 }
             }
         };
-        match dev.iw_cep(key, |c, now| c.send(now, msg)) {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(iw_err(e, self.state())),
+        match dev.iw_send(key, msg) {
+            Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(iw_err(e, self.state())),
+            Some(Err(crate::iwarp::SendBufferFull)) => {
+                Err(Error::LimitExceeded(crate::remote::Limit::SendBuffer))
+            }
             None => Err(Error::InvalidState(State::Disconnect)),
         }
     }

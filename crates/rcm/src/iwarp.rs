@@ -87,6 +87,17 @@ struct Pending {
     routing: bool,
 }
 
+/// Bytes of one iWARP connection that may wait for its socket (sent by the application,
+/// not yet taken by TCP) before [`CmId::send`](crate::CmId::send) refuses more
+/// ([`Limit::SendBuffer`](crate::remote::Limit::SendBuffer)): 4 MiB, Linux's largest TCP
+/// send buffer by default (`tcp_wmem`). The check is before a message is queued, so one
+/// message may take it past.
+pub const IW_SEND_BUFFER: usize = 4 << 20;
+
+/// [`IW_SEND_BUFFER`] was reached.
+#[derive(Debug)]
+pub(crate) struct SendBufferFull;
+
 /// The iWARP part of a device.
 pub(crate) struct IwDev {
     pub cfg: CepConfig,
@@ -449,6 +460,22 @@ impl DeviceInner {
         f: impl FnOnce(&mut Cep, Instant) -> R,
     ) -> Option<R> {
         self.with_iw(|e, iw, now| e.with_cep(key, now, &iw.registry, |c| f(c, now)))
+    }
+
+    /// Queues `msg` as a Send on a stream, unless [`IW_SEND_BUFFER`] bytes or more wait for
+    /// the socket already (`Ok(Err(Full))`): a peer that stops reading cannot make this
+    /// side hold what the application keeps sending. `None`: no such stream.
+    pub(crate) fn iw_send(
+        self: &Arc<Self>,
+        key: ConnKey,
+        msg: &[u8],
+    ) -> Option<Result<Result<(), iw::CepError>, SendBufferFull>> {
+        self.with_iw(|e, iw, now| {
+            if e.conns.get(&key)?.out.len() >= IW_SEND_BUFFER {
+                return Some(Err(SendBufferFull));
+            }
+            e.with_cep(key, now, &iw.registry, |c| Ok(c.send(now, msg)))
+        })
     }
 
     /// Feeds one readiness event to the engine.

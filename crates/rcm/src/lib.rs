@@ -81,6 +81,7 @@ pub use id::{
     Handler, QpAttr, QpState, State, IWARP_PRIVATE_DATA_MAX, UD_MAX_PAYLOAD, UD_RECV_QUEUE,
 };
 #[cfg(not(loom))]
+pub use iwarp::IW_SEND_BUFFER;
 pub use ports::EPHEMERAL;
 pub use rcm_wire::cma::PortSpace;
 /// Test support for the loom models (`--cfg loom` only; not part of the API).

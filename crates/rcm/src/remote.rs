@@ -98,6 +98,8 @@ pub enum Limit {
     PendingCommands,
     /// Command channels open to one client's session.
     Channels,
+    /// Bytes waiting to be sent on one iWARP connection ([`crate::IW_SEND_BUFFER`]).
+    SendBuffer,
 }
 
 impl std::fmt::Display for Limit {
@@ -109,6 +111,7 @@ impl std::fmt::Display for Limit {
             Limit::MessageSize => "bytes per message",
             Limit::PendingCommands => "pending commands per client",
             Limit::Channels => "command channels per client",
+            Limit::SendBuffer => "unsent bytes per iWARP connection",
         })
     }
 }

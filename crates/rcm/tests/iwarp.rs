@@ -847,3 +847,70 @@ fn a_peer_cannot_make_an_id_hold_more_messages_than_its_receive_buffers() {
     assert_clean(&f);
     f.shutdown();
 }
+
+#[test]
+fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
+    use rcm_proto::iw::{AcceptParams, Cep, CepConfig};
+    use std::io::{Read, Write};
+    let f = iw_fabric(&[2]);
+    // The peer: MPA by a sans-IO Cep over a blocking socket, which reads nothing more once
+    // the connection is up, until told to go.
+    let lst = std::net::TcpListener::bind(addr(1, 27917)).expect("listen");
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = lst.accept().expect("accept");
+        let mut cep = Cep::passive(Instant::now(), CepConfig::default());
+        let mut buf = [0u8; 4096];
+        while cep.state() != rcm_proto::iw::State::Established {
+            let n = s.read(&mut buf).expect("read");
+            assert!(n > 0, "the initiator hung up");
+            cep.on_bytes(Instant::now(), &buf[..n]);
+            while let Some(e) = cep.poll_event() {
+                if let rcm_proto::iw::Event::ConnectRequest(_) = e {
+                    cep.accept(Instant::now(), &AcceptParams::default())
+                        .expect("accept");
+                }
+            }
+            while let Some(t) = cep.poll_transmit() {
+                s.write_all(&t).expect("write");
+            }
+        }
+        let _ = go_rx.recv();
+        drop(s);
+    });
+    let log = Log::new();
+    let c = client(&f, addr(1, 27917), b"", &log, cont);
+    log.wait_n("established", 1);
+    // The kernel's socket buffers take their share; then rcm holds up to IW_SEND_BUFFER and
+    // refuses the next message.
+    let msg = vec![0x5au8; 64 << 10];
+    let mut sent = 0usize;
+    let refused = loop {
+        match c.send(&msg) {
+            Ok(()) => sent += msg.len(),
+            Err(e) => break e,
+        }
+        assert!(
+            sent < 256 << 20,
+            "{sent} bytes taken for a peer that reads nothing"
+        );
+    };
+    assert_eq!(
+        refused,
+        Error::LimitExceeded(rcm::remote::Limit::SendBuffer),
+        "after {sent} bytes"
+    );
+    assert!(sent >= rcm::IW_SEND_BUFFER, "refused after {sent} bytes");
+    assert_eq!(c.state(), State::Established);
+    // Refused again, not queued.
+    assert_eq!(
+        c.send(b"x"),
+        Err(Error::LimitExceeded(rcm::remote::Limit::SendBuffer))
+    );
+    let _ = go_tx.send(());
+    peer.join().expect("peer");
+    log.wait_n("disconnected", 1);
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    assert_clean(&f);
+    f.shutdown();
+}
