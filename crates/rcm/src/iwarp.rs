@@ -55,7 +55,7 @@ struct Conn {
     /// Active: the TCP connect is still in flight; the MPA Request waits for it.
     connecting: Option<iw::ConnectParams>,
     /// Bytes the socket did not take yet.
-    out: Vec<u8>,
+    out: OutBuf,
     /// Socket actions due once `out` is written.
     after: VecDeque<TcpAction>,
     /// Passive: the TCP port it was accepted on.
@@ -87,12 +87,63 @@ struct Pending {
     routing: bool,
 }
 
-/// Bytes of one iWARP connection that may wait for its socket (sent by the application,
-/// not yet taken by TCP) before [`CmId::send`](crate::CmId::send) refuses more
-/// ([`Limit::SendBuffer`](crate::remote::Limit::SendBuffer)): 4 MiB, Linux's largest TCP
-/// send buffer by default (`tcp_wmem`). The check is before a message is queued, so one
-/// message may take it past.
+/// Bytes of one iWARP connection that may wait for its socket (queued, not yet taken by
+/// TCP): 4 MiB, Linux's largest TCP send buffer by default (`tcp_wmem`).
+/// [`CmId::send`](crate::CmId::send) refuses a message that would take the queue past it
+/// ([`Limit::SendBuffer`](crate::remote::Limit::SendBuffer); a longer message is taken
+/// when nothing waits), and the device stops reading the stream while the queue is at
+/// least this long, so what the peer makes this side answer (Read Responses, say) waits
+/// in the peer's own send buffer: TCP's back-pressure, as a peer that does not read gets.
 pub const IW_SEND_BUFFER: usize = 4 << 20;
+
+/// Bytes queued for a socket: written from an offset, compacted once half is written
+/// (removing written bytes from the front of a `Vec` at each partial write moved the rest
+/// each time: quadratic in the writes of a queue of up to [`IW_SEND_BUFFER`]).
+#[derive(Default)]
+struct OutBuf {
+    buf: Vec<u8>,
+    off: usize,
+}
+
+impl OutBuf {
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..]
+    }
+
+    /// Unsent bytes.
+    fn len(&self) -> usize {
+        self.buf.len() - self.off
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn consume(&mut self, n: usize) {
+        debug_assert!(n <= self.len());
+        self.off = (self.off + n).min(self.buf.len());
+        if self.off == self.buf.len() {
+            self.clear();
+        }
+    }
+
+    fn extend(&mut self, bytes: &[u8]) {
+        if self.off > 0 && self.off >= self.buf.len() / 2 {
+            self.buf.drain(..self.off);
+            self.off = 0;
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Empties it, giving back a large allocation (a burst to a slow reader).
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.off = 0;
+        if self.buf.capacity() > 64 << 10 {
+            self.buf = Vec::new();
+        }
+    }
+}
 
 /// [`IW_SEND_BUFFER`] was reached.
 #[derive(Debug)]
@@ -220,7 +271,7 @@ impl IwEngine {
         };
         loop {
             while let Some(b) = c.cep.poll_transmit() {
-                c.out.extend_from_slice(&b);
+                c.out.extend(&b);
             }
             while let Some(a) = c.cep.poll_tcp_action() {
                 c.after.push_back(a);
@@ -273,10 +324,10 @@ impl Conn {
             return Ok(());
         }
         while !self.out.is_empty() {
-            match self.stream.write(&self.out) {
+            match self.stream.write(self.out.bytes()) {
                 Ok(0) => return Err(false),
                 Ok(n) => {
-                    self.out.drain(..n);
+                    self.out.consume(n);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if self.drain_by.is_none() && self.after.contains(&TcpAction::Close) {
@@ -397,7 +448,7 @@ impl DeviceInner {
                     stream,
                     peer: dst,
                     connecting: Some(p),
-                    out: Vec::new(),
+                    out: OutBuf::default(),
                     after: VecDeque::new(),
                     listen_port: None,
                     done: false,
@@ -471,7 +522,9 @@ impl DeviceInner {
         msg: &[u8],
     ) -> Option<Result<Result<(), iw::CepError>, SendBufferFull>> {
         self.with_iw(|e, iw, now| {
-            if e.conns.get(&key)?.out.len() >= IW_SEND_BUFFER {
+            // A message longer than the bound is taken when nothing waits.
+            let unsent = e.conns.get(&key)?.out.len();
+            if unsent > 0 && unsent + msg.len() > IW_SEND_BUFFER {
                 return Some(Err(SendBufferFull));
             }
             e.with_cep(key, now, &iw.registry, |c| Ok(c.send(now, msg)))
@@ -512,7 +565,7 @@ impl DeviceInner {
                         stream,
                         peer,
                         connecting: None,
-                        out: Vec::new(),
+                        out: OutBuf::default(),
                         after: VecDeque::new(),
                         listen_port: Some(port),
                         done: false,
@@ -560,33 +613,57 @@ impl DeviceInner {
                 }
             }
         }
-        // Read everything the socket has (edge-triggered).
         let mut buf = [0u8; 16 << 10];
-        let mut closed = None;
         loop {
-            match c.stream.read(&mut buf) {
-                Ok(0) => {
-                    closed = Some(true);
+            let Some(c) = e.conns.get_mut(&key) else {
+                return;
+            };
+            // Read everything the socket has (edge-triggered), unless IW_SEND_BUFFER bytes
+            // wait to go out: then the rest waits in the kernel (and the peer's send buffer).
+            let mut closed = None;
+            let mut paused = false;
+            loop {
+                if c.out.len() >= IW_SEND_BUFFER {
+                    paused = true;
                     break;
                 }
-                Ok(n) => {
-                    c.cep.on_bytes(now, &buf[..n]);
-                    if c.cep.is_closed() {
+                match c.stream.read(&mut buf) {
+                    Ok(0) => {
+                        closed = Some(true);
+                        break;
+                    }
+                    Ok(n) => {
+                        c.cep.on_bytes(now, &buf[..n]);
+                        // What it answered counts before the next read.
+                        while let Some(b) = c.cep.poll_transmit() {
+                            c.out.extend(&b);
+                        }
+                        if c.cep.is_closed() {
+                            break;
+                        }
+                    }
+                    Err(err) if err.kind() == ErrorKind::WouldBlock => break,
+                    Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        closed = Some(false);
                         break;
                     }
                 }
-                Err(err) if err.kind() == ErrorKind::WouldBlock => break,
-                Err(err) if err.kind() == ErrorKind::Interrupted => {}
-                Err(_) => {
-                    closed = Some(false);
-                    break;
-                }
+            }
+            if let Some(graceful) = closed {
+                c.cep.on_tcp_closed(now, graceful);
+            }
+            e.drive(key, now, &iw.registry);
+            // Reading resumes when a flush made room: the bytes left unread raise no new
+            // readable edge.
+            let room = e
+                .conns
+                .get(&key)
+                .is_some_and(|c| c.out.len() < IW_SEND_BUFFER);
+            if !paused || !room {
+                return;
             }
         }
-        if let Some(graceful) = closed {
-            c.cep.on_tcp_closed(now, graceful);
-        }
-        e.drive(key, now, &iw.registry);
     }
 
     /// Runs the Cep timers that are due; returns the next deadline.

@@ -82,6 +82,7 @@ pub use id::{
 };
 #[cfg(not(loom))]
 pub use iwarp::IW_SEND_BUFFER;
+#[cfg(not(loom))]
 pub use ports::EPHEMERAL;
 pub use rcm_wire::cma::PortSpace;
 /// Test support for the loom models (`--cfg loom` only; not part of the API).

@@ -904,7 +904,7 @@ fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
     assert_eq!(c.state(), State::Established);
     // Refused again, not queued.
     assert_eq!(
-        c.send(b"x"),
+        c.send(&msg),
         Err(Error::LimitExceeded(rcm::remote::Limit::SendBuffer))
     );
     let _ = go_tx.send(());
@@ -912,5 +912,102 @@ fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
     log.wait_n("disconnected", 1);
     assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
     assert_clean(&f);
+    f.shutdown();
+}
+
+#[test]
+fn a_peer_that_asks_for_reads_but_never_reads_the_answers_is_held_back() {
+    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
+    use rcm_wire::mpa::{self, emit_fpdu, DdpRdmapHeader, RdmapOpcode};
+    use std::io::{ErrorKind, Read, Write};
+    let f = iw_fabric(&[1]);
+    let log = Log::new();
+    // The server answers up to one RDMA Read at a time (IRD 1, the default).
+    let l = listener(&f, addr(1, 27918), &log, accept_with(b""));
+    // The peer: an initiator by a sans-IO Cep over a socket, which once up only writes
+    // zero-length RDMA Read Requests and never reads the Read Responses.
+    let mut s = std::net::TcpStream::connect(addr(1, 27918)).expect("connect");
+    let mut cep = Cep::active(CepConfig::default());
+    cep.connect(Instant::now(), &ConnectParams::default())
+        .expect("connect");
+    let mut buf = [0u8; 4096];
+    while cep.state() != rcm_proto::iw::State::Established {
+        while let Some(t) = cep.poll_transmit() {
+            s.write_all(&t).expect("write");
+        }
+        if cep.state() == rcm_proto::iw::State::Established {
+            break;
+        }
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "the server hung up");
+        cep.on_bytes(Instant::now(), &buf[..n]);
+    }
+    while let Some(t) = cep.poll_transmit() {
+        s.write_all(&t).expect("write");
+    }
+    log.wait_n("established", 1);
+    s.set_nonblocking(true).expect("nonblocking");
+    let request = |msn: u32| {
+        let mut u =
+            DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, msn, 0)
+                .to_vec()
+                .expect("header");
+        u.extend_from_slice(
+            &mpa::ReadRequest {
+                sink_stag: 9,
+                sink_to: 0,
+                size: 0,
+                source_stag: 3,
+                source_to: 0,
+            }
+            .to_bytes(),
+        );
+        let mut out = Vec::new();
+        emit_fpdu(&u, false, &mut out).expect("fpdu");
+        out
+    };
+    // Each Request costs the server a 20-byte Response it cannot send. Once IW_SEND_BUFFER
+    // of them wait (after the kernel's buffers), it reads no more, and the peer's writes
+    // block for good; without that it reads (and answers into memory) whatever comes.
+    let (mut written, mut msn, mut pending) = (0usize, 1u32, Vec::new());
+    let mut blocked_since: Option<Instant> = None;
+    loop {
+        if pending.is_empty() {
+            for _ in 0..1000 {
+                pending.extend_from_slice(&request(msn));
+                msn += 1;
+            }
+        }
+        match s.write(&pending) {
+            Ok(n) => {
+                written += n;
+                pending.drain(..n);
+                blocked_since = None;
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                let since = *blocked_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > Duration::from_secs(1) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("the server ended the stream after {written} bytes: {e}"),
+        }
+        assert!(
+            written < 160 << 20,
+            "{written} bytes of requests taken from a peer that reads no answer"
+        );
+    }
+    assert!(
+        written > rcm::IW_SEND_BUFFER,
+        "held back after {written} bytes"
+    );
+    // The peer goes (resetting, with answers unread); the server sees it and ends clean.
+    drop(s);
+    log.wait_n("disconnected", 1);
+    let child = f.live_ids();
+    assert_eq!(child, 2, "listener and child");
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
+    assert!(eventually(T, || f.live_ids() <= 1));
     f.shutdown();
 }

@@ -261,10 +261,20 @@ fn stuck_stream(
     peer.read_exact(&mut reply).expect("the MPA reply");
     up.recv_timeout(common::T).expect("established");
     let c = child.lock().expect("slot").clone().expect("the child");
+    // Until rcm holds IW_SEND_BUFFER unsent (beyond what the kernel's buffers took).
     let msg = vec![0x42u8; 64 * 1024];
-    for _ in 0..512 {
-        c.send(&msg).expect("send");
+    let mut refused = false;
+    for _ in 0..2048 {
+        match c.send(&msg) {
+            Ok(()) => {}
+            Err(rcm::Error::LimitExceeded(rcm::remote::Limit::SendBuffer)) => {
+                refused = true;
+                break;
+            }
+            Err(e) => panic!("send: {e}"),
+        }
     }
+    assert!(refused, "128 MiB taken for a peer that reads nothing");
     assert_eq!(f.engine_ceps(), base + 1);
     (f, l, c, peer, base)
 }

@@ -99,6 +99,7 @@ impl RxBuf {
     }
 
     fn consume(&mut self, n: usize) {
+        debug_assert!(n <= self.len());
         self.off = (self.off + n).min(self.buf.len());
     }
 
@@ -1122,7 +1123,7 @@ impl Cep {
                 // holds a message the application has not taken), siw's siw_proc_send
                 // terminates the stream before looking at the header ("Invalid MSN - no
                 // buffer available", RFC 5041 §7.2): a peer cannot make us hold more.
-                if self.reassembly.is_empty() && self.undelivered >= self.cfg.recv_queue {
+                if self.reassembly.is_empty() && self.undelivered >= self.cfg.recv_queue.max(1) {
                     self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_NO_BUFFER);
                     return false;
                 }

@@ -88,7 +88,7 @@ pub struct CepConfig {
     /// ([`Cep::messages_taken`](super::Cep::messages_taken)). A Send arriving when all are
     /// taken ends the stream with a Terminate (DDP untagged buffer error, "no buffer
     /// available"), as siw does without a posted receive. Default 1024 (at most 1 GiB held
-    /// with the default `max_recv_message`; lower both to hold less).
+    /// with the default `max_recv_message`; lower both to hold less). 0 counts as 1.
     pub recv_queue: usize,
 }
 
