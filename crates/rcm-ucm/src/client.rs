@@ -60,12 +60,22 @@ struct Inner {
     idle: Mutex<Vec<BufReader<SpinRead>>>,
     /// Command channels open (idle or in use).
     channels: AtomicUsize,
-    /// Command channels attached and not failed: while there is one, a call from a callback
-    /// on the reader can wait for it to be idle (channel calls never need the reader).
+    /// Command channels attached and not failed: while there is one, a call that must not
+    /// wait for the reader can wait for a channel to be idle instead (channel calls never
+    /// need the reader).
     attached: AtomicUsize,
-    /// Callers waiting for an idle channel (only calls on the reader thread wait).
+    /// The reader runs callbacks (`CallbackMode::Inline`): then no call may wait for an
+    /// answer on the session's connection while a channel exists, since the reader may be
+    /// held by a callback waiting for that caller (a lock of the application's, say).
+    inline: bool,
+    /// Callers waiting for an idle channel.
     idle_waiters: AtomicUsize,
+    /// The reader waits for an idle channel: it goes first (other callers leave idle
+    /// channels to it), or a busy session could keep it, and its events, waiting.
+    reader_waiting: AtomicBool,
     idle_cond: Condvar,
+    /// The reader thread, joined by `shutdown` so no callback it runs outlives that.
+    reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set when the daemon refused a channel: calls use the session's connection.
     no_channels: AtomicBool,
     /// How long reading threads poll before they sleep.
@@ -140,12 +150,15 @@ impl Client {
     /// Opens a session for a fabric with configuration `cfg`: its reading threads poll for
     /// `cfg.spin`, and with [`rcm::CallbackMode::Inline`] the session's reader runs the
     /// callbacks of the events it read itself, after each batch (a thread hop less per
-    /// event), instead of handing them to the fabric's dispatcher threads. A callback's calls
-    /// then go on command channels, waiting for one to be idle when all are busy (they never
-    /// need the reader); the mode's rules apply: a callback must not wait for another id's
-    /// callback, and one that blocks holds back every event of the session. Until the
-    /// session has a command channel, and if the daemon refuses them, callbacks run on the
-    /// dispatcher threads.
+    /// event), instead of handing them to the fabric's dispatcher threads. Every call of the
+    /// session then goes on a command channel, waiting for one to be idle when all are busy
+    /// (a channel's answer never needs the reader; the reader's own calls go first), so that
+    /// no caller waits for the reader while a callback there waits for that caller. The
+    /// mode's rules apply: a callback must not wait for another id's callback, and one that
+    /// blocks holds back every event of the session. Until the session has a command
+    /// channel (with a daemon that refuses them all: always), callbacks run on the
+    /// dispatcher threads. A batch ends when the reader's buffer ends on a frame boundary,
+    /// which is the usual case.
     pub fn connect_for(path: impl AsRef<Path>, cfg: &FabricConfig) -> rcm::Result<Client> {
         Self::open(
             path.as_ref(),
@@ -202,22 +215,26 @@ impl Client {
             idle: Mutex::new(Vec::new()),
             channels: AtomicUsize::new(0),
             attached: AtomicUsize::new(0),
+            inline,
             idle_waiters: AtomicUsize::new(0),
+            reader_waiting: AtomicBool::new(false),
             idle_cond: Condvar::new(),
+            reader: Mutex::new(None),
             no_channels: AtomicBool::new(false),
             spin,
         });
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
+        let h = std::thread::Builder::new()
             .name("rcm-ucm-client".into())
             .spawn(move || {
                 rcm::remote::mark_provider_thread();
                 // Polls a while before sleeping, as the fabric's threads do: a sleeping
                 // reader adds a wake-up (tens of µs) to every event.
                 let r = std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(s, spin));
-                ON_READER.with(|f| f.set(true));
+                ON_READER.with(|f| f.set(Weak::as_ptr(&weak).addr()));
                 reader(&weak, r, inline);
             })?;
+        *lock(&inner.reader) = Some(h);
         Ok(Client(inner))
     }
 
@@ -354,20 +371,33 @@ impl Inner {
         }
     }
 
-    /// For a call on the reader thread (from a callback it runs): a command channel, waited
-    /// for while every one is busy. `None` when the session has none: the call cannot be
-    /// answered, since answers on the session's connection are read by this very thread.
-    fn channel_on_reader(&self) -> Option<BufReader<SpinRead>> {
+    /// Whether the calling thread is this session's reader.
+    fn on_reader(&self) -> bool {
+        ON_READER.with(|r| r.get() == std::ptr::from_ref(self).addr())
+    }
+
+    /// A command channel for a call, or `None` for the session's connection. A call on the
+    /// reader (a callback it runs), and while the reader runs callbacks any call, waits for
+    /// an idle channel when every one is busy: its answer on the session's connection would
+    /// need the reader. The reader goes first. `None` for such a call means the session has
+    /// no channel (left): the caller on the reader then fails.
+    fn acquire(&self, on_reader: bool) -> Option<BufReader<SpinRead>> {
         loop {
-            if let Some(c) = self.channel() {
-                return Some(c);
+            if on_reader || !self.reader_waiting.load(Ordering::SeqCst) {
+                if let Some(c) = self.channel() {
+                    return Some(c);
+                }
             }
-            if !self.alive.load(Ordering::SeqCst) {
+            let attached = self.attached.load(Ordering::SeqCst) > 0;
+            if !(on_reader || self.inline) || !attached || !self.alive.load(Ordering::SeqCst) {
                 return None;
             }
             self.idle_waiters.fetch_add(1, Ordering::SeqCst);
+            if on_reader {
+                self.reader_waiting.store(true, Ordering::SeqCst);
+            }
             let mut idle = lock(&self.idle);
-            while idle.is_empty()
+            while (idle.is_empty() || (!on_reader && self.reader_waiting.load(Ordering::SeqCst)))
                 && self.attached.load(Ordering::SeqCst) > 0
                 && self.alive.load(Ordering::SeqCst)
             {
@@ -376,11 +406,12 @@ impl Inner {
                     .wait(idle)
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            let none = idle.is_empty();
             drop(idle);
             self.idle_waiters.fetch_sub(1, Ordering::SeqCst);
-            if none {
-                return None;
+            if on_reader {
+                // The others may take what the reader leaves.
+                self.reader_waiting.store(false, Ordering::SeqCst);
+                self.wake_idle_waiter();
             }
         }
     }
@@ -389,17 +420,18 @@ impl Inner {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(Error::DeviceRemoved);
         }
-        if ON_READER.with(std::cell::Cell::get) {
-            return match self.channel_on_reader() {
-                Some(ch) => self.call_on(ch, cmd),
-                None if !self.alive.load(Ordering::SeqCst) => Err(Error::DeviceRemoved),
-                None => Err(Error::Remote(
-                    "no command channel for a call from a callback on the session's reader".into(),
-                )),
-            };
-        }
-        if let Some(ch) = self.channel() {
+        let on_reader = self.on_reader();
+        if let Some(ch) = self.acquire(on_reader) {
             return self.call_on(ch, cmd);
+        }
+        if on_reader {
+            return Err(if self.alive.load(Ordering::SeqCst) {
+                Error::Remote(
+                    "no command channel for a call from a callback on the session's reader".into(),
+                )
+            } else {
+                Error::DeviceRemoved
+            });
         }
         let seq = self.next_seq();
         let (tx, rx) = mpsc::sync_channel(1);
@@ -472,6 +504,14 @@ impl Provider for Client {
 
     fn shutdown(&self) {
         let _ = self.0.stream.shutdown(std::net::Shutdown::Both);
+        // The reader ends with the connection; the callbacks it runs end with it, before the
+        // fabric's shutdown returns. (rcm never calls this on the reader: shutdowns started
+        // on provider threads move to a thread of their own.)
+        if !self.0.on_reader() {
+            if let Some(h) = lock(&self.0.reader).take() {
+                let _ = h.join();
+            }
+        }
     }
 }
 
@@ -574,9 +614,10 @@ impl RemoteId for Handle {
 }
 
 std::thread_local! {
-    /// Set on a session's reader thread, where a call must not wait for an answer on the
-    /// session's connection (this thread reads them).
-    static ON_READER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// On a session's reader thread, the address of its session's `Inner`: a call of that
+    /// session must not wait there for an answer on the session's connection (this thread
+    /// reads them). 0 elsewhere.
+    static ON_READER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// `inline`: run the callbacks of each batch of events here (see [`Client::connect_for`]).
@@ -637,14 +678,16 @@ fn reader(weak: &Weak<Inner>, mut s: BufReader<SpinRead>, inline: bool) {
             }
         }
     }
-    drop(here);
-    // The daemon is gone: fail the waiting calls, and it is a device removal for every id.
+    // The daemon is gone: fail the waiting calls (before the last batch's callbacks, whose
+    // calls then fail as DeviceRemoved), and it is a device removal for every id.
     let Some(c) = weak.upgrade() else { return };
     {
         let mut p = lock(&c.pending);
         c.alive.store(false, Ordering::SeqCst);
         p.clear();
     }
+    c.wake_idle_waiter();
+    drop(here);
     // No attribute answer outlives this: a removed id's calls fail in rcm before they get here.
     let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, (s, _))| s).collect();
     for s in sinks {

@@ -669,14 +669,21 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
     // Buffered: a client that pipelines commands has them read in one system call.
     let mut stream =
         std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(stream, Duration::ZERO));
-    // Until the session is open (or the channel attached): a silent connection is closed.
-    stream.get_mut().deadline = Some(Instant::now() + sh.handshake_timeout);
+    // Until the session is open (or the channel attached): a connection that does not open
+    // it in time is closed, whether it stays silent (the read's deadline), keeps sending
+    // (checked at each frame) or does not read the answers it gets (the write's timeout).
+    let deadline = Instant::now() + sh.handshake_timeout;
+    stream.get_mut().deadline = Some(deadline);
+    let _ = s.stream.set_write_timeout(Some(sh.handshake_timeout));
     let max = sh.limits.max_message as usize;
     let mut body = Vec::new();
     let mut hello = false;
     // For a command channel: the session it serves. Replies still go to this connection.
     let mut target: Option<Channel> = None;
     loop {
+        if !hello && Instant::now() >= deadline {
+            return;
+        }
         let mut hb = [0u8; 12];
         if stream.read_exact(&mut hb).is_err() {
             return;
@@ -734,6 +741,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                 Ok(()) => {
                     hello = true;
                     stream.get_mut().deadline = None;
+                    let _ = s.stream.set_write_timeout(None);
                     let token = loop {
                         let t: u64 = rand::random();
                         if t != 0 {
@@ -755,6 +763,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                     Ok(t) => {
                         hello = true;
                         stream.get_mut().deadline = None;
+                        let _ = s.stream.set_write_timeout(None);
                         target = Some(t);
                         // The client waits on this channel for each answer and sends its next
                         // command right after: worth polling for.

@@ -3,7 +3,7 @@
 
 use crate::proto::{self, decode_message, Command, Header, Message, ProtoError};
 use std::collections::VecDeque;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -48,13 +48,13 @@ impl RawSession {
     /// Sends a command; returns its sequence number.
     pub fn send(&mut self, cmd: &Command) -> std::io::Result<u32> {
         self.seq = self.seq.wrapping_add(1).max(1);
-        self.stream.write_all(&cmd.encode(self.seq))?;
+        crate::spin::send_all(&self.stream, &cmd.encode(self.seq))?;
         Ok(self.seq)
     }
 
     /// Sends raw bytes.
     pub fn send_bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
-        self.stream.write_all(b)
+        crate::spin::send_all(&self.stream, b)
     }
 
     /// Reads the next message (stashed ones first) with its sequence number.

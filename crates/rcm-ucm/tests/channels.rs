@@ -347,7 +347,13 @@ fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) ->
 /// accept every request from there; `max_channels` command channels per session at the
 /// daemon. Connects `n` clients while four threads of the server make calls on the same
 /// session without pause, and returns the names of the threads the callbacks ran on.
-fn inline_accepts_under_load(name: &str, port: u16, max_channels: usize, n: usize) -> Vec<String> {
+fn inline_accepts_under_load(
+    name: &str,
+    port: u16,
+    max_channels: usize,
+    n: usize,
+    shared_lock: bool,
+) -> Vec<String> {
     use rcm::{AcceptOptions, Flow};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
@@ -365,11 +371,16 @@ fn inline_accepts_under_load(name: &str, port: u16, max_channels: usize, n: usiz
     let client = rcm_ucm::fabric(d.socket()).expect("client");
     let names = Arc::new(Mutex::new(Vec::new()));
     let seen = names.clone();
+    // With `shared_lock`, a fifth caller makes its calls holding a lock of the
+    // application's that the callback takes too.
+    let app = Arc::new(Mutex::new(()));
+    let app_cb = app.clone();
     let l = server
         .try_create_id(PortSpace::Tcp, move |id, ev| {
             let t = std::thread::current().name().unwrap_or("?").to_string();
             seen.lock().expect("names").push(t);
             if let Event::ConnectRequest { .. } = ev {
+                let _app = shared_lock.then(|| app_cb.lock().expect("app lock"));
                 id.accept(&AcceptOptions::default())
                     .expect("accept from the callback");
             }
@@ -381,6 +392,18 @@ fn inline_accepts_under_load(name: &str, port: u16, max_channels: usize, n: usiz
     l.listen(64).expect("listen");
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
+        if shared_lock {
+            s.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    let _app = app.lock().expect("app lock");
+                    let id = server
+                        .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+                        .expect("create");
+                    id.bind(sa(1, 0)).expect("bind");
+                    id.destroy().expect("destroy");
+                }
+            });
+        }
         for _ in 0..4 {
             s.spawn(|| {
                 while !stop.load(Ordering::SeqCst) {
@@ -419,7 +442,8 @@ fn inline_callbacks_wait_for_a_busy_channel() {
     // One channel for the whole session, nearly always busy with the other threads' calls:
     // an accept from a callback on the reader must wait for it. Taking the session's
     // connection instead would wait for an answer that only the reader, itself, reads.
-    let threads = within_a_minute(|| inline_accepts_under_load("ch-inline-busy", 47308, 1, 50));
+    let threads =
+        within_a_minute(|| inline_accepts_under_load("ch-inline-busy", 47308, 1, 50, false));
     assert!(
         threads.iter().any(|t| t == "rcm-ucm-client"),
         "callbacks ran on {threads:?}"
@@ -430,9 +454,72 @@ fn inline_callbacks_wait_for_a_busy_channel() {
 fn inline_callbacks_without_channels_run_on_the_dispatcher() {
     // No channels at all: every answer comes on the session's connection, which the reader
     // reads, so callbacks must not run there.
-    let threads = within_a_minute(|| inline_accepts_under_load("ch-inline-none", 47309, 0, 10));
+    let threads =
+        within_a_minute(|| inline_accepts_under_load("ch-inline-none", 47309, 0, 10, false));
     assert!(
         !threads.is_empty() && threads.iter().all(|t| t.starts_with("rcm-cb-")),
         "callbacks ran on {threads:?}"
     );
+}
+
+#[test]
+fn inline_callbacks_and_callers_holding_their_lock_do_not_deadlock() {
+    // Two channels kept busy by four callers, a fifth holding the application's lock over
+    // each of its calls, and the callbacks on the reader taking that lock. A caller that found every channel busy used
+    // to wait on the session's connection for an answer only the reader reads, while the
+    // reader waited in a callback for the lock that caller held.
+    let threads =
+        within_a_minute(|| inline_accepts_under_load("ch-inline-lock", 47310, 2, 50, true));
+    assert!(
+        threads.iter().any(|t| t == "rcm-ucm-client"),
+        "callbacks ran on {threads:?}"
+    );
+}
+
+#[test]
+fn a_fabric_shutdown_waits_for_the_callback_on_the_reader() {
+    use rcm::{AcceptOptions, Flow};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let d = daemon("ch-inline-shutdown", 47311, &[1, 2]);
+    let server = rcm_ucm::fabric_with(
+        d.socket(),
+        rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+    .expect("server");
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let (started, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (st, dn) = (started.clone(), done.clone());
+    let l = server
+        .try_create_id(PortSpace::Tcp, move |id, ev| {
+            if let Event::ConnectRequest { .. } = ev {
+                st.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(300));
+                let _ = id.accept(&AcceptOptions::default());
+                dn.store(true, Ordering::SeqCst);
+            }
+            Flow::Continue
+        })
+        .expect("listener");
+    l.bind(sa(1, 7311)).expect("bind");
+    l.listen(4).expect("listen");
+    let ch = EventChannel::new();
+    let _c = dial(&client, &ch, sa(1, 7311), b"");
+    wait_until(
+        || started.load(Ordering::SeqCst),
+        || "the callback never started".into(),
+    );
+    // The callback runs on the session's reader: shutdown returns only once it is over.
+    server.shutdown();
+    assert!(
+        done.load(Ordering::SeqCst),
+        "shutdown returned with a callback still running"
+    );
+    client.shutdown();
 }

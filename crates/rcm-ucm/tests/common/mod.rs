@@ -45,6 +45,8 @@ pub fn config(name: &str, port: u16, binds: &[u8]) -> DaemonConfig {
             deadline: Duration::from_secs(1),
         },
         dispatcher_threads: 4,
+        // As the daemon runs by default (DaemonConfig::new): callbacks on device threads.
+        callbacks: rcm::CallbackMode::Inline,
         ..FabricConfig::default()
     };
     cfg
