@@ -391,29 +391,23 @@ fn inline_accepts_under_load(
     l.bind(addr).expect("bind");
     l.listen(64).expect("listen");
     let stop = AtomicBool::new(false);
+    // Three calls on the server's session, over and over, holding `lock` if given.
+    let churn = |lock: Option<&Mutex<()>>| {
+        while !stop.load(Ordering::SeqCst) {
+            let _app = lock.map(|m| m.lock().expect("app lock"));
+            let id = server
+                .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+                .expect("create");
+            id.bind(sa(1, 0)).expect("bind");
+            id.destroy().expect("destroy");
+        }
+    };
     std::thread::scope(|s| {
         if shared_lock {
-            s.spawn(|| {
-                while !stop.load(Ordering::SeqCst) {
-                    let _app = app.lock().expect("app lock");
-                    let id = server
-                        .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
-                        .expect("create");
-                    id.bind(sa(1, 0)).expect("bind");
-                    id.destroy().expect("destroy");
-                }
-            });
+            s.spawn(|| churn(Some(&app)));
         }
         for _ in 0..4 {
-            s.spawn(|| {
-                while !stop.load(Ordering::SeqCst) {
-                    let id = server
-                        .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
-                        .expect("create");
-                    id.bind(sa(1, 0)).expect("bind");
-                    id.destroy().expect("destroy");
-                }
-            });
+            s.spawn(|| churn(None));
         }
         // Set however the connects end, so a failed one fails the test instead of leaving
         // the scope waiting for the callers.

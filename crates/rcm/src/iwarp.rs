@@ -55,7 +55,7 @@ struct Conn {
     /// Active: the TCP connect is still in flight; the MPA Request waits for it.
     connecting: Option<iw::ConnectParams>,
     /// Bytes the socket did not take yet.
-    out: OutBuf,
+    out: iw::ByteQueue,
     /// Socket actions due once `out` is written.
     after: VecDeque<TcpAction>,
     /// Passive: the TCP port it was accepted on.
@@ -95,55 +95,6 @@ struct Pending {
 /// least this long, so what the peer makes this side answer (Read Responses, say) waits
 /// in the peer's own send buffer: TCP's back-pressure, as a peer that does not read gets.
 pub const IW_SEND_BUFFER: usize = 4 << 20;
-
-/// Bytes queued for a socket: written from an offset, compacted once half is written
-/// (removing written bytes from the front of a `Vec` at each partial write moved the rest
-/// each time: quadratic in the writes of a queue of up to [`IW_SEND_BUFFER`]).
-#[derive(Default)]
-struct OutBuf {
-    buf: Vec<u8>,
-    off: usize,
-}
-
-impl OutBuf {
-    fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..]
-    }
-
-    /// Unsent bytes.
-    fn len(&self) -> usize {
-        self.buf.len() - self.off
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn consume(&mut self, n: usize) {
-        debug_assert!(n <= self.len());
-        self.off = (self.off + n).min(self.buf.len());
-        if self.off == self.buf.len() {
-            self.clear();
-        }
-    }
-
-    fn extend(&mut self, bytes: &[u8]) {
-        if self.off > 0 && self.off >= self.buf.len() / 2 {
-            self.buf.drain(..self.off);
-            self.off = 0;
-        }
-        self.buf.extend_from_slice(bytes);
-    }
-
-    /// Empties it, giving back a large allocation (a burst to a slow reader).
-    fn clear(&mut self) {
-        self.buf.clear();
-        self.off = 0;
-        if self.buf.capacity() > 64 << 10 {
-            self.buf = Vec::new();
-        }
-    }
-}
 
 /// [`IW_SEND_BUFFER`] was reached.
 #[derive(Debug)]
@@ -448,7 +399,7 @@ impl DeviceInner {
                     stream,
                     peer: dst,
                     connecting: Some(p),
-                    out: OutBuf::default(),
+                    out: iw::ByteQueue::default(),
                     after: VecDeque::new(),
                     listen_port: None,
                     done: false,
@@ -565,7 +516,7 @@ impl DeviceInner {
                         stream,
                         peer,
                         connecting: None,
-                        out: OutBuf::default(),
+                        out: iw::ByteQueue::default(),
                         after: VecDeque::new(),
                         listen_port: Some(port),
                         done: false,

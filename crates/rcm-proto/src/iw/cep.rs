@@ -75,48 +75,6 @@ struct PeerRequest {
     rtr: Option<RtrKind>,
 }
 
-/// Received bytes not parsed yet. What is parsed is consumed by moving an offset, and the
-/// buffer is compacted only when bytes are added: a read carrying many small FPDUs costs
-/// time linear in its length (removing each FPDU from the front of a `Vec` moved the rest
-/// every time, quadratic in the FPDUs per read, with the device's lock held).
-#[derive(Debug, Default)]
-struct RxBuf {
-    buf: Vec<u8>,
-    off: usize,
-}
-
-impl RxBuf {
-    fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..]
-    }
-
-    fn len(&self) -> usize {
-        self.buf.len() - self.off
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn consume(&mut self, n: usize) {
-        debug_assert!(n <= self.len());
-        self.off = (self.off + n).min(self.buf.len());
-    }
-
-    fn extend(&mut self, bytes: &[u8]) {
-        if self.off > 0 {
-            self.buf.drain(..self.off);
-            self.off = 0;
-        }
-        self.buf.extend_from_slice(bytes);
-    }
-
-    fn clear(&mut self) {
-        self.buf.clear();
-        self.off = 0;
-    }
-}
-
 /// One iWARP connection endpoint over one established TCP stream. See the module docs.
 #[derive(Debug)]
 pub struct Cep {
@@ -128,7 +86,7 @@ pub struct Cep {
     /// Our write side is shut down (`disconnect`): nothing more may be queued.
     write_shut: bool,
     rx_mode: RxMode,
-    rx: RxBuf,
+    rx: super::ByteQueue,
     /// Messages reported ([`Event::Message`]) and not yet taken by the application
     /// ([`Cep::messages_taken`]): the receive buffers in use.
     undelivered: usize,
@@ -168,7 +126,7 @@ impl Cep {
             closed: false,
             write_shut: false,
             rx_mode,
-            rx: RxBuf::default(),
+            rx: super::ByteQueue::default(),
             undelivered: 0,
             rx_need: 0,
             our_request: None,

@@ -49,8 +49,10 @@
 //! connection with one error event ([`ProtocolError`]) and a close; after the MPA exchange (and
 //! for a bad Reply key, as siw does) a Terminate (RFC 5040 §7) is sent first.
 
+mod buf;
 mod cep;
 mod types;
 
+pub use buf::ByteQueue;
 pub use cep::Cep;
 pub use types::*;
