@@ -74,8 +74,8 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Connections (default 1000). With --listen: serve this many, then exit (without it,
-    /// serve until interrupted).
+    /// Connections (default 1000). With --listen: accept this many, then exit once they are
+    /// down (waiting at most 10 s; without -c, serve until interrupted).
     #[arg(short = 'c', long = "connections",
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     connections: Option<u32>,
