@@ -24,16 +24,15 @@
 //!
 //! Run: `cargo test --release -p rcm-cli --test faults`.
 
+mod common;
+
+use common::{dreq_mad, req_mad};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rcm::{AcceptOptions, CmId, ConnectOptions, Event, Fabric, FabricConfig, Flow, PortSpace};
 use rcm_proto::ib::RetryPolicy;
-use rcm_wire::cm::{
-    attr, CmMad, CmMessage, Dreq, MsgCode, Rej, RejReason, Req, ReqPath, TransportType,
-};
-use rcm_wire::cma::{self, CmaHdr};
+use rcm_wire::cm::{attr, CmMad, CmMessage, MsgCode, Rej, RejReason};
 use rcm_wire::roce::{self, GsiDatagram, IpForIcrc};
-use rcm_wire::Gid;
 use serde_json::{json, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
@@ -950,55 +949,6 @@ impl Agent {
 
 // ----- packets --------------------------------------------------------------------------------
 
-/// A REQ as rdma_cm sends it (TCP port space, cma_hdr for `src` → `dst`).
-fn req_mad(
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    port: u16,
-    comm_id: u32,
-    guid: u64,
-    qpn: u32,
-) -> [u8; 256] {
-    let pd = CmaHdr {
-        src_port: 40000,
-        src: src.into(),
-        dst: dst.into(),
-    }
-    .with_user_data(b"rcmf forged", cma::limits::CONNECT)
-    .expect("cma_hdr");
-    let req = Req {
-        local_comm_id: comm_id,
-        service_id: cma::service_id(PortSpace::Tcp, port),
-        local_ca_guid: guid,
-        local_qpn: qpn & 0xFF_FFFF,
-        responder_resources: 1,
-        initiator_depth: 1,
-        remote_cm_response_timeout: 20,
-        transport_type: TransportType::Rc,
-        starting_psn: qpn & 0xFF_FFFF,
-        local_cm_response_timeout: 20,
-        retry_count: 7,
-        pkey: 0xFFFF,
-        path_mtu: 3,
-        rnr_retry_count: 7,
-        max_cm_retries: 15,
-        primary_path: ReqPath {
-            local_lid: 0xFFFF,
-            remote_lid: 0xFFFF,
-            local_gid: Gid::from_ip(src.into()),
-            remote_gid: Gid::from_ip(dst.into()),
-            hop_limit: 64,
-            local_ack_timeout: 19,
-            ..ReqPath::default()
-        },
-        private_data: pd,
-        ..Req::default()
-    };
-    CmMad::send(u64::from(comm_id), CmMessage::Req(req))
-        .emit()
-        .expect("REQ encodes")
-}
-
 fn rej_mad(local: u32, remote: u32, reason: RejReason, ari: &[u8]) -> [u8; 256] {
     let rej = Rej {
         local_comm_id: local,
@@ -1012,18 +962,6 @@ fn rej_mad(local: u32, remote: u32, reason: RejReason, ari: &[u8]) -> [u8; 256] 
     CmMad::send(u64::from(remote), CmMessage::Rej(rej))
         .emit()
         .expect("REJ encodes")
-}
-
-fn dreq_mad(local: u32, remote: u32, remote_qpn: u32) -> [u8; 256] {
-    let dreq = Dreq {
-        local_comm_id: local,
-        remote_comm_id: remote,
-        remote_qpn: remote_qpn & 0xFF_FFFF,
-        ..Dreq::default()
-    };
-    CmMad::send(u64::from(local), CmMessage::Dreq(dreq))
-        .emit()
-        .expect("DREQ encodes")
 }
 
 /// The UDP payload of a GSI datagram from `src`:4791 to `dst`, ICRC included (IPv4 ID 0 and

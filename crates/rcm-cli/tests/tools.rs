@@ -645,10 +645,9 @@ fn stress_in_every_callback_mode() {
 /// ESTABLISHED (seen in a 100,000-connection run, 97,280 of 100,000 "served").
 #[test]
 fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
-    use rcm_wire::cm::{CmMad, CmMessage, Dreq, Req, ReqPath, TransportType};
-    use rcm_wire::cma::{self, CmaHdr};
+    use rcm_wire::cm::{CmMad, CmMessage};
     use rcm_wire::roce::{emit_gsi, GsiDatagram, IpForIcrc};
-    use std::net::{IpAddr, Ipv4Addr, UdpSocket};
+    use std::net::{Ipv4Addr, UdpSocket};
     let udp = 26807u16;
     let server = start_server(&[
         "bench",
@@ -663,46 +662,12 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
     let sock = UdpSocket::bind(("127.0.0.2", udp)).expect("bind 127.0.0.2");
     sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
         .expect("timeout");
-    let me = IpAddr::from([127, 0, 0, 2]);
-    let srv = IpAddr::from([127, 0, 0, 1]);
-    let send = |msg: CmMessage, tid: u64| {
-        let mad = CmMad::send(tid, msg).emit().expect("encodes");
-        let ip = IpForIcrc::v4(Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
-        sock.send_to(&emit_gsi(&ip, udp, 0, &mad), ("127.0.0.1", udp))
+    let (me, srv) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
+    let send = |mad: [u8; 256]| {
+        sock.send_to(&emit_gsi(&IpForIcrc::v4(me, srv), udp, 0, &mad), (srv, udp))
             .expect("send");
     };
-    let req = Req {
-        local_comm_id: 0x5151,
-        service_id: cma::service_id(rcm::PortSpace::Tcp, 7471),
-        local_qpn: 0x99,
-        responder_resources: 1,
-        initiator_depth: 1,
-        remote_cm_response_timeout: 20,
-        transport_type: TransportType::Rc,
-        starting_psn: 7,
-        local_cm_response_timeout: 20,
-        retry_count: 7,
-        pkey: 0xFFFF,
-        path_mtu: 3,
-        rnr_retry_count: 7,
-        max_cm_retries: 15,
-        primary_path: ReqPath {
-            local_gid: rcm_wire::Gid::from_ip(me),
-            remote_gid: rcm_wire::Gid::from_ip(srv),
-            hop_limit: 64,
-            local_ack_timeout: 19,
-            ..ReqPath::default()
-        },
-        private_data: CmaHdr {
-            src_port: 40000,
-            src: me,
-            dst: srv,
-        }
-        .with_user_data(b"", cma::limits::CONNECT)
-        .expect("cma_hdr"),
-        ..Req::default()
-    };
-    send(CmMessage::Req(req), 1);
+    send(common::req_mad(me, srv, 7471, 0x5151, 1, 0x99));
     let rep = loop {
         let mut buf = [0u8; 4096];
         let (n, _) = sock.recv_from(&mut buf).expect("the REP within 10 s");
@@ -711,15 +676,7 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
             break rep;
         }
     };
-    send(
-        CmMessage::Dreq(Dreq {
-            local_comm_id: 0x5151,
-            remote_comm_id: rep.local_comm_id,
-            remote_qpn: rep.local_qpn,
-            ..Dreq::default()
-        }),
-        2,
-    );
+    send(common::dreq_mad(0x5151, rep.local_comm_id, rep.local_qpn));
     // It exits by itself once its one connection is down; killed (ours) if it does not.
     let mut server = server;
     let t0 = std::time::Instant::now();
