@@ -597,17 +597,24 @@ impl RemoteId for Handle {
             self.released.store(true, Ordering::SeqCst);
             sinks.remove(&self.wire);
         }
+        if !c.alive.load(Ordering::SeqCst) {
+            return;
+        }
         let cmd = Command::DestroyId(self.wire);
-        // On a channel the destroy is done when this returns, so the client's next call
-        // (say, a create at the id limit) comes after it. Without one: fire and forget on
-        // the session's connection (seq 0 is never waited for), where the daemon finishes it
-        // in order with the commands that follow on that connection (a later call that does
-        // get a channel may overtake it).
-        if c.alive.load(Ordering::SeqCst) {
-            if let Some(ch) = c.channel() {
-                let _ = c.call_on(ch, &cmd);
-                return;
-            }
+        // Done when this returns, wherever it goes, so the client's next call (say, a create
+        // at the id limit, or a listen on the port this id held) comes after it: sent on the
+        // session's connection without waiting, a call that then finds an idle channel
+        // could overtake it.
+        if !c.on_reader() {
+            let _ = c.request(&cmd);
+            return;
+        }
+        // On the reader, which cannot wait for an answer on the session's connection: a
+        // channel, or (none attaches) fire and forget there, in order with the session's
+        // other calls, which have no channel either (seq 0 is never answered).
+        if let Some(ch) = c.acquire(true) {
+            let _ = c.call_on(ch, &cmd);
+            return;
         }
         let _ = c.send(cmd.encode(0));
     }

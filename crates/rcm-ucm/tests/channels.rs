@@ -517,3 +517,38 @@ fn a_fabric_shutdown_waits_for_the_callback_on_the_reader() {
     );
     client.shutdown();
 }
+
+#[test]
+fn a_destroy_is_done_before_the_next_call_while_the_channels_are_busy() {
+    // One channel, kept nearly always busy by another thread's queries; one id besides that
+    // thread's. A destroy that finds the channel busy goes on the session's connection, and
+    // the create that follows must still find the place it freed: a destroy sent there
+    // without waiting could be overtaken by the create on the channel (LimitExceeded(Ids)).
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut cfg = config("ch-destroy-busy", 47312, &[1]);
+    cfg.max_channels = 1;
+    cfg.limits = Limits {
+        max_ids: 2,
+        ..Limits::default()
+    };
+    let d = Daemon::start(cfg).expect("daemon");
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let busy = f
+        .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+        .expect("the querying thread's id");
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                let _ = busy.peer_addr();
+            }
+        });
+        let _stop = Stop(&stop);
+        for i in 0..2000 {
+            let id = f
+                .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+                .unwrap_or_else(|e| panic!("create #{i} after a destroy: {e}"));
+            id.destroy().expect("destroy");
+        }
+    });
+}
