@@ -188,6 +188,12 @@ struct DaemonArgs {
     #[arg(long, default_value_t = rcm_ucm::proto::Limits::default().max_message,
           value_parser = clap::value_parser!(u32).range(64..=1_048_576))]
     max_message: u32,
+    /// Most connections served at once (sessions, their command channels, and connections
+    /// still in their handshake; each holds two threads). One more is refused with
+    /// LimitExceeded(Connections) and closed.
+    #[arg(long, default_value_t = rcm_ucm::MAX_CONNECTIONS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    max_connections: usize,
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -230,6 +236,7 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
         max_unread_requests: a.max_unread_requests,
         max_message: a.max_message,
     };
+    cfg.max_connections = a.max_connections;
     let d = match Daemon::start(cfg) {
         Ok(d) => d,
         Err(e) => {

@@ -304,8 +304,12 @@ impl Inner {
             Err(e) => {
                 tracing::debug!(error = %e, "no command channel; this call shares the session's connection");
                 // The daemon's refusal (its limit, or an older daemon) is for good; a socket
-                // error (say, a full accept queue) is tried again by a later call.
-                if !matches!(e, Error::Io(_)) {
+                // error (say, a full accept queue) or the daemon's connection limit is tried
+                // again by a later call.
+                if !matches!(
+                    e,
+                    Error::Io(_) | Error::LimitExceeded(rcm::remote::Limit::Connections)
+                ) {
                     self.no_channels.store(true, Ordering::Relaxed);
                 }
                 self.channels.fetch_sub(1, Ordering::SeqCst);

@@ -30,7 +30,7 @@ use std::net::IpAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -65,7 +65,16 @@ pub struct DaemonConfig {
     /// channel (`ATTACH`) before the daemon closes it (10 s by default): a connection that
     /// never says anything holds threads of the daemon's.
     pub handshake_timeout: Duration,
+    /// Connections served at once: sessions, their command channels, and connections that
+    /// have not opened a session or attached yet ([`MAX_CONNECTIONS`] by default). Each
+    /// holds two of the daemon's threads; one more is answered `LimitExceeded(Connections)`
+    /// and closed, without a thread, so a client that opens connections without end cannot
+    /// take the daemon's threads (or the process's) from the others.
+    pub max_connections: usize,
 }
+
+/// Connections a daemon serves at once by default ([`DaemonConfig::max_connections`]).
+pub const MAX_CONNECTIONS: usize = 1024;
 
 impl DaemonConfig {
     /// A RoCEv2 daemon on `binds` at `socket`, with default limits.
@@ -91,6 +100,7 @@ impl DaemonConfig {
             mode: 0o660,
             max_channels: MAX_CHANNELS,
             handshake_timeout: Duration::from_secs(10),
+            max_connections: MAX_CONNECTIONS,
         }
     }
 }
@@ -128,6 +138,11 @@ struct Shared {
     limits: Limits,
     max_channels: usize,
     handshake_timeout: Duration,
+    max_connections: usize,
+    /// Connections served now (each with its reader and writer threads).
+    connections: AtomicUsize,
+    /// Connections refused at `max_connections`.
+    refused_connections: AtomicU64,
     socket: PathBuf,
     /// The socket file's device and inode, as bound.
     socket_file: Option<(u64, u64)>,
@@ -260,6 +275,7 @@ impl Daemon {
             mode,
             max_channels,
             handshake_timeout,
+            max_connections,
         } = cfg;
         if binds.is_empty() {
             return Err(DaemonError::NoBinds);
@@ -306,6 +322,9 @@ impl Daemon {
             limits,
             max_channels,
             handshake_timeout,
+            max_connections,
+            connections: AtomicUsize::new(0),
+            refused_connections: AtomicU64::new(0),
             socket,
             socket_file,
             stopping: AtomicBool::new(false),
@@ -339,6 +358,16 @@ impl Daemon {
     /// Open sessions.
     pub fn sessions(&self) -> usize {
         lock(&self.shared.sessions).len()
+    }
+
+    /// Connections served now: sessions, channels, and those not through their handshake.
+    pub fn connections(&self) -> usize {
+        self.shared.connections.load(Ordering::SeqCst)
+    }
+
+    /// Connections refused so far because [`DaemonConfig::max_connections`] were served.
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.refused_connections.load(Ordering::Relaxed)
     }
 
     /// Command channels attached to open sessions.
@@ -454,13 +483,48 @@ fn accept_loop(sh: &Arc<Shared>, listener: &UnixListener) {
                 continue;
             }
         };
+        if sh.connections.load(Ordering::SeqCst) >= sh.max_connections {
+            refuse(sh, &stream);
+            continue;
+        }
         if let Err(e) = spawn_session(sh, stream) {
             tracing::warn!(error = %e, "could not start a session");
         }
     }
 }
 
+/// Answers a connection over the limit and closes it. Whatever it sent first (`HELLO` or
+/// `ATTACH`, seq 1 from the client library) is not read: the answer has seq 0.
+fn refuse(sh: &Shared, stream: &UnixStream) {
+    let n = sh.refused_connections.fetch_add(1, Ordering::Relaxed);
+    // Logged once per thousand: a client looping on connect must not flood the log.
+    if n % 1000 == 0 {
+        tracing::warn!(
+            max = sh.max_connections,
+            refused = n + 1,
+            "connection refused: the daemon serves its most connections"
+        );
+    }
+    let frame =
+        Message::Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Connections))).encode(0);
+    // A fresh socket's buffer takes a frame this small whole; never waits in any case.
+    let _ = send(stream, &frame, SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// Counts a connection served from `spawn_session` until its reader thread is done (or it
+/// failed to start).
+struct Served(Arc<Shared>);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
+    sh.connections.fetch_add(1, Ordering::SeqCst);
+    let served = Served(sh.clone());
     let order = sh.next_order.fetch_add(1, Ordering::Relaxed);
     let reader = stream.try_clone()?;
     let wire = stream.try_clone()?;
@@ -518,6 +582,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     let r = std::thread::Builder::new()
         .name(format!("rcm-ucm-r{order}"))
         .spawn(move || {
+            let _served = served;
             tracing::debug!(session = order, "session open");
             reader_loop(&sh2, &rs, reader);
             close_session(&sh2, &rs);

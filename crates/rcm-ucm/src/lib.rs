@@ -28,4 +28,4 @@ pub mod raw;
 mod spin;
 
 pub use client::{daemon_from_env, fabric, fabric_with, Client};
-pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport, MAX_CHANNELS};
+pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport, MAX_CHANNELS, MAX_CONNECTIONS};

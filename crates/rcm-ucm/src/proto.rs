@@ -647,6 +647,7 @@ fn limit_code(l: Limit) -> u8 {
         Limit::PendingCommands => 5,
         Limit::Channels => 6,
         Limit::SendBuffer => 7,
+        Limit::Connections => 8,
     }
 }
 
@@ -1101,6 +1102,7 @@ impl<'a> R<'a> {
                 5 => Limit::PendingCommands,
                 6 => Limit::Channels,
                 7 => Limit::SendBuffer,
+                8 => Limit::Connections,
                 _ => return Err(ProtoError::BadValue("limit")),
             }),
             15 => Error::Remote(self.str()?),

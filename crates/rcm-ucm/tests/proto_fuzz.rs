@@ -283,6 +283,7 @@ fn cm_error(rng: &mut StdRng) -> rcm::Error {
                 Limit::PendingCommands,
                 Limit::Channels,
                 Limit::SendBuffer,
+                Limit::Connections,
             ],
         )),
         16 => E::ShutDown,

@@ -1327,3 +1327,62 @@ fn a_connection_that_talks_without_opening_its_session_is_closed_too() {
     );
     assert!(writer.join().expect("writer"), "the connection stayed open");
 }
+
+#[test]
+fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
+    use std::io::Read;
+    let mut cfg = config("conn-limit", 47227, &[1, 2]);
+    cfg.max_connections = 2;
+    let d = Daemon::start(cfg).expect("daemon");
+    // One session and one connection that has said nothing yet: both count.
+    let (mut open, _) = RawSession::open(d.socket()).expect("session");
+    let silent = std::os::unix::net::UnixStream::connect(d.socket()).expect("connect");
+    wait_until(
+        || d.connections() == 2,
+        || format!("{} connections", d.connections()),
+    );
+    // A third is answered with the typed refusal and closed, whatever it would have said.
+    let mut over = RawSession::connect(d.socket()).expect("connect");
+    over.set_timeout(T).expect("timeout");
+    match over.recv().expect("an answer") {
+        (0, Message::Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Connections)))) => {}
+        other => panic!("{other:?}"),
+    }
+    let mut b = [0u8; 1];
+    assert_eq!(over.stream().read(&mut b).expect("closed"), 0);
+    assert!(matches!(
+        rcm_ucm::fabric(d.socket()).map(|_| ()),
+        Err(rcm::Error::LimitExceeded(Limit::Connections))
+    ));
+    assert!(d.refused_connections() >= 2);
+    assert_eq!(d.connections(), 2);
+    // The session it serves is not disturbed.
+    create(&mut open);
+    // With a place free, a client library session opens; its threads' calls find no room
+    // for a command channel and go on the session's connection; once a place frees up
+    // again, a later call attaches one (the refusal was not taken as for good).
+    drop(silent);
+    wait_until(
+        || d.connections() == 1,
+        || format!("{} connections", d.connections()),
+    );
+    let f = rcm_ucm::fabric(d.socket()).expect("a session in the free place");
+    let id = f
+        .try_create_id_on(rcm::PortSpace::Tcp, &rcm::EventChannel::new())
+        .expect("create without a channel");
+    id.bind(sa(2, 0)).expect("bind without a channel");
+    assert_eq!(d.channels(), 0);
+    drop(open);
+    wait_until(
+        || d.connections() == 1,
+        || format!("{} connections", d.connections()),
+    );
+    wait_until(
+        || {
+            let _ = id.local_addr();
+            d.channels() == 1
+        },
+        || format!("{} channels", d.channels()),
+    );
+    id.destroy().expect("destroy");
+}

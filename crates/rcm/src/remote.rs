@@ -100,6 +100,9 @@ pub enum Limit {
     Channels,
     /// Bytes waiting to be sent on one iWARP connection ([`crate::IW_SEND_BUFFER`]).
     SendBuffer,
+    /// Connections a daemon serves at once (sessions, their command channels, and those
+    /// not through their handshake yet).
+    Connections,
 }
 
 impl std::fmt::Display for Limit {
@@ -112,6 +115,7 @@ impl std::fmt::Display for Limit {
             Limit::PendingCommands => "pending commands per client",
             Limit::Channels => "command channels per client",
             Limit::SendBuffer => "unsent bytes per iWARP connection",
+            Limit::Connections => "connections the daemon serves at once",
         })
     }
 }
