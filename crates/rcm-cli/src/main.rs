@@ -27,7 +27,8 @@ enum Cmd {
     Bench(BenchArgs),
     /// Make connections and check private data byte for byte both ways (ucmatose/udaddy for
     /// rcm). `--listen` serves, `--connect IP` connects; with neither, both run here on
-    /// loopback. The server disconnects each connection once established.
+    /// loopback. The server disconnects each connection once established; a client whose
+    /// server has not done so within 10 s disconnects it itself, and reports it as an error.
     ///
     /// Exit status: 0 exactly when every connection was established and disconnected cleanly
     /// (with --reject: rejected as asked); 1 otherwise, with the event and reason printed; 2 on

@@ -511,8 +511,10 @@ fn client_loop(
     let mut finished = 0usize;
     // Established connections the server has not disconnected yet. The server normally ends
     // each one; if its REP retries all died (a half-open connection IBTA allows under loss),
-    // nobody would, so after a grace period the client disconnects itself.
+    // nobody would, so after a grace period the client disconnects itself; that connection
+    // did not end cleanly (an error, whatever its DISCONNECTED says).
     let mut open: HashMap<u64, (Instant, CmId)> = HashMap::new();
+    let mut ended_here: std::collections::HashSet<u64> = std::collections::HashSet::new();
     while finished < ids.len() {
         let now = Instant::now();
         let left = deadline.saturating_duration_since(now);
@@ -530,8 +532,14 @@ fn client_loop(
             }
             break;
         }
-        open.retain(|_, (since, id)| {
+        open.retain(|key, (since, id)| {
             if now.duration_since(*since) > SERVER_GRACE {
+                let i = ids.get(key).map_or(usize::MAX, |(i, _)| *i);
+                r.errors.push(format!(
+                    "client {i}: the server left the connection open for {} s; disconnected by the client",
+                    SERVER_GRACE.as_secs()
+                ));
+                ended_here.insert(*key);
                 let _ = id.disconnect();
                 false
             } else {
@@ -626,7 +634,9 @@ fn client_loop(
                 }
             }
             Event::Disconnected => {
-                r.disconnected += 1;
+                if !ended_here.contains(&id.key()) {
+                    r.disconnected += 1;
+                }
                 finished += 1;
             }
             Event::TimewaitExit => {}

@@ -705,3 +705,54 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
         "{sout}"
     );
 }
+
+/// A server that accepts and then never disconnects: after its grace the client ends the
+/// connection itself, and that is an error (exit non-zero), not a clean disconnect.
+#[test]
+fn ping_client_fails_when_the_server_never_disconnects() {
+    use rcm::{AcceptOptions, Event, Fabric, FabricConfig, Flow, PortSpace};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let udp = 26808u16;
+    let fabric = Fabric::new(FabricConfig {
+        udp_port: udp,
+        ..FabricConfig::default()
+    });
+    fabric
+        .add_device(IpAddr::V4(Ipv4Addr::LOCALHOST))
+        .expect("device 127.0.0.1");
+    let l = fabric
+        .try_create_id(PortSpace::Tcp, |id, ev| {
+            // As rcm ping's server: its private data back (the REQ's 56 bytes, padded).
+            if let Event::ConnectRequest { private_data, .. } = ev {
+                let _ = id.accept(&AcceptOptions {
+                    private_data: private_data.clone(),
+                    ..AcceptOptions::default()
+                });
+            }
+            Flow::Continue
+        })
+        .expect("listener");
+    l.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 7471))
+        .expect("bind");
+    l.listen(4).expect("listen");
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "1",
+        "--udp-port",
+        &udp.to_string(),
+        "--timeout",
+        "30",
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(out.contains("1 of 1 established"), "{out}\n{err}");
+    assert!(
+        format!("{out}{err}").contains("the server left the connection open"),
+        "{out}\n{err}"
+    );
+    fabric.shutdown();
+}
