@@ -2106,3 +2106,27 @@ fn a_send_with_every_receive_buffer_taken_is_terminated_like_siw() {
         Some(CloseReason::PeerTerminated(_))
     ));
 }
+
+#[test]
+fn a_receive_queue_of_zero_holds_one_message() {
+    // 0 would refuse every Send; it counts as one buffer.
+    let cb = CepConfig {
+        recv_queue: 0,
+        ..CepConfig::default()
+    };
+    let mut n = Net::with_configs(Frag::Random(11), 5, CepConfig::default(), cb);
+    n.establish(&v1(), &AcceptParams::default());
+    n.send(A, b"first");
+    assert_eq!(n.messages(B), [b"first".to_vec()]);
+    assert!(!n.sides[B].cep.is_closed());
+    // Held, not taken: the next Send has no buffer.
+    let mark = n.sides[B].sent.len();
+    n.send(A, b"second");
+    assert_eq!(n.messages(B), [b"first".to_vec()]);
+    let t = last_terminate(&n.sides[B].sent[mark..]);
+    assert_eq!(
+        (t.layer, t.error_type, t.error_code),
+        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    );
+    assert!(n.sides[B].cep.is_closed());
+}
