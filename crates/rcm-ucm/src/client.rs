@@ -119,6 +119,12 @@ pub fn daemon_from_env() -> Option<std::path::PathBuf> {
         .map(Into::into)
 }
 
+/// Whether `buf` starts with a whole frame (its length word says how long it is).
+fn whole_frame_in(buf: &[u8]) -> bool {
+    buf.first_chunk::<4>()
+        .is_some_and(|l| buf.len() - 4 >= u32::from_le_bytes(*l) as usize)
+}
+
 fn read_frame(s: &mut impl Read, body: &mut Vec<u8>) -> std::io::Result<Header> {
     let mut hb = [0u8; 12];
     s.read_exact(&mut hb)?;
@@ -637,9 +643,10 @@ fn reader(weak: &Weak<Inner>, mut s: BufReader<SpinRead>, inline: bool) {
     let mut used: u32 = 0;
     let mut here: Option<rcm::CallbacksHere> = None;
     loop {
-        // The batch is what was read at once: its callbacks run before this thread waits
-        // for more, so none waits on the socket.
-        if here.is_some() && s.buffer().is_empty() {
+        // The batch is the whole frames read at once: its callbacks run before this thread
+        // reads the socket again, so none waits on it (a read that ends inside a frame must
+        // not hold them until the rest of that frame comes).
+        if here.is_some() && !whole_frame_in(s.buffer()) {
             here = None;
         }
         let Ok(h) = read_frame(&mut s, &mut body) else {

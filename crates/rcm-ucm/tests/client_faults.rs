@@ -302,3 +302,96 @@ fn reader_keeps_reading() {
     drop(writer);
     let _ = std::fs::remove_file(&path);
 }
+
+/// Inline callbacks run on the reader before it waits on the socket, including when what
+/// it read ends inside a frame: the rest of that frame may come only later (here the fake
+/// daemon sends it once the first event's callback has run; a daemon's write cut by a full
+/// socket is another way). Before, the batch ended only on an empty buffer, so the first
+/// callback waited for the rest of the second frame: here for good.
+#[test]
+fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let path = sock("cut-frame");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let seen = ran.clone();
+    let (created, go) = mpsc::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("session");
+        let (seq, hello) = read_command(&mut s);
+        assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
+        let ok = Message::HelloOk {
+            version: proto::VERSION,
+            token: 7,
+            limits: Limits::default(),
+        };
+        s.write_all(&ok.encode(seq)).expect("hello ok");
+        let (_, credit) = read_command(&mut s);
+        assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+        // The client's calls come on a channel (inline callbacks need one).
+        let (mut c, _) = listener.accept().expect("channel");
+        let (seq, attach) = read_command(&mut c);
+        assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
+        c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
+            .expect("attach ok");
+        let (seq, create) = read_command(&mut c);
+        assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
+        c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+            .expect("handle");
+        // An event for a handle the client has not filed yet would be dropped.
+        go.recv_timeout(T).expect("the id is made");
+        let event = Message::Event {
+            handle: 1,
+            event: proto::WireEvent::AddrResolved,
+            qp: None,
+        }
+        .encode(0);
+        // One event and half of the next, in one write; the rest once the first callback ran.
+        let half = event.len() / 2;
+        let mut first = event.clone();
+        first.extend_from_slice(&event[..half]);
+        s.write_all(&first).expect("events");
+        let t0 = Instant::now();
+        while seen.load(Ordering::SeqCst) == 0 {
+            if t0.elapsed() > Duration::from_secs(10) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ran_first = seen.load(Ordering::SeqCst) == 1;
+        s.write_all(&event[half..]).expect("the rest");
+        (ran_first, s, c)
+    });
+    let client = Client::connect_for(
+        &path,
+        &rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+    .expect("session");
+    let f = rcm::Fabric::with_provider(
+        std::sync::Arc::new(client),
+        rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    );
+    let _id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                ran.fetch_add(1, Ordering::SeqCst);
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    created.send(()).expect("tell the fake daemon");
+    let (ran_first, _s, _c) = daemon.join().expect("fake daemon");
+    assert!(
+        ran_first,
+        "the first event's callback waited for the rest of the next frame"
+    );
+    let _ = std::fs::remove_file(&path);
+}
