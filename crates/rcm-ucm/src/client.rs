@@ -78,6 +78,9 @@ struct Inner {
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set when the daemon refused a channel: calls use the session's connection.
     no_channels: AtomicBool,
+    /// No channel is attached before this (a refusal that may pass: the daemon's connection
+    /// limit, a socket error), so calls meanwhile do not each knock and be turned away.
+    attach_after: Mutex<Option<std::time::Instant>>,
     /// How long reading threads poll before they sleep.
     spin: std::time::Duration,
 }
@@ -117,6 +120,27 @@ pub fn daemon_from_env() -> Option<std::path::PathBuf> {
     std::env::var_os("RCM_DAEMON")
         .filter(|v| !v.is_empty())
         .map(Into::into)
+}
+
+/// How long a session makes its calls without a channel after an attach was turned away
+/// for a reason that may pass.
+const ATTACH_RETRY_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Sends the first command of a connection (`HELLO`, `ATTACH`). A daemon at its connection
+/// limit answers and closes without reading it, so the send may fail (`EPIPE`) with the
+/// daemon's refusal waiting to be read: that refusal is the error, not the broken pipe.
+fn send_first(s: &UnixStream, frame: &[u8]) -> rcm::Result<()> {
+    let Err(e) = send_all(s, frame) else {
+        return Ok(());
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_millis(100)));
+    let mut body = Vec::new();
+    if let Ok(h) = read_frame(&mut &*s, &mut body) {
+        if let Ok(Message::Err(w)) = decode_message(h.kind, &body) {
+            return Err(w.into_cm());
+        }
+    }
+    Err(e.into())
 }
 
 /// Whether `buf` starts with a whole frame (its length word says how long it is).
@@ -176,7 +200,7 @@ impl Client {
     fn open(path: &Path, spin: std::time::Duration, inline: bool) -> rcm::Result<Client> {
         let mut s = UnixStream::connect(path)
             .map_err(|e| Error::Io(format!("daemon socket {}: {e}", path.display())))?;
-        send_all(
+        send_first(
             &s,
             &Command::Hello {
                 min: proto::VERSION,
@@ -227,6 +251,7 @@ impl Client {
             idle_cond: Condvar::new(),
             reader: Mutex::new(None),
             no_channels: AtomicBool::new(false),
+            attach_after: Mutex::new(None),
             spin,
         });
         let weak = Arc::downgrade(&inner);
@@ -298,6 +323,9 @@ impl Inner {
         if self.no_channels.load(Ordering::Relaxed) {
             return None;
         }
+        if lock(&self.attach_after).is_some_and(|t| std::time::Instant::now() < t) {
+            return None;
+        }
         if self.channels.fetch_add(1, Ordering::SeqCst) >= CHANNELS {
             self.channels.fetch_sub(1, Ordering::SeqCst);
             return None;
@@ -312,10 +340,13 @@ impl Inner {
                 // The daemon's refusal (its limit, or an older daemon) is for good; a socket
                 // error (say, a full accept queue) or the daemon's connection limit is tried
                 // again by a later call.
-                if !matches!(
+                if matches!(
                     e,
                     Error::Io(_) | Error::LimitExceeded(rcm::remote::Limit::Connections)
                 ) {
+                    *lock(&self.attach_after) =
+                        Some(std::time::Instant::now() + ATTACH_RETRY_AFTER);
+                } else {
                     self.no_channels.store(true, Ordering::Relaxed);
                 }
                 self.channels.fetch_sub(1, Ordering::SeqCst);
@@ -326,7 +357,7 @@ impl Inner {
 
     fn attach(&self) -> rcm::Result<BufReader<SpinRead>> {
         let s = UnixStream::connect(&self.path)?;
-        send_all(
+        send_first(
             &s,
             &Command::Attach {
                 min: proto::VERSION,
@@ -620,8 +651,10 @@ impl RemoteId for Handle {
             return;
         }
         // On the reader, which cannot wait for an answer on the session's connection: a
-        // channel, or (none attaches) fire and forget there, in order with the session's
-        // other calls, which have no channel either (seq 0 is never answered).
+        // channel, or (none attaches) fire and forget there (seq 0 is never answered), in
+        // order with the session's other calls while they have no channel either. (When
+        // the refusal was one that passes, the daemon's connection limit or a socket error,
+        // a call made after a later attach can still overtake it.)
         if let Some(ch) = c.acquire(true) {
             let _ = c.call_on(ch, &cmd);
             return;
@@ -763,5 +796,35 @@ fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
     if let (Some((s, cache)), Some(ev)) = (sink, event.into_event()) {
         cache.event(qp);
         s.event(ev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_read_after_a_broken_pipe_is_the_error() {
+        // The daemon's side answered and closed before the first command was written.
+        let (a, b) = UnixStream::pair().expect("pair");
+        let refusal = Message::Err(WireError::Cm(Error::LimitExceeded(
+            rcm::remote::Limit::Connections,
+        )))
+        .encode(0);
+        send_all(&b, &refusal).expect("refusal");
+        drop(b);
+        let hello = Command::Hello {
+            min: proto::VERSION,
+            max: proto::VERSION,
+        }
+        .encode(1);
+        assert!(matches!(
+            send_first(&a, &hello),
+            Err(Error::LimitExceeded(rcm::remote::Limit::Connections))
+        ));
+        // Nothing to read: the send's own error.
+        let (a, b) = UnixStream::pair().expect("pair");
+        drop(b);
+        assert!(matches!(send_first(&a, &hello), Err(Error::Io(_))));
     }
 }

@@ -69,7 +69,9 @@ pub struct DaemonConfig {
     /// have not opened a session or attached yet ([`MAX_CONNECTIONS`] by default). Each
     /// holds two of the daemon's threads; one more is answered `LimitExceeded(Connections)`
     /// and closed, without a thread, so a client that opens connections without end cannot
-    /// take the daemon's threads (or the process's) from the others.
+    /// take the daemon's threads (or the process's) from the others. A channel is refused
+    /// the same way once it would leave fewer than a quarter of the places free: those are
+    /// for sessions.
     pub max_connections: usize,
 }
 
@@ -925,6 +927,12 @@ fn attach(
     token: u64,
 ) -> Result<Channel, WireError> {
     check_version(min, max)?;
+    // Channels only make calls faster; sessions are needed. A quarter of the places are
+    // kept from channels (this connection counts already), so a busy set of clients' channels
+    // never leaves a new client without a place for its session.
+    if sh.connections.load(Ordering::SeqCst) + sh.max_connections / 4 > sh.max_connections {
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Connections)));
+    }
     let t = lock(&sh.tokens)
         .get(&token)
         .and_then(Weak::upgrade)

@@ -1367,11 +1367,19 @@ fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
         || format!("{} connections", d.connections()),
     );
     let f = rcm_ucm::fabric(d.socket()).expect("a session in the free place");
+    let refused = d.refused_connections();
     let id = f
         .try_create_id_on(rcm::PortSpace::Tcp, &rcm::EventChannel::new())
         .expect("create without a channel");
     id.bind(sa(2, 0)).expect("bind without a channel");
+    for _ in 0..50 {
+        let _ = id.local_addr();
+    }
     assert_eq!(d.channels(), 0);
+    // Refused once, the session makes its calls without trying again for a while (not one
+    // refused connection per call).
+    let knocks = d.refused_connections() - refused;
+    assert!((1..=5).contains(&knocks), "{knocks} refused attaches");
     drop(open);
     wait_until(
         || d.connections() == 1,
@@ -1385,4 +1393,42 @@ fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
         || format!("{} channels", d.channels()),
     );
     id.destroy().expect("destroy");
+}
+
+#[test]
+fn channels_leave_a_quarter_of_the_connections_to_sessions() {
+    let mut cfg = config("conn-reserve", 47228, &[1]);
+    cfg.max_connections = 8;
+    let d = Daemon::start(cfg).expect("daemon");
+    let (mut s, token) = RawSession::open(d.socket()).expect("session");
+    // The session and five channels: six of eight; a seventh connection as a channel would
+    // leave fewer than two places free.
+    let chans: Vec<RawSession> = (0..5).map(|_| channel(&d, token)).collect();
+    let mut c = RawSession::connect(d.socket()).expect("connect");
+    c.set_timeout(T).expect("timeout");
+    assert_eq!(
+        err(&mut c, &attach_cmd(token)),
+        WireError::Cm(rcm::Error::LimitExceeded(Limit::Connections))
+    );
+    drop(c);
+    wait_until(
+        || d.connections() == 6,
+        || format!("{} connections", d.connections()),
+    );
+    // Those two places are for sessions.
+    let others: Vec<RawSession> = (0..2)
+        .map(|_| {
+            RawSession::open(d.socket())
+                .expect("a session in a kept place")
+                .0
+        })
+        .collect();
+    assert_eq!((d.sessions(), d.channels(), d.connections()), (3, 5, 8));
+    // Full: the next connection is refused whatever it is.
+    assert!(matches!(
+        rcm_ucm::fabric(d.socket()).map(|_| ()),
+        Err(rcm::Error::LimitExceeded(Limit::Connections))
+    ));
+    create(&mut s);
+    drop((chans, others));
 }
