@@ -454,6 +454,7 @@ impl Conv {
                 }
             }
             self.sent[i] += bytes.len();
+            self.cep[i].transmitted(bytes.len());
             self.wire.push(Wire::Data(PEERS[i], bytes.clone()));
             self.pipe[i].push_back(bytes);
         }

@@ -13,10 +13,12 @@ fn pump(a: &mut Cep, b: &mut Cep, now: Instant) {
     loop {
         let mut moved = false;
         while let Some(t) = a.poll_transmit() {
+            a.transmitted(t.len());
             b.on_bytes(now, &t);
             moved = true;
         }
         while let Some(t) = b.poll_transmit() {
+            b.transmitted(t.len());
             a.on_bytes(now, &t);
             moved = true;
         }

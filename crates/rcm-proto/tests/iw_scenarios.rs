@@ -117,6 +117,8 @@ impl Net {
         let side = &mut self.sides[i];
         while let Some(t) = side.cep.poll_transmit() {
             progress = true;
+            // Written to the socket at once (the pipe is the kernel's buffers).
+            side.cep.transmitted(t.len());
             side.sent.extend_from_slice(&t);
             let pipe = &mut self.pipes[i];
             if !pipe.fin && !pipe.rst {
@@ -2127,6 +2129,69 @@ fn a_receive_queue_of_zero_holds_one_message() {
     assert_eq!(
         (t.layer, t.error_type, t.error_code),
         (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    );
+    assert!(n.sides[B].cep.is_closed());
+}
+
+/// A Read Request counts against our IRD until its Response is written to the socket (siw
+/// frees an inbound read queue entry then): one more than IRD unwritten is a peer beyond
+/// the ORD it was given, and ends the stream; Responses written free their places.
+#[test]
+fn read_requests_beyond_the_ird_unwritten_end_the_stream() {
+    let read_request = |msn: u32| {
+        let mut u =
+            DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, msn, 0)
+                .to_vec()
+                .unwrap();
+        u.extend_from_slice(
+            &mpa::ReadRequest {
+                sink_stag: 9,
+                sink_to: 0,
+                size: 0,
+                source_stag: 3,
+                source_to: 0,
+            }
+            .to_bytes(),
+        );
+        fpdu(&u)
+    };
+    let up = || {
+        let mut n = Net::new(Frag::Whole, 31);
+        n.establish(
+            &ConnectParams {
+                ord: 2,
+                ..ConnectParams::default()
+            },
+            &AcceptParams {
+                ird: 2,
+                ..AcceptParams::default()
+            },
+        );
+        assert_eq!(established(n.events(B)).ird, 2);
+        // B's answers stay in the pipe: A, which asked for none, is not this test's business.
+        n.pipes[B].hold = true;
+        n
+    };
+    // Written between the requests: any number, two at a time.
+    let mut n = up();
+    for msn in (1..=8).step_by(2) {
+        let now = n.now;
+        let two = [read_request(msn), read_request(msn + 1)].concat();
+        n.b().on_bytes(now, &two);
+        n.pump();
+    }
+    assert!(!n.sides[B].cep.is_closed());
+    // Three before any is written: the third is one beyond.
+    let mut n = up();
+    let mark = n.sides[B].sent.len();
+    let now = n.now;
+    let three = [read_request(1), read_request(2), read_request(3)].concat();
+    n.b().on_bytes(now, &three);
+    n.pump();
+    let t = last_terminate(&n.sides[B].sent[mark..]);
+    assert_eq!(
+        (t.layer, t.error_type, t.error_code),
+        (term_layer::RDMAP, term_etype::RDMAP_REMOTE_OPERATION, 0x07)
     );
     assert!(n.sides[B].cep.is_closed());
 }

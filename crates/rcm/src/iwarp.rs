@@ -79,7 +79,21 @@ pub(crate) struct IwEngine {
     next: ConnKey,
     /// Events in order, moved to the routing queue before the lock is released.
     events: Vec<(ConnKey, IwEvent)>,
+    /// Streams that had more to read when their turn's budget ([`READ_TURN`]) ran out: the
+    /// I/O thread comes back to them after the others, without sleeping.
+    unread: Vec<ConnKey>,
+    /// No stream's timer or drain deadline is due before this (`None`: none is known): the
+    /// I/O thread looks through the streams only once it is reached.
+    earliest: Option<Instant>,
+    /// When the I/O thread will look again if nothing wakes it; a call that arms an earlier
+    /// timer wakes it.
+    sleeping_until: Option<Instant>,
 }
+
+/// Bytes one stream may have read in one turn of the I/O thread: a peer sending without
+/// pause (zero-length RDMA Writes cost nothing to keep) must not keep the thread, and the
+/// engine lock every call of the device takes, to itself.
+const READ_TURN: usize = 256 << 10;
 
 #[derive(Default)]
 struct Pending {
@@ -91,9 +105,10 @@ struct Pending {
 /// TCP): 4 MiB, Linux's largest TCP send buffer by default (`tcp_wmem`).
 /// [`CmId::send`](crate::CmId::send) refuses a message that would take the queue past it
 /// ([`Limit::SendBuffer`](crate::remote::Limit::SendBuffer); a longer message is taken
-/// when nothing waits), and the device stops reading the stream while the queue is at
-/// least this long, so what the peer makes this side answer (Read Responses, say) waits
-/// in the peer's own send buffer: TCP's back-pressure, as a peer that does not read gets.
+/// when nothing waits). What the peer makes this side answer is bounded apart: Read
+/// Responses by the IRD (a Read Request while IRD responses are still unwritten ends the
+/// stream, as siw does), the rest happens once per connection. Reading never stops for a
+/// full queue: two ends that both did would wait on each other for good.
 pub const IW_SEND_BUFFER: usize = 4 << 20;
 
 /// [`IW_SEND_BUFFER`] was reached.
@@ -130,6 +145,9 @@ impl IwDev {
                 listeners: HashMap::new(),
                 next: 1,
                 events: Vec::new(),
+                unread: Vec::new(),
+                earliest: None,
+                sleeping_until: None,
             }),
             registry,
             waker,
@@ -255,6 +273,16 @@ impl IwEngine {
         if c.done {
             let _ = registry.deregister(&mut c.stream);
             self.conns.remove(&key);
+            return;
+        }
+        let next = c.cep.poll_timeout().into_iter().chain(c.drain_by).min();
+        self.note_deadline(next);
+    }
+
+    /// A stream's timer or drain deadline may now be `t`.
+    fn note_deadline(&mut self, t: Option<Instant>) {
+        if let Some(t) = t {
+            self.earliest = Some(self.earliest.map_or(t, |e| e.min(t)));
         }
     }
 }
@@ -279,6 +307,7 @@ impl Conn {
                 Ok(0) => return Err(false),
                 Ok(n) => {
                     self.out.consume(n);
+                    self.cep.transmitted(n);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if self.drain_by.is_none() && self.after.contains(&TcpAction::Close) {
@@ -329,6 +358,14 @@ impl DeviceInner {
         let r = {
             let mut e = sync::lock(&iw.engine);
             let r = f(&mut e, iw, now);
+            // A call armed a timer before the I/O thread means to look (on that thread,
+            // `sleeping_until` is cleared while it works).
+            if e.sleeping_until
+                .is_some_and(|s| e.earliest.is_some_and(|t| t < s))
+            {
+                e.sleeping_until = None;
+                let _ = iw.waker.wake();
+            }
             if !e.events.is_empty() {
                 let mut p = sync::lock(&iw.pending);
                 p.events.extend(e.events.drain(..));
@@ -509,10 +546,12 @@ impl DeviceInner {
                 {
                     continue;
                 }
+                let cep = Cep::passive(now, iw.cfg.clone());
+                e.note_deadline(cep.poll_timeout());
                 e.conns.insert(
                     k,
                     Conn {
-                        cep: Cep::passive(now, iw.cfg.clone()),
+                        cep,
                         stream,
                         peer,
                         connecting: None,
@@ -565,60 +604,47 @@ impl DeviceInner {
             }
         }
         let mut buf = [0u8; 16 << 10];
+        // Read what the socket has (edge-triggered: until it would block), up to a turn's
+        // budget; the rest raises no new edge, so the stream is noted to be read again.
+        let mut closed = None;
+        let mut budget = READ_TURN;
         loop {
-            let Some(c) = e.conns.get_mut(&key) else {
-                return;
-            };
-            // Read everything the socket has (edge-triggered), unless IW_SEND_BUFFER bytes
-            // wait to go out: then the rest waits in the kernel (and the peer's send buffer).
-            let mut closed = None;
-            let mut paused = false;
-            loop {
-                if c.out.len() >= IW_SEND_BUFFER {
-                    paused = true;
+            if budget == 0 {
+                e.unread.push(key);
+                break;
+            }
+            match c.stream.read(&mut buf) {
+                Ok(0) => {
+                    closed = Some(true);
                     break;
                 }
-                match c.stream.read(&mut buf) {
-                    Ok(0) => {
-                        closed = Some(true);
-                        break;
-                    }
-                    Ok(n) => {
-                        c.cep.on_bytes(now, &buf[..n]);
-                        // What it answered counts before the next read.
-                        while let Some(b) = c.cep.poll_transmit() {
-                            c.out.extend(&b);
-                        }
-                        if c.cep.is_closed() {
-                            break;
-                        }
-                    }
-                    Err(err) if err.kind() == ErrorKind::WouldBlock => break,
-                    Err(err) if err.kind() == ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        closed = Some(false);
+                Ok(n) => {
+                    budget = budget.saturating_sub(n);
+                    c.cep.on_bytes(now, &buf[..n]);
+                    if c.cep.is_closed() {
                         break;
                     }
                 }
-            }
-            if let Some(graceful) = closed {
-                c.cep.on_tcp_closed(now, graceful);
-            }
-            e.drive(key, now, &iw.registry);
-            // Reading resumes when a flush made room: the bytes left unread raise no new
-            // readable edge.
-            let room = e
-                .conns
-                .get(&key)
-                .is_some_and(|c| c.out.len() < IW_SEND_BUFFER);
-            if !paused || !room {
-                return;
+                Err(err) if err.kind() == ErrorKind::WouldBlock => break,
+                Err(err) if err.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    closed = Some(false);
+                    break;
+                }
             }
         }
+        if let Some(graceful) = closed {
+            c.cep.on_tcp_closed(now, graceful);
+        }
+        e.drive(key, now, &iw.registry);
     }
 
     /// Runs the Cep timers that are due; returns the next deadline.
     fn iw_timers(e: &mut IwEngine, iw: &IwDev, now: Instant) -> Option<Instant> {
+        // Nothing due yet: no look through every stream (most are idle).
+        if e.earliest.is_some_and(|t| t > now) {
+            return e.earliest;
+        }
         let due: Vec<ConnKey> = e
             .conns
             .iter()
@@ -637,11 +663,13 @@ impl DeviceInner {
         for k in drained {
             e.drive(k, now, &iw.registry);
         }
-        e.conns
+        e.earliest = e
+            .conns
             .values()
             .filter_map(|c| c.cep.poll_timeout())
             .chain(e.conns.values().filter_map(|c| c.drain_by))
-            .min()
+            .min();
+        e.earliest
     }
 }
 
@@ -658,21 +686,31 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
             return;
         }
         let tokens: Vec<Token> = events.iter().map(mio::event::Event::token).collect();
-        // Time is the Cep's to keep; this loop only sleeps until its next deadline.
-        let next = d.with_iw(|e, iw, now| {
+        // Time is the Cep's to keep; this loop only sleeps until its next deadline, and not
+        // at all while a stream has more to read.
+        wait = d.with_iw(|e, iw, now| {
+            e.sleeping_until = None;
+            let unread = std::mem::take(&mut e.unread);
             for t in tokens {
                 if t != WAKER {
                     DeviceInner::iw_ready(e, iw, t, now);
                 }
             }
-            DeviceInner::iw_timers(e, iw, now)
+            for k in unread {
+                DeviceInner::iw_ready(e, iw, Token(k), now);
+            }
+            let next = DeviceInner::iw_timers(e, iw, now);
+            let wait = if e.unread.is_empty() {
+                next.map_or(Duration::from_millis(500), |t| {
+                    t.saturating_duration_since(now)
+                })
+                .clamp(Duration::from_millis(1), Duration::from_millis(500))
+            } else {
+                Duration::ZERO
+            };
+            e.sleeping_until = Some(now + wait);
+            wait
         });
-        let now = Instant::now();
-        wait = next
-            .map_or(Duration::from_millis(500), |t| {
-                t.saturating_duration_since(now)
-            })
-            .clamp(Duration::from_millis(1), Duration::from_millis(500));
     }
 }
 

@@ -916,7 +916,7 @@ fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
 }
 
 #[test]
-fn a_peer_that_asks_for_reads_but_never_reads_the_answers_is_held_back() {
+fn a_peer_that_asks_for_more_reads_than_the_ird_is_terminated() {
     use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
     use rcm_wire::mpa::{self, emit_fpdu, DdpRdmapHeader, RdmapOpcode};
     use std::io::{ErrorKind, Read, Write};
@@ -966,12 +966,14 @@ fn a_peer_that_asks_for_reads_but_never_reads_the_answers_is_held_back() {
         emit_fpdu(&u, false, &mut out).expect("fpdu");
         out
     };
-    // Each Request costs the server a 20-byte Response it cannot send. Once IW_SEND_BUFFER
-    // of them wait (after the kernel's buffers), it reads no more, and the peer's writes
-    // block for good; without that it reads (and answers into memory) whatever comes.
+    // Each Request costs the server a 20-byte Response. Once the kernel's buffers are full,
+    // the Responses wait in rcm; a Request while IRD (1) of them are unwritten is a peer
+    // beyond its ORD, and the server ends the stream (as siw does with its inbound read
+    // queue full). Before, it stopped reading such a stream instead (which wedged two rcm
+    // ends sending to each other), and before that it answered into memory without end.
     let (mut written, mut msn, mut pending) = (0usize, 1u32, Vec::new());
-    let mut blocked_since: Option<Instant> = None;
-    loop {
+    let t0 = Instant::now();
+    let ended = loop {
         if pending.is_empty() {
             for _ in 0..1000 {
                 pending.extend_from_slice(&request(msn));
@@ -982,32 +984,96 @@ fn a_peer_that_asks_for_reads_but_never_reads_the_answers_is_held_back() {
             Ok(n) => {
                 written += n;
                 pending.drain(..n);
-                blocked_since = None;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                let since = *blocked_since.get_or_insert_with(Instant::now);
-                if since.elapsed() > Duration::from_secs(1) {
-                    break;
-                }
                 std::thread::sleep(Duration::from_millis(5));
             }
-            Err(e) => panic!("the server ended the stream after {written} bytes: {e}"),
+            Err(e) => break e,
         }
         assert!(
             written < 160 << 20,
             "{written} bytes of requests taken from a peer that reads no answer"
         );
-    }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the stream still open after {written} bytes"
+        );
+    };
     assert!(
-        written > rcm::IW_SEND_BUFFER,
-        "held back after {written} bytes"
+        matches!(
+            ended.kind(),
+            ErrorKind::ConnectionReset | ErrorKind::BrokenPipe
+        ),
+        "{ended}"
     );
-    // The peer goes (resetting, with answers unread); the server sees it and ends clean.
-    drop(s);
     log.wait_n("disconnected", 1);
+    drop(s);
     let child = f.live_ids();
     assert_eq!(child, 2, "listener and child");
     assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
     assert!(eventually(T, || f.live_ids() <= 1));
+    f.shutdown();
+}
+
+/// The device reads a stream whatever its own send queue holds. It used to stop reading
+/// while IW_SEND_BUFFER bytes waited: two rcm ends with full queues then waited on each
+/// other for good (neither read, so neither queue drained). Here the queue is held past the
+/// bound by one long message (taken since nothing waited) that a peer does not read, and
+/// the peer's Sends must still arrive.
+#[test]
+fn messages_arrive_while_the_send_queue_is_full() {
+    use rcm_proto::iw::{AcceptParams, Cep, CepConfig};
+    use std::io::{Read, Write};
+    let f = iw_fabric(&[2]);
+    let lst = std::net::TcpListener::bind(addr(1, 27919)).expect("listen");
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = lst.accept().expect("accept");
+        let mut cep = Cep::passive(Instant::now(), CepConfig::default());
+        let mut buf = [0u8; 4096];
+        while cep.state() != rcm_proto::iw::State::Established {
+            let n = s.read(&mut buf).expect("read");
+            assert!(n > 0, "the initiator hung up");
+            cep.on_bytes(Instant::now(), &buf[..n]);
+            while let Some(e) = cep.poll_event() {
+                if let rcm_proto::iw::Event::ConnectRequest(_) = e {
+                    cep.accept(Instant::now(), &AcceptParams::default())
+                        .expect("accept");
+                }
+            }
+            while let Some(t) = cep.poll_transmit() {
+                s.write_all(&t).expect("write");
+            }
+        }
+        // Reads nothing from here; waits for the word, then sends three messages.
+        let _ = go_rx.recv();
+        for m in [&b"one"[..], b"two", b"three"] {
+            cep.send(Instant::now(), m).expect("send");
+        }
+        while let Some(t) = cep.poll_transmit() {
+            s.write_all(&t).expect("write");
+        }
+        let _ = go_rx.recv();
+        drop(s);
+    });
+    let log = Log::new();
+    let c = client(&f, addr(1, 27919), b"", &log, cont);
+    log.wait_n("established", 1);
+    // More than the kernel's buffers and IW_SEND_BUFFER together: most of it stays queued.
+    c.send(&vec![0x3cu8; 64 << 20])
+        .expect("a long message into an empty queue");
+    assert_eq!(
+        c.send(b"more"),
+        Err(Error::LimitExceeded(rcm::remote::Limit::SendBuffer))
+    );
+    go_tx.send(()).expect("go");
+    for want in [&b"one"[..], b"two", b"three"] {
+        assert_eq!(c.recv_message(T).as_deref(), Some(want));
+    }
+    let _ = go_tx.send(());
+    peer.join().expect("peer");
+    log.wait_n("disconnected", 1);
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    assert_clean(&f);
     f.shutdown();
 }

@@ -113,6 +113,14 @@ pub struct Cep {
     reassembly: Vec<u8>,
     timer: Option<(Instant, TimerKind)>,
     transmits: VecDeque<Vec<u8>>,
+    /// Bytes of the stream queued for transmission so far, and written to the socket so far
+    /// (as the driver reports, [`Cep::transmitted`]).
+    tx_queued: u64,
+    tx_written: u64,
+    /// Where in the stream each Read Response not yet written ends. Each is a Read Request
+    /// the peer still counts against our IRD (siw frees an inbound read queue entry once its
+    /// response went to the socket): more than IRD of them is a peer beyond its ORD.
+    unwritten_read_responses: VecDeque<u64>,
     actions: VecDeque<TcpAction>,
     events: VecDeque<Event>,
 }
@@ -145,6 +153,9 @@ impl Cep {
             reassembly: Vec::new(),
             timer: None,
             transmits: VecDeque::new(),
+            tx_queued: 0,
+            tx_written: 0,
+            unwritten_read_responses: VecDeque::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),
         }
@@ -263,7 +274,7 @@ impl Cep {
         };
         frame.flags.crc = p.crc;
         let bytes = frame.to_vec()?;
-        self.transmits.push_back(bytes);
+        self.push_tx(bytes);
         self.local_ird_ord = (p.ird, p.ord);
         if let Some(e) = frame.enhanced {
             self.local_ird_ord = (e.ird, e.ord);
@@ -317,7 +328,7 @@ impl Cep {
         let crc = req.frame.flags.crc || p.crc;
         frame.flags.crc = crc;
         let bytes = frame.to_vec()?;
-        self.transmits.push_back(bytes);
+        self.push_tx(bytes);
         self.accepted = true;
         self.crc = crc;
         let neg = Negotiated {
@@ -359,7 +370,7 @@ impl Cep {
         };
         check_pd(private_data, req.reply_enhanced)?;
         let bytes = reject_frame(&req, private_data).to_vec()?;
-        self.transmits.push_back(bytes);
+        self.push_tx(bytes);
         self.finish(None, TcpAction::Close);
         Ok(())
     }
@@ -408,13 +419,32 @@ impl Cep {
         let ulpdu = mpa::terminate_ulpdu(QN_TERMINATE, self.tx_msn_term, term)?;
         let mut out = Vec::new();
         emit_fpdu(&ulpdu, self.crc, &mut out)?;
-        self.tx_msn_term += 1;
-        self.transmits.push_back(out);
+        self.tx_msn_term = self.tx_msn_term.wrapping_add(1);
+        self.push_tx(out);
         self.finish(
             Some(Event::Close(CloseReason::LocalTerminate)),
             TcpAction::Close,
         );
         Ok(())
+    }
+
+    /// The driver wrote `n` more bytes of [`Cep::poll_transmit`]'s output to the socket.
+    /// Read Responses count against our IRD until written: a driver that never reports
+    /// lets the peer have at most IRD Read Requests answered, ever.
+    pub fn transmitted(&mut self, n: usize) {
+        self.tx_written = self.tx_written.saturating_add(n as u64);
+        while self
+            .unwritten_read_responses
+            .front()
+            .is_some_and(|&end| end <= self.tx_written)
+        {
+            self.unwritten_read_responses.pop_front();
+        }
+    }
+
+    fn push_tx(&mut self, bytes: Vec<u8>) {
+        self.tx_queued = self.tx_queued.saturating_add(bytes.len() as u64);
+        self.transmits.push_back(bytes);
     }
 
     /// The application took `n` of the messages reported ([`Event::Message`]): their receive
@@ -454,7 +484,7 @@ impl Cep {
             }
         }
         self.tx_msn_send = self.tx_msn_send.wrapping_add(1);
-        self.transmits.push_back(out);
+        self.push_tx(out);
         Ok(())
     }
 
@@ -478,7 +508,7 @@ impl Cep {
                 State::ConnRecv if !self.accepted => {
                     if let Some(req) = self.peer_request.clone() {
                         if let Ok(b) = reject_frame(&req, &[]).to_vec() {
-                            self.transmits.push_back(b);
+                            self.push_tx(b);
                         }
                     }
                     TcpAction::Close
@@ -618,14 +648,14 @@ impl Cep {
         if self.write_shut || emit_fpdu(ulpdu, self.crc, &mut out).is_err() {
             return false;
         }
-        self.transmits.push_back(out);
+        self.push_tx(out);
         true
     }
 
     fn queue_terminate(&mut self, t: &Terminate) {
         if let Ok(ulpdu) = mpa::terminate_ulpdu(QN_TERMINATE, self.tx_msn_term, t) {
             if self.push_fpdu(&ulpdu) {
-                self.tx_msn_term += 1;
+                self.tx_msn_term = self.tx_msn_term.wrapping_add(1);
             }
         }
     }
@@ -737,7 +767,7 @@ impl Cep {
                 *e = Enhanced::new(0, 0);
             }
             if let Ok(b) = rej.to_vec() {
-                self.transmits.push_back(b);
+                self.push_tx(b);
             }
             self.fail(ProtocolError::MarkersRequested, None);
             return false;
@@ -902,7 +932,7 @@ impl Cep {
                     self.tx_msn_read,
                     0,
                 );
-                self.tx_msn_read += 1;
+                self.tx_msn_read = self.tx_msn_read.wrapping_add(1);
                 self.awaiting_read_response = true;
                 let rr = ReadRequest {
                     sink_stag: 0,
@@ -918,7 +948,7 @@ impl Cep {
             }
             RtrKind::Send => {
                 let h = DdpRdmapHeader::untagged(RdmapOpcode::Send, QN_SEND, self.tx_msn_send, 0);
-                self.tx_msn_send += 1;
+                self.tx_msn_send = self.tx_msn_send.wrapping_add(1);
                 h.to_vec()
             }
         };
@@ -1029,9 +1059,9 @@ impl Cep {
             return false;
         }
         match kind {
-            RtrKind::Send => self.rx_msn_send += 1,
+            RtrKind::Send => self.rx_msn_send = self.rx_msn_send.wrapping_add(1),
             RtrKind::Read => {
-                self.rx_msn_read += 1;
+                self.rx_msn_read = self.rx_msn_read.wrapping_add(1);
                 if let Ok(r) = ReadRequest::parse(payload) {
                     self.queue_read_response(r);
                 }
@@ -1051,7 +1081,9 @@ impl Cep {
     fn queue_read_response(&mut self, r: ReadRequest) {
         let h = DdpRdmapHeader::tagged(RdmapOpcode::RdmaReadResponse, r.sink_stag, r.sink_to);
         if let Ok(u) = h.to_vec() {
-            self.push_fpdu(&u);
+            if self.push_fpdu(&u) {
+                self.unwritten_read_responses.push_back(self.tx_queued);
+            }
         }
     }
 
@@ -1130,9 +1162,12 @@ impl Cep {
                     self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_MSN_RANGE);
                     return false;
                 }
-                // We agreed to answer no reads (IRD 0): siw's siw_init_rresp terminates the
-                // stream, as RFC 5040 has a read beyond the IRD do.
-                if self.neg.as_ref().is_some_and(|n| n.ird == 0) {
+                // A read beyond our IRD (RFC 5040 §6.6: the requester keeps to the ORD it was
+                // given, which is our IRD); with IRD 0 every read. siw's siw_init_rresp
+                // terminates the stream when its inbound read queue is full. An answered
+                // read counts until its response is written to the socket.
+                let ird = self.neg.as_ref().map_or(0, |n| usize::from(n.ird));
+                if self.unwritten_read_responses.len() >= ird {
                     self.header_error(
                         ulpdu,
                         term_layer::RDMAP,
@@ -1143,7 +1178,7 @@ impl Cep {
                 }
                 match ReadRequest::parse(payload) {
                     Ok(r) if r.size == 0 => {
-                        self.rx_msn_read += 1;
+                        self.rx_msn_read = self.rx_msn_read.wrapping_add(1);
                         self.queue_read_response(r);
                         true
                     }
