@@ -1679,8 +1679,11 @@ fn teardown(inner: &Arc<IdInner>) {
         iw_destroy(dev, key);
     }
     let mail = inner.mail_if_any();
+    // A `recv_message` waiting for this id returns (no message is queued from here on:
+    // `on_iw_event` checks liveness under the queue's lock, as `deliver_ud` does).
     if let Some(m) = mail {
         sync::lock(&m.inbox).clear();
+        m.inbox_cv.notify_all();
     }
     // UD: no datagram is queued to this id from here on (`deliver_ud` checks liveness under
     // the queue's lock, and the slot stopped being live before this teardown began).
@@ -2648,8 +2651,14 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
             IwEvent::Cep(iw::Event::Message(m)) => {
                 drop(g);
                 let mail = id.mail();
-                sync::lock(&mail.inbox).push_back(m);
-                mail.inbox_cv.notify_all();
+                let mut q = sync::lock(&mail.inbox);
+                // A message for an id whose teardown began (and cleared the queue, or will)
+                // is dropped, not kept past the destroy.
+                if id.slot.is_live() {
+                    q.push_back(m);
+                    drop(q);
+                    mail.inbox_cv.notify_all();
+                }
                 None
             }
         }

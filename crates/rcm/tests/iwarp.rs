@@ -1077,3 +1077,31 @@ fn messages_arrive_while_the_send_queue_is_full() {
     assert_clean(&f);
     f.shutdown();
 }
+
+/// A thread waiting in `recv_message` returns when the id is destroyed (it waited out its
+/// whole timeout: the teardown emptied the queue without waking it).
+#[test]
+fn a_waiting_recv_message_returns_when_the_id_is_destroyed() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27920), &log, accept_with(b""));
+    let c = client(&f, addr(1, 27920), b"", &log, cont);
+    log.wait_n("established", 2);
+    let waiter = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (c.recv_message(Duration::from_secs(120)), t0.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    let (got, waited) = waiter.join().expect("waiter");
+    assert_eq!(got, None);
+    assert!(
+        waited < Duration::from_secs(60),
+        "recv_message waited {waited:?} for a destroyed id"
+    );
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
+}
