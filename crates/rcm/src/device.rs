@@ -159,6 +159,7 @@ impl DeviceInner {
         ip: IpAddr,
         cfg: rcm_proto::iw::CepConfig,
         engine: Endpoint,
+        max_half_open: usize,
     ) -> crate::Result<Arc<Self>> {
         crate::iwarp::check_addr(ip)?;
         let dev = Arc::new(DeviceInner {
@@ -179,7 +180,7 @@ impl DeviceInner {
             inline_callbacks: false,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
-            iw: Some(crate::iwarp::IwDev::new(cfg)?),
+            iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
         });
         crate::iwarp::IwDev::start(&dev)?;
         Ok(dev)

@@ -29,7 +29,9 @@ pub struct FabricConfig {
     pub min_timewait: Duration,
     /// Most accepted connections per RoCEv2 device waiting for their RTU; past it the
     /// oldest are given up as REP timeouts (bounds what a spoofed REQ flood can hold; see
-    /// `rcm_proto::ib::EndpointConfig::max_half_open`).
+    /// `rcm_proto::ib::EndpointConfig::max_half_open`). On an iWARP device: accepted TCP
+    /// streams whose MPA Request has not come yet, at most 1,024 (each holds a file
+    /// descriptor); past it a new stream is reset at once.
     pub max_half_open: usize,
     /// Verify the ICRC of every received RoCEv2 datagram (IPv4 devices): datagrams are read
     /// from a raw socket, which shows the IP header the ICRC covers, and a wrong ICRC is
@@ -587,7 +589,9 @@ impl Fabric {
         cfg.max_half_open = self.0.cfg.max_half_open;
         let _listens = sync::lock(&self.0.listen_lock);
         let dev = match iwarp {
-            Some(icfg) => DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg))?,
+            Some(icfg) => {
+                DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg), self.0.cfg.max_half_open)?
+            }
             None => DeviceInner::open(
                 ip,
                 self.0.cfg.udp_port,

@@ -251,6 +251,8 @@ pub(crate) struct IdState {
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
+    /// iWARP child: its request holds a place in the listener's backlog (until delivered).
+    in_backlog: bool,
     /// iWARP: the device's TCP stream this id owns.
     /// (Keys start at 1: the niche keeps this 8 bytes.)
     iw: Option<std::num::NonZeroUsize>,
@@ -263,6 +265,9 @@ struct Listening {
     on: Vec<(Arc<DeviceInner>, u64)>,
     wildcard: bool,
     backlog: usize,
+    /// iWARP: children whose connect request is not delivered to the application yet (the
+    /// RoCE engine keeps its own backlog).
+    undelivered: usize,
     /// Its children (each leaves when destroyed).
     children: std::collections::HashMap<u64, Weak<IdInner>>,
 }
@@ -389,6 +394,7 @@ impl EventChannel {
                 }
                 also = Some(listener.0.slot.clone());
                 sync::lock(&id.0.st).request_unseen = false;
+                leave_backlog(&id.0);
             }
             return Some(ChannelEvent {
                 id,
@@ -470,6 +476,7 @@ fn new_state() -> IdState {
         disconnected_reported: false,
         listener: None,
         request_unseen: false,
+        in_backlog: false,
         iw: None,
     }
 }
@@ -489,6 +496,7 @@ fn callback(h: Handler) -> Target<Event> {
                     return Flow::Destroy;
                 };
                 sync::lock(&inner.st).request_unseen = false;
+                leave_backlog(&inner);
                 return h(&CmId(inner), ev);
             }
             h(&CmId(inner), ev)
@@ -1651,6 +1659,23 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
     }
 }
 
+/// An iWARP child's request was delivered (or answered, or the child goes): its place in the
+/// listener's backlog is free. The child's lock is not held while the listener's is taken.
+fn leave_backlog(child: &IdInner) {
+    let listener = {
+        let mut g = sync::lock(&child.st);
+        if !std::mem::take(&mut g.in_backlog) {
+            return;
+        }
+        g.listener.clone()
+    };
+    if let Some(l) = listener.and_then(|w| w.upgrade()) {
+        if let Some(li) = sync::lock(&l.st).listening.as_mut() {
+            li.undelivered = li.undelivered.saturating_sub(1);
+        }
+    }
+}
+
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
@@ -1669,6 +1694,7 @@ fn teardown(inner: &Arc<IdInner>) {
             Some(g.conn.local_qpn).filter(|&q| q != 0 && is_ud(inner.ps)),
         )
     };
+    leave_backlog(inner);
     // A child leaves its listener's list (the list must not grow with every connection).
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
         if let Some(l) = sync::lock(&l.st).listening.as_mut() {
@@ -2381,6 +2407,8 @@ impl CmId {
         match r {
             Some(Ok(())) => {
                 g.conn.accepted = true;
+                drop(g);
+                leave_backlog(&self.0);
                 Ok(())
             }
             Some(Err(e)) => {
@@ -2412,6 +2440,8 @@ impl CmId {
                 if g.state == State::Connect {
                     g.state = State::Disconnect;
                 }
+                drop(g);
+                leave_backlog(&self.0);
                 Ok(())
             }
             Some(Err(e)) => Err(iw_err(e, g.state)),
@@ -2715,25 +2745,42 @@ fn on_iw_connect_request(
         g.iw = std::num::NonZeroUsize::new(key);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
+        g.in_backlog = true;
         g.conn.responder_resources = param.responder_resources;
         g.conn.initiator_depth = param.initiator_depth;
     }
     {
         let mut g = sync::lock(&lst.st);
+        // The backlog bounds the requests not delivered to the application yet, as ucma's
+        // does (0: 1,024, ucma's max_backlog); one more is refused (an MPA Reject, as for a
+        // listener that is gone): a listener whose callbacks are slow cannot be made to
+        // hold any number of children and streams.
+        let full = g.listening.as_ref().is_some_and(|l| {
+            l.undelivered
+                >= if l.backlog == 0 {
+                    crate::iwarp::IW_DEFAULT_BACKLOG
+                } else {
+                    l.backlog
+                }
+        });
         if g.state != State::Listen
             || !lst.slot.is_live()
             || dev.removed.load(std::sync::atomic::Ordering::SeqCst)
+            || full
         {
             drop(g);
-            sync::lock(&child.0.st).request_unseen = false;
+            {
+                let mut c = sync::lock(&child.0.st);
+                c.request_unseen = false;
+                c.in_backlog = false;
+            }
             // The child's teardown rejects the Request (the Cep is still unanswered).
             drop(child.begin_destroy());
             return;
         }
-        g.listening
-            .get_or_insert_with(Box::default)
-            .children
-            .insert(child.0.key, Arc::downgrade(&child.0));
+        let l = g.listening.get_or_insert_with(Box::default);
+        l.undelivered += 1;
+        l.children.insert(child.0.key, Arc::downgrade(&child.0));
     }
     // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
     let _ = publish(&child);

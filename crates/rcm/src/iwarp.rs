@@ -65,6 +65,8 @@ struct Conn {
     /// A close waits for `out` to be written until then; after, it becomes a reset (a peer
     /// that stopped reading would otherwise hold the stream for good).
     drain_by: Option<Instant>,
+    /// Passive, and its MPA Request has not come yet (counted in `IwEngine::half_open`).
+    half_open: bool,
 }
 
 struct Listener {
@@ -88,7 +90,18 @@ pub(crate) struct IwEngine {
     /// When the I/O thread will look again if nothing wakes it; a call that arms an earlier
     /// timer wakes it.
     sleeping_until: Option<Instant>,
+    /// Accepted streams whose MPA Request has not come yet.
+    half_open: usize,
 }
+
+/// The backlog of an iWARP listener that asked for 0: connect requests not delivered to the
+/// application yet (ucma's `max_backlog`, 1,024).
+pub(crate) const IW_DEFAULT_BACKLOG: usize = 1024;
+
+/// Most accepted streams of one device waiting for their MPA Request (each holds a file
+/// descriptor until the Request comes or its timer ends it), whatever
+/// [`FabricConfig::max_half_open`](crate::FabricConfig::max_half_open) allows more of.
+pub(crate) const IW_MAX_HALF_OPEN: usize = 1024;
 
 /// Bytes one stream may have read in one turn of the I/O thread: a peer sending without
 /// pause (zero-length RDMA Writes cost nothing to keep) must not keep the thread, and the
@@ -118,6 +131,8 @@ pub(crate) struct SendBufferFull;
 /// The iWARP part of a device.
 pub(crate) struct IwDev {
     pub cfg: CepConfig,
+    /// Accepted streams waiting for their MPA Request, at most (more are reset).
+    max_half_open: usize,
     engine: Mutex<IwEngine>,
     registry: Registry,
     waker: Waker,
@@ -134,12 +149,13 @@ pub(crate) struct IwDev {
 }
 
 impl IwDev {
-    pub(crate) fn new(cfg: CepConfig) -> crate::Result<Self> {
+    pub(crate) fn new(cfg: CepConfig, max_half_open: usize) -> crate::Result<Self> {
         let poll = Poll::new()?;
         let registry = poll.registry().try_clone()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
         Ok(IwDev {
             cfg,
+            max_half_open: max_half_open.min(IW_MAX_HALF_OPEN),
             engine: Mutex::new(IwEngine {
                 conns: HashMap::new(),
                 listeners: HashMap::new(),
@@ -148,6 +164,7 @@ impl IwDev {
                 unread: Vec::new(),
                 earliest: None,
                 sleeping_until: None,
+                half_open: 0,
             }),
             registry,
             waker,
@@ -247,11 +264,16 @@ impl IwEngine {
             }
             while let Some(e) = c.cep.poll_event() {
                 let ev = match (e, c.listen_port) {
-                    (iw::Event::ConnectRequest(req), Some(port)) => IwEvent::Request {
-                        port,
-                        peer: c.peer,
-                        req,
-                    },
+                    (iw::Event::ConnectRequest(req), Some(port)) => {
+                        if std::mem::take(&mut c.half_open) {
+                            self.half_open = self.half_open.saturating_sub(1);
+                        }
+                        IwEvent::Request {
+                            port,
+                            peer: c.peer,
+                            req,
+                        }
+                    }
                     (e, _) => IwEvent::Cep(e),
                 };
                 self.events.push((key, ev));
@@ -271,6 +293,9 @@ impl IwEngine {
             break;
         }
         if c.done {
+            if c.half_open {
+                self.half_open = self.half_open.saturating_sub(1);
+            }
             let _ = registry.deregister(&mut c.stream);
             self.conns.remove(&key);
             return;
@@ -441,6 +466,7 @@ impl DeviceInner {
                     listen_port: None,
                     done: false,
                     drain_by: None,
+                    half_open: false,
                 },
             );
             Ok(key)
@@ -533,6 +559,12 @@ impl DeviceInner {
                 }
             }
             for (mut stream, peer) in accepted {
+                // Past the bound, reset at once: a peer that opens streams and says nothing
+                // must not take the process's descriptors (each waits up to its timer).
+                if e.half_open >= iw.max_half_open {
+                    reset(&stream);
+                    continue;
+                }
                 let _ = stream.set_nodelay(true);
                 let k = e.new_key();
                 if iw
@@ -560,8 +592,10 @@ impl DeviceInner {
                         listen_port: Some(port),
                         done: false,
                         drain_by: None,
+                        half_open: true,
                     },
                 );
+                e.half_open += 1;
             }
             return;
         }

@@ -1105,3 +1105,118 @@ fn a_waiting_recv_message_returns_when_the_id_is_destroyed() {
     assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
     f.shutdown();
 }
+
+/// The listen backlog bounds the connect requests not delivered to the application yet (as
+/// ucma's): with the listener's callback busy, requests wait undelivered, and one beyond
+/// the backlog is rejected; delivered ones free their places. (It was ignored on iWARP: a
+/// listener whose callbacks were slow could be made to hold any number of children and
+/// streams.)
+#[test]
+fn the_listen_backlog_bounds_undelivered_requests() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let gate = Gate::new();
+    let l = {
+        let (log, gate) = (log.clone(), gate.clone());
+        let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+            log.push(id, describe(&ev));
+            if let Event::ConnectRequest { private_data, .. } = ev {
+                // The first request holds the listener's callbacks (requests are delivered
+                // one at a time with them) until the gate opens.
+                if private_data == b"a" {
+                    gate.wait();
+                }
+                id.accept(&AcceptOptions::default()).unwrap();
+            }
+            Flow::Continue
+        });
+        id.bind(addr(1, 27921)).unwrap();
+        id.listen(2).unwrap();
+        id
+    };
+    let dst = addr(1, 27921);
+    let a = client(&f, dst, b"a", &log, cont);
+    log.wait_n("request a", 1);
+    // Two wait undelivered; a third is one beyond.
+    let b = client(&f, dst, b"b", &log, cont);
+    let c = client(&f, dst, b"c", &log, cont);
+    assert!(
+        eventually(T, || f.engine_ceps() == 6),
+        "{}",
+        f.engine_ceps()
+    );
+    let d = client(&f, dst, b"d", &log, cont);
+    assert!(
+        eventually(T, || log
+            .of(d.key())
+            .iter()
+            .any(|e| e.starts_with("rejected"))),
+        "{:?}",
+        log.of(d.key())
+    );
+    gate.open();
+    log.wait_n("request c", 1);
+    let e = client(&f, dst, b"e", &log, cont);
+    log.wait_n("request e", 1);
+    log.wait_n("established", 8);
+    assert_eq!(log.count("request b"), 1);
+    assert_eq!(log.count("request d"), 0);
+    for id in [a, b, c, d, e, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    // The children were never destroyed by their user: shutdown ends them.
+    f.shutdown();
+}
+
+/// Streams accepted that never send their MPA Request are bounded per device
+/// (`FabricConfig::max_half_open`): past it a new stream is reset at once, and once they go
+/// a client connects as usual.
+#[test]
+fn streams_that_never_send_their_request_are_bounded() {
+    use std::io::{ErrorKind, Read};
+    let f = Fabric::new(FabricConfig {
+        max_half_open: 4,
+        ..common::config(27992)
+    });
+    f.add_iwarp_device(ip(1)).expect("iWARP device");
+    f.add_iwarp_device(ip(2)).expect("iWARP device");
+    let log = Log::new();
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let ch = children.clone();
+    let l = listener(&f, addr(1, 27922), &log, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            ch.lock().unwrap().push(id.clone());
+        }
+        accept_with(b"")(id, ev)
+    });
+    let silent: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(addr(1, 27922)).expect("connect"))
+        .collect();
+    assert!(
+        eventually(T, || f.engine_ceps() == 4),
+        "{}",
+        f.engine_ceps()
+    );
+    let mut fifth = std::net::TcpStream::connect(addr(1, 27922)).expect("connect");
+    fifth.set_read_timeout(Some(T)).expect("timeout");
+    let mut b = [0u8; 1];
+    match fifth.read(&mut b) {
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        other => panic!("the fifth silent stream was kept: {other:?}"),
+    }
+    assert_eq!(f.engine_ceps(), 4);
+    drop(silent);
+    assert!(
+        eventually(T, || f.engine_ceps() == 0),
+        "{}",
+        f.engine_ceps()
+    );
+    let c = client(&f, addr(1, 27922), b"", &log, cont);
+    log.wait_n("established", 2);
+    let s = children.lock().unwrap()[0].clone();
+    for id in [c, s, l] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    assert_clean(&f);
+    f.shutdown();
+}
