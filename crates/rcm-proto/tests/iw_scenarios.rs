@@ -2195,3 +2195,34 @@ fn read_requests_beyond_the_ird_unwritten_end_the_stream() {
     );
     assert!(n.sides[B].cep.is_closed());
 }
+
+#[test]
+fn bytes_held_for_the_application_are_bounded_too() {
+    let cb = CepConfig {
+        recv_bytes: 10_000,
+        max_recv_message: 4_000,
+        ..CepConfig::default()
+    };
+    let mut n = Net::with_configs(Frag::Random(13), 5, CepConfig::default(), cb);
+    n.establish(&v1(), &AcceptParams::default());
+    // Taken as they come: any number.
+    for i in 0..10u8 {
+        n.send(A, &[i; 3000]);
+        n.b().messages_taken(1);
+    }
+    // Three held, 9,000 bytes: a fourth would take them past 10,000, though buffers (1,024
+    // messages) are free.
+    for i in 0..3u8 {
+        n.send(A, &[i; 3000]);
+    }
+    assert!(!n.sides[B].cep.is_closed());
+    let mark = n.sides[B].sent.len();
+    n.send(A, &[9u8; 3000]);
+    assert_eq!(n.messages(B).len(), 13);
+    let t = last_terminate(&n.sides[B].sent[mark..]);
+    assert_eq!(
+        (t.layer, t.error_type, t.error_code),
+        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    );
+    assert!(n.sides[B].cep.is_closed());
+}

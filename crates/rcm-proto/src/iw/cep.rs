@@ -87,9 +87,11 @@ pub struct Cep {
     write_shut: bool,
     rx_mode: RxMode,
     rx: super::ByteQueue,
-    /// Messages reported ([`Event::Message`]) and not yet taken by the application
-    /// ([`Cep::messages_taken`]): the receive buffers in use.
-    undelivered: usize,
+    /// The sizes of the messages reported ([`Event::Message`]) and not yet taken by the
+    /// application ([`Cep::messages_taken`]), oldest first: the receive buffers in use.
+    undelivered: VecDeque<usize>,
+    /// Their bytes.
+    undelivered_bytes: usize,
     /// Do not try to parse before `rx` holds this many bytes (the parser said so).
     rx_need: usize,
     /// Active: the Request we sent. Passive: what the Request asked.
@@ -135,7 +137,8 @@ impl Cep {
             write_shut: false,
             rx_mode,
             rx: super::ByteQueue::default(),
-            undelivered: 0,
+            undelivered: VecDeque::new(),
+            undelivered_bytes: 0,
             rx_need: 0,
             our_request: None,
             peer_request: None,
@@ -450,7 +453,12 @@ impl Cep {
     /// The application took `n` of the messages reported ([`Event::Message`]): their receive
     /// buffers are free again (see [`CepConfig::recv_queue`]).
     pub fn messages_taken(&mut self, n: usize) {
-        self.undelivered = self.undelivered.saturating_sub(n);
+        for _ in 0..n {
+            let Some(len) = self.undelivered.pop_front() else {
+                break;
+            };
+            self.undelivered_bytes = self.undelivered_bytes.saturating_sub(len);
+        }
     }
 
     /// Queue `payload` as an RDMAP Send (untagged, queue 0, the next MSN), split into DDP
@@ -1113,7 +1121,16 @@ impl Cep {
                 // holds a message the application has not taken), siw's siw_proc_send
                 // terminates the stream before looking at the header ("Invalid MSN - no
                 // buffer available", RFC 5041 §7.2): a peer cannot make us hold more.
-                if self.reassembly.is_empty() && self.undelivered >= self.cfg.recv_queue.max(1) {
+                if self.reassembly.is_empty()
+                    && self.undelivered.len() >= self.cfg.recv_queue.max(1)
+                {
+                    self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_NO_BUFFER);
+                    return false;
+                }
+                // So does a segment that would take the bytes held for the application past
+                // `recv_bytes` (never below one longest message): the buffers are full.
+                let held = self.undelivered_bytes + self.reassembly.len() + payload.len();
+                if held > self.cfg.recv_bytes.max(self.cfg.max_recv_message) {
                     self.header_error(ulpdu, term_layer::DDP, UNTAGGED, DDP_UNTAGGED_NO_BUFFER);
                     return false;
                 }
@@ -1137,7 +1154,8 @@ impl Cep {
                 if h.last {
                     self.rx_msn_send = self.rx_msn_send.wrapping_add(1);
                     let msg = std::mem::take(&mut self.reassembly);
-                    self.undelivered += 1;
+                    self.undelivered.push_back(msg.len());
+                    self.undelivered_bytes += msg.len();
                     self.events.push_back(Event::Message(msg));
                 }
                 true

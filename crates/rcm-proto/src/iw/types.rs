@@ -90,6 +90,11 @@ pub struct CepConfig {
     /// available"), as siw does without a posted receive. Default 1024 (at most 1 GiB held
     /// with the default `max_recv_message`; lower both to hold less). 0 counts as 1.
     pub recv_queue: usize,
+    /// Bytes of received messages that may wait for the application, the one being
+    /// reassembled included (never less than `max_recv_message`). A segment that would take
+    /// them past it ends the stream like a Send without a buffer. Default 4 MiB: with
+    /// `recv_queue` alone a peer could make one connection hold 1,024 messages of 1 MiB.
+    pub recv_bytes: usize,
 }
 
 impl Default for CepConfig {
@@ -106,6 +111,7 @@ impl Default for CepConfig {
             max_send_segment: 1436,
             max_recv_message: 1 << 20,
             recv_queue: 1024,
+            recv_bytes: 4 << 20,
         }
     }
 }
