@@ -312,6 +312,9 @@ pub(crate) struct IdInner {
 /// MTU may be smaller (rxe on a 1500-byte link: 1024), and the peer drops what exceeds it.
 pub const UD_MAX_PAYLOAD: usize = 4096;
 
+/// How often a waiting [`CmId::recv_message`] looks whether its id is still live.
+const RECV_LIVENESS_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// How many received UD datagrams a UD id keeps until taken ([`CmId::recv_ud`]); beyond
 /// that, new ones are dropped and counted ([`crate::UdStats::queue_full`]).
 pub const UD_RECV_QUEUE: usize = 1024;
@@ -576,6 +579,7 @@ fn removal_after_publish(child: &CmId, dev: &Arc<DeviceInner>) {
     g.removed = true;
     g.state = State::DeviceRemoval;
     drop(g);
+    leave_backlog(&child.0);
     sync::lock(&dev.late_holders).push((child.0.key, child.0.slot.clone()));
     child.0.slot.push_removal(Event::DeviceRemoval);
 }
@@ -2262,6 +2266,8 @@ pub(crate) fn on_device_removed(
         g.removed = true;
         g.state = State::DeviceRemoval;
         drop(g);
+        // The removal replaces a request still queued: it will not be delivered.
+        leave_backlog(&id);
         holders.push((id.key, id.slot.clone()));
         id.slot.push_removal(Event::DeviceRemoval);
     }
@@ -2516,7 +2522,10 @@ impl CmId {
 
     /// The next message the peer sent ([`CmId::send`]), waiting up to `timeout`. Messages are
     /// kept in arrival order until taken (not events: they need no ack and do not hold the
-    /// id); those not taken are dropped when the id is destroyed.
+    /// id); those not taken are dropped when the id is destroyed. What waits untaken is
+    /// bounded like posted receive buffers: past `CepConfig::recv_queue` messages or
+    /// `CepConfig::recv_bytes` bytes the peer's next Send ends the stream (a Terminate, as
+    /// siw without a posted receive). Returns `None` once the id is being destroyed.
     pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
         crate::fabric::before_wait();
         let end = std::time::Instant::now() + timeout;
@@ -2532,7 +2541,9 @@ impl CmId {
             if left.is_zero() || !self.0.slot.is_live() {
                 return None;
             }
-            q = sync::wait_timeout(&mail.inbox_cv, q, left);
+            // The teardown wakes this wait, but a destroy's teardown may wait for this very
+            // thread (a callback calling recv_message): liveness is looked at every 50 ms.
+            q = sync::wait_timeout(&mail.inbox_cv, q, left.min(RECV_LIVENESS_POLL));
         }
     }
 

@@ -92,6 +92,11 @@ pub(crate) struct IwEngine {
     sleeping_until: Option<Instant>,
     /// Accepted streams whose MPA Request has not come yet.
     half_open: usize,
+    /// Their keys, oldest first (with keys of streams that have since left the state, pruned
+    /// as it grows).
+    half_open_order: VecDeque<ConnKey>,
+    /// When the I/O thread last looked through every stream's deadline.
+    last_scan: Option<Instant>,
 }
 
 /// The backlog of an iWARP listener that asked for 0: connect requests not delivered to the
@@ -155,7 +160,7 @@ impl IwDev {
         let waker = Waker::new(poll.registry(), WAKER)?;
         Ok(IwDev {
             cfg,
-            max_half_open: max_half_open.min(IW_MAX_HALF_OPEN),
+            max_half_open: max_half_open.clamp(1, IW_MAX_HALF_OPEN),
             engine: Mutex::new(IwEngine {
                 conns: HashMap::new(),
                 listeners: HashMap::new(),
@@ -165,6 +170,8 @@ impl IwDev {
                 earliest: None,
                 sleeping_until: None,
                 half_open: 0,
+                half_open_order: VecDeque::new(),
+                last_scan: None,
             }),
             registry,
             waker,
@@ -302,6 +309,21 @@ impl IwEngine {
         }
         let next = c.cep.poll_timeout().into_iter().chain(c.drain_by).min();
         self.note_deadline(next);
+    }
+
+    /// Resets the oldest stream still waiting for its MPA Request (it has no id yet).
+    fn evict_oldest_half_open(&mut self, registry: &Registry) {
+        while let Some(k) = self.half_open_order.pop_front() {
+            if !self.conns.get(&k).is_some_and(|c| c.half_open) {
+                continue;
+            }
+            if let Some(mut c) = self.conns.remove(&k) {
+                let _ = registry.deregister(&mut c.stream);
+                reset(&c.stream);
+                self.half_open = self.half_open.saturating_sub(1);
+            }
+            return;
+        }
     }
 
     /// A stream's timer or drain deadline may now be `t`.
@@ -559,11 +581,11 @@ impl DeviceInner {
                 }
             }
             for (mut stream, peer) in accepted {
-                // Past the bound, reset at once: a peer that opens streams and says nothing
-                // must not take the process's descriptors (each waits up to its timer).
+                // Past the bound the oldest silent stream is reset (as the RoCE engine gives
+                // up its oldest half-open connection): a peer that opens streams and says
+                // nothing must not take the process's descriptors, nor keep new clients out.
                 if e.half_open >= iw.max_half_open {
-                    reset(&stream);
-                    continue;
+                    e.evict_oldest_half_open(&iw.registry);
                 }
                 let _ = stream.set_nodelay(true);
                 let k = e.new_key();
@@ -596,6 +618,12 @@ impl DeviceInner {
                     },
                 );
                 e.half_open += 1;
+                e.half_open_order.push_back(k);
+                if e.half_open_order.len() > 2 * e.half_open + 64 {
+                    let conns = &e.conns;
+                    e.half_open_order
+                        .retain(|k| conns.get(k).is_some_and(|c| c.half_open));
+                }
             }
             return;
         }
@@ -675,10 +703,15 @@ impl DeviceInner {
 
     /// Runs the Cep timers that are due; returns the next deadline.
     fn iw_timers(e: &mut IwEngine, iw: &IwDev, now: Instant) -> Option<Instant> {
-        // Nothing due yet: no look through every stream (most are idle).
-        if e.earliest.is_some_and(|t| t > now) {
+        // Nothing due yet: no look through every stream (most are idle). With no deadline
+        // known, one look every 100 ms all the same.
+        let recent = e
+            .last_scan
+            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_millis(100));
+        if e.earliest.map_or(recent, |t| t > now) {
             return e.earliest;
         }
+        e.last_scan = Some(now);
         let due: Vec<ConnKey> = e
             .conns
             .iter()
@@ -724,13 +757,17 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
         // at all while a stream has more to read.
         wait = d.with_iw(|e, iw, now| {
             e.sleeping_until = None;
-            let unread = std::mem::take(&mut e.unread);
-            for t in tokens {
-                if t != WAKER {
-                    DeviceInner::iw_ready(e, iw, t, now);
-                }
-            }
-            for k in unread {
+            // Each stream gets one turn a pass, whether it is ready again, left unread, or
+            // both.
+            let mut keys: Vec<ConnKey> = tokens
+                .into_iter()
+                .filter(|&t| t != WAKER)
+                .map(|t| t.0)
+                .chain(std::mem::take(&mut e.unread))
+                .collect();
+            let mut seen = std::collections::HashSet::with_capacity(keys.len());
+            keys.retain(|k| seen.insert(*k));
+            for k in keys {
                 DeviceInner::iw_ready(e, iw, Token(k), now);
             }
             let next = DeviceInner::iw_timers(e, iw, now);
@@ -742,7 +779,10 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
             } else {
                 Duration::ZERO
             };
-            e.sleeping_until = Some(now + wait);
+            // What this sleep is for: the deadline itself when it comes within the shortest
+            // sleep (the thread wakes just after it), so that only an earlier one wakes it
+            // (not this thread's own, which would make it spin until the deadline).
+            e.sleeping_until = Some(next.map_or(now + wait, |t| t.min(now + wait)));
             wait
         });
     }

@@ -848,33 +848,41 @@ fn a_peer_cannot_make_an_id_hold_more_messages_than_its_receive_buffers() {
     f.shutdown();
 }
 
-#[test]
-fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
+/// A peer made of a sans-IO `Cep` over a blocking socket: accepts one stream on `lst` and
+/// the MPA Request on it, and returns both once established.
+fn raw_passive_peer(lst: &std::net::TcpListener) -> (std::net::TcpStream, rcm_proto::iw::Cep) {
     use rcm_proto::iw::{AcceptParams, Cep, CepConfig};
     use std::io::{Read, Write};
+    let (mut s, _) = lst.accept().expect("accept");
+    let mut cep = Cep::passive(Instant::now(), CepConfig::default());
+    let mut buf = [0u8; 4096];
+    while cep.state() != rcm_proto::iw::State::Established {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "the initiator hung up");
+        cep.on_bytes(Instant::now(), &buf[..n]);
+        while let Some(e) = cep.poll_event() {
+            if let rcm_proto::iw::Event::ConnectRequest(_) = e {
+                cep.accept(Instant::now(), &AcceptParams::default())
+                    .expect("accept");
+            }
+        }
+        while let Some(t) = cep.poll_transmit() {
+            cep.transmitted(t.len());
+            s.write_all(&t).expect("write");
+        }
+    }
+    (s, cep)
+}
+
+#[test]
+fn a_peer_that_stops_reading_fills_the_send_buffer_and_no_more() {
     let f = iw_fabric(&[2]);
     // The peer: MPA by a sans-IO Cep over a blocking socket, which reads nothing more once
     // the connection is up, until told to go.
     let lst = std::net::TcpListener::bind(addr(1, 27917)).expect("listen");
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let peer = std::thread::spawn(move || {
-        let (mut s, _) = lst.accept().expect("accept");
-        let mut cep = Cep::passive(Instant::now(), CepConfig::default());
-        let mut buf = [0u8; 4096];
-        while cep.state() != rcm_proto::iw::State::Established {
-            let n = s.read(&mut buf).expect("read");
-            assert!(n > 0, "the initiator hung up");
-            cep.on_bytes(Instant::now(), &buf[..n]);
-            while let Some(e) = cep.poll_event() {
-                if let rcm_proto::iw::Event::ConnectRequest(_) = e {
-                    cep.accept(Instant::now(), &AcceptParams::default())
-                        .expect("accept");
-                }
-            }
-            while let Some(t) = cep.poll_transmit() {
-                s.write_all(&t).expect("write");
-            }
-        }
+        let (s, _cep) = raw_passive_peer(&lst);
         let _ = go_rx.recv();
         drop(s);
     });
@@ -1022,29 +1030,12 @@ fn a_peer_that_asks_for_more_reads_than_the_ird_is_terminated() {
 /// the peer's Sends must still arrive.
 #[test]
 fn messages_arrive_while_the_send_queue_is_full() {
-    use rcm_proto::iw::{AcceptParams, Cep, CepConfig};
-    use std::io::{Read, Write};
+    use std::io::Write;
     let f = iw_fabric(&[2]);
     let lst = std::net::TcpListener::bind(addr(1, 27919)).expect("listen");
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let peer = std::thread::spawn(move || {
-        let (mut s, _) = lst.accept().expect("accept");
-        let mut cep = Cep::passive(Instant::now(), CepConfig::default());
-        let mut buf = [0u8; 4096];
-        while cep.state() != rcm_proto::iw::State::Established {
-            let n = s.read(&mut buf).expect("read");
-            assert!(n > 0, "the initiator hung up");
-            cep.on_bytes(Instant::now(), &buf[..n]);
-            while let Some(e) = cep.poll_event() {
-                if let rcm_proto::iw::Event::ConnectRequest(_) = e {
-                    cep.accept(Instant::now(), &AcceptParams::default())
-                        .expect("accept");
-                }
-            }
-            while let Some(t) = cep.poll_transmit() {
-                s.write_all(&t).expect("write");
-            }
-        }
+        let (mut s, mut cep) = raw_passive_peer(&lst);
         // Reads nothing from here; waits for the word, then sends three messages.
         let _ = go_rx.recv();
         for m in [&b"one"[..], b"two", b"three"] {
@@ -1169,8 +1160,8 @@ fn the_listen_backlog_bounds_undelivered_requests() {
 }
 
 /// Streams accepted that never send their MPA Request are bounded per device
-/// (`FabricConfig::max_half_open`): past it a new stream is reset at once, and once they go
-/// a client connects as usual.
+/// (`FabricConfig::max_half_open`): past it the oldest is reset (as the RoCE engine gives up
+/// its oldest half-open connection), and a client connects as usual.
 #[test]
 fn streams_that_never_send_their_request_are_bounded() {
     use std::io::{ErrorKind, Read};
@@ -1189,7 +1180,7 @@ fn streams_that_never_send_their_request_are_bounded() {
         }
         accept_with(b"")(id, ev)
     });
-    let silent: Vec<std::net::TcpStream> = (0..4)
+    let mut silent: Vec<std::net::TcpStream> = (0..4)
         .map(|_| std::net::TcpStream::connect(addr(1, 27922)).expect("connect"))
         .collect();
     assert!(
@@ -1197,14 +1188,19 @@ fn streams_that_never_send_their_request_are_bounded() {
         "{}",
         f.engine_ceps()
     );
-    let mut fifth = std::net::TcpStream::connect(addr(1, 27922)).expect("connect");
-    fifth.set_read_timeout(Some(T)).expect("timeout");
+    silent.push(std::net::TcpStream::connect(addr(1, 27922)).expect("connect"));
+    let mut oldest = silent.remove(0);
+    oldest.set_read_timeout(Some(T)).expect("timeout");
     let mut b = [0u8; 1];
-    match fifth.read(&mut b) {
+    match oldest.read(&mut b) {
         Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
-        other => panic!("the fifth silent stream was kept: {other:?}"),
+        other => panic!("the oldest silent stream was kept: {other:?}"),
     }
-    assert_eq!(f.engine_ceps(), 4);
+    assert!(
+        eventually(T, || f.engine_ceps() == 4),
+        "{}",
+        f.engine_ceps()
+    );
     drop(silent);
     assert!(
         eventually(T, || f.engine_ceps() == 0),
@@ -1218,5 +1214,36 @@ fn streams_that_never_send_their_request_are_bounded() {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
     }
     assert_clean(&f);
+    f.shutdown();
+}
+
+/// A callback waiting in its own id's `recv_message` while another thread destroys the id:
+/// the destroy waits for the callback, so the wait must end by itself once the id is no
+/// longer live (the teardown that wakes it comes only after the callback).
+#[test]
+fn a_destroy_does_not_wait_out_a_callbacks_recv_message() {
+    let f = iw_fabric(&[1, 2]);
+    let log = Log::new();
+    let l = listener(&f, addr(1, 27923), &log, accept_with(b""));
+    let waiting = Gate::new();
+    let w = waiting.clone();
+    let c = client(&f, addr(1, 27923), b"", &log, move |id, ev| {
+        if let Event::Established { .. } = ev {
+            w.open();
+            let _ = id.recv_message(Duration::from_secs(120));
+        }
+        Flow::Continue
+    });
+    waiting.wait();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let cc = c.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(cc.destroy());
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("destroy waited on the callback's recv_message");
+    assert_eq!(r, Ok(DestroyOutcome::Done));
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
     f.shutdown();
 }
