@@ -1987,29 +1987,32 @@ fn no_terminate_after_our_write_side_is_shut() {
     );
 }
 
+/// A zero-length RDMA Read Request FPDU (no CRC) with message sequence number `msn`.
+fn zero_read_request(msn: u32) -> Vec<u8> {
+    let mut u =
+        DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, msn, 0)
+            .to_vec()
+            .unwrap();
+    u.extend_from_slice(
+        &mpa::ReadRequest {
+            sink_stag: 9,
+            sink_to: 0,
+            size: 0,
+            source_stag: 3,
+            source_to: 0,
+        }
+        .to_bytes(),
+    );
+    fpdu(&u)
+}
+
 /// A zero-length RDMA Read Request gets a Read Response while this side agreed to answer
 /// reads (IRD ≥ 1), and ends the stream with a Terminate (RDMAP, remote operation,
 /// catastrophic for the stream) when it agreed to none (IRD 0), as siw's `siw_init_rresp`
 /// does; it was answered whatever the IRD.
 #[test]
 fn read_requests_are_answered_only_within_the_ird() {
-    let read_request = {
-        let mut u =
-            DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, 1, 0)
-                .to_vec()
-                .unwrap();
-        u.extend_from_slice(
-            &mpa::ReadRequest {
-                sink_stag: 9,
-                sink_to: 0,
-                size: 0,
-                source_stag: 3,
-                source_to: 0,
-            }
-            .to_bytes(),
-        );
-        fpdu(&u)
-    };
+    let read_request = zero_read_request(1);
     for ird in [1u16, 0] {
         let mut n = Net::new(Frag::Whole, 30);
         n.establish(
@@ -2138,23 +2141,7 @@ fn a_receive_queue_of_zero_holds_one_message() {
 /// the ORD it was given, and ends the stream; Responses written free their places.
 #[test]
 fn read_requests_beyond_the_ird_unwritten_end_the_stream() {
-    let read_request = |msn: u32| {
-        let mut u =
-            DdpRdmapHeader::untagged(RdmapOpcode::RdmaReadRequest, mpa::QN_READ_REQUEST, msn, 0)
-                .to_vec()
-                .unwrap();
-        u.extend_from_slice(
-            &mpa::ReadRequest {
-                sink_stag: 9,
-                sink_to: 0,
-                size: 0,
-                source_stag: 3,
-                source_to: 0,
-            }
-            .to_bytes(),
-        );
-        fpdu(&u)
-    };
+    let read_request = zero_read_request;
     let up = || {
         let mut n = Net::new(Frag::Whole, 31);
         n.establish(

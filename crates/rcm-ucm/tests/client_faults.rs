@@ -38,6 +38,20 @@ fn read_command(s: &mut UnixStream) -> (u32, Command) {
     )
 }
 
+/// The daemon's side of a session's opening: `HELLO` answered, the first credit read.
+fn open_session(s: &mut UnixStream) {
+    let (seq, hello) = read_command(s);
+    assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
+    let ok = Message::HelloOk {
+        version: proto::VERSION,
+        token: 7,
+        limits: Limits::default(),
+    };
+    s.write_all(&ok.encode(seq)).expect("hello ok");
+    let (_, credit) = read_command(s);
+    assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+}
+
 /// A fake daemon at a fresh socket path: it opens one session (the handshake and the
 /// client's first event credit) and refuses every command channel, so the client makes its
 /// calls on the session's connection. Returns the path and the session's server end.
@@ -50,16 +64,7 @@ fn fake_daemon(name: &str) -> (std::path::PathBuf, mpsc::Receiver<UnixStream>) {
         let Ok((mut s, _)) = listener.accept() else {
             return;
         };
-        let (seq, hello) = read_command(&mut s);
-        assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
-        let ok = Message::HelloOk {
-            version: proto::VERSION,
-            token: 7,
-            limits: Limits::default(),
-        };
-        s.write_all(&ok.encode(seq)).expect("hello ok");
-        let (_, credit) = read_command(&mut s);
-        assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+        open_session(&mut s);
         let _ = tx.send(s);
         for c in listener.incoming() {
             let Ok(mut c) = c else { return };
@@ -320,16 +325,7 @@ fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
     let (created, go) = mpsc::channel::<()>();
     let daemon = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("session");
-        let (seq, hello) = read_command(&mut s);
-        assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
-        let ok = Message::HelloOk {
-            version: proto::VERSION,
-            token: 7,
-            limits: Limits::default(),
-        };
-        s.write_all(&ok.encode(seq)).expect("hello ok");
-        let (_, credit) = read_command(&mut s);
-        assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+        open_session(&mut s);
         // The client's calls come on a channel (inline callbacks need one).
         let (mut c, _) = listener.accept().expect("channel");
         let (seq, attach) = read_command(&mut c);
