@@ -267,6 +267,12 @@ pub struct PingReport {
     /// it later), so it is reported apart from the errors; the run still fails, as not every
     /// connection was established here.
     pub unconfirmed: usize,
+    /// Client: established connections the server left open for 10 s, which the client
+    /// then disconnected itself. Under loss IBTA allows it (every REP retry of a server
+    /// whose RTUs were lost died, and it gave up), so it is reported apart from the errors
+    /// and counts as disconnected; against a server that never disconnects, every
+    /// connection shows here.
+    pub closed_by_client: usize,
     /// Private-data checks that matched byte for byte.
     pub private_data_ok: usize,
     /// Messages received (iWARP: over the stream; UD: datagrams) that matched byte for byte.
@@ -511,10 +517,8 @@ fn client_loop(
     let mut finished = 0usize;
     // Established connections the server has not disconnected yet. The server normally ends
     // each one; if its REP retries all died (a half-open connection IBTA allows under loss),
-    // nobody would, so after a grace period the client disconnects itself; that connection
-    // did not end cleanly (an error, whatever its DISCONNECTED says).
+    // nobody would, so after a grace period the client disconnects itself (reported apart).
     let mut open: HashMap<u64, (Instant, CmId)> = HashMap::new();
-    let mut ended_here: std::collections::HashSet<u64> = std::collections::HashSet::new();
     while finished < ids.len() {
         let now = Instant::now();
         let left = deadline.saturating_duration_since(now);
@@ -532,14 +536,9 @@ fn client_loop(
             }
             break;
         }
-        open.retain(|key, (since, id)| {
+        open.retain(|_, (since, id)| {
             if now.duration_since(*since) > SERVER_GRACE {
-                let i = ids.get(key).map_or(usize::MAX, |(i, _)| *i);
-                r.errors.push(format!(
-                    "client {i}: the server left the connection open for {} s; disconnected by the client",
-                    SERVER_GRACE.as_secs()
-                ));
-                ended_here.insert(*key);
+                r.closed_by_client += 1;
                 let _ = id.disconnect();
                 false
             } else {
@@ -634,9 +633,7 @@ fn client_loop(
                 }
             }
             Event::Disconnected => {
-                if !ended_here.contains(&id.key()) {
-                    r.disconnected += 1;
-                }
+                r.disconnected += 1;
                 finished += 1;
             }
             Event::TimewaitExit => {}

@@ -707,9 +707,10 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
 }
 
 /// A server that accepts and then never disconnects: after its grace the client ends the
-/// connection itself, and that is an error (exit non-zero), not a clean disconnect.
+/// connection itself and says so (as when, under loss, a server gave up a connection whose
+/// RTUs were all lost: not an error, but not silent either).
 #[test]
-fn ping_client_fails_when_the_server_never_disconnects() {
+fn ping_client_says_when_it_disconnected_what_the_server_left_open() {
     use rcm::{AcceptOptions, Event, Fabric, FabricConfig, Flow, PortSpace};
     use std::net::{IpAddr, Ipv4Addr, SocketAddr};
     let udp = 26808u16;
@@ -748,10 +749,10 @@ fn ping_client_fails_when_the_server_never_disconnects() {
         "--timeout",
         "30",
     ]);
-    assert_ne!(code, 0, "{out}\n{err}");
+    assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("1 of 1 established"), "{out}\n{err}");
     assert!(
-        format!("{out}{err}").contains("the server left the connection open"),
+        out.contains("1 established connection(s) the server left open for 10 s"),
         "{out}\n{err}"
     );
     fabric.shutdown();
