@@ -311,18 +311,25 @@ impl IwEngine {
         self.note_deadline(next);
     }
 
-    /// Resets the oldest stream still waiting for its MPA Request (it has no id yet).
-    fn evict_oldest_half_open(&mut self, registry: &Registry) {
+    /// The oldest stream still waiting for its MPA Request, taken off the order.
+    fn oldest_half_open(&mut self) -> Option<ConnKey> {
         while let Some(k) = self.half_open_order.pop_front() {
-            if !self.conns.get(&k).is_some_and(|c| c.half_open) {
-                continue;
+            if self.conns.get(&k).is_some_and(|c| c.half_open) {
+                return Some(k);
             }
-            if let Some(mut c) = self.conns.remove(&k) {
-                let _ = registry.deregister(&mut c.stream);
-                reset(&c.stream);
-                self.half_open = self.half_open.saturating_sub(1);
-            }
+        }
+        None
+    }
+
+    /// Resets stream `k` if it is still waiting for its MPA Request (it has no id yet).
+    fn evict_if_half_open(&mut self, k: ConnKey, registry: &Registry) {
+        if !self.conns.get(&k).is_some_and(|c| c.half_open) {
             return;
+        }
+        if let Some(mut c) = self.conns.remove(&k) {
+            let _ = registry.deregister(&mut c.stream);
+            reset(&c.stream);
+            self.half_open = self.half_open.saturating_sub(1);
         }
     }
 
@@ -584,8 +591,12 @@ impl DeviceInner {
                 // Past the bound the oldest silent stream is reset (as the RoCE engine gives
                 // up its oldest half-open connection): a peer that opens streams and says
                 // nothing must not take the process's descriptors, nor keep new clients out.
-                if e.half_open >= iw.max_half_open {
-                    e.evict_oldest_half_open(&iw.registry);
+                while e.half_open >= iw.max_half_open {
+                    let Some(k) = e.oldest_half_open() else { break };
+                    // Its Request may be waiting in its socket: read it first, and reset
+                    // the stream only if it is still silent.
+                    DeviceInner::iw_ready(e, iw, Token(k), now);
+                    e.evict_if_half_open(k, &iw.registry);
                 }
                 let _ = stream.set_nodelay(true);
                 let k = e.new_key();
@@ -767,6 +778,9 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
                 .collect();
             let mut seen = std::collections::HashSet::with_capacity(keys.len());
             keys.retain(|k| seen.insert(*k));
+            // Streams before listeners: a Request already in a stream's socket is read
+            // before new accepts could count that stream as silent.
+            keys.sort_by_key(|k| e.listeners.contains_key(k));
             for k in keys {
                 DeviceInner::iw_ready(e, iw, Token(k), now);
             }
