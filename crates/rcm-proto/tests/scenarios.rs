@@ -1580,3 +1580,82 @@ fn answered_retransmission_timers_do_not_pile_up() {
         "the REQ of {h:?} was not retransmitted"
     );
 }
+
+/// A REQ naming a QPN (and CA GUID) of a connection still established is stale (IBTA
+/// 12.9.8.3.3): refused, and the connection it names is ended with a DREQ, as Linux's
+/// cm_req_handler does, but only when the REQ comes from that connection's peer. Both are
+/// sent in the clear, so from anyone else it would let any host end anyone's connection.
+#[test]
+fn a_stale_req_ends_the_connection_it_names_only_from_that_connections_peer() {
+    let mut t = T::new();
+    let (c, _) = t.established_passive();
+    t.recv_from(
+        OTHER,
+        TID + 1,
+        CmMessage::Req(peer_req(PEER_ID + 1, PEER_QPN)),
+    );
+    let sent = t.sent();
+    assert!(
+        matches!(sent.as_slice(), [m] if matches!(&m.msg, CmMessage::Rej(r) if r.reason == RejReason::StaleConn)),
+        "{sent:?}"
+    );
+    assert_eq!(t.ep.state(c), Some(State::Established));
+    assert!(t.events().is_empty());
+    // From its peer: refused, and the old connection goes down.
+    t.recv(TID + 2, CmMessage::Req(peer_req(PEER_ID + 2, PEER_QPN)));
+    let sent = t.sent();
+    assert!(
+        sent.iter()
+            .any(|m| matches!(&m.msg, CmMessage::Rej(r) if r.reason == RejReason::StaleConn)),
+        "{sent:?}"
+    );
+    assert!(
+        sent.iter().any(|m| matches!(m.msg, CmMessage::Dreq(_))),
+        "{sent:?}"
+    );
+    assert_ne!(t.ep.state(c), Some(State::Established));
+}
+
+/// Timewait lasts the path's ACK timeout, which on the passive side is the peer's REQ's:
+/// its largest value (31: 4.096 µs × 2^31, 2.4 hours) must not hold the endpoint (and its
+/// place in the tables) that long. At most 30 s.
+#[test]
+fn a_peers_largest_ack_timeout_does_not_make_timewait_last_hours() {
+    let mut t = T::new();
+    t.ep.listen(SID, u64::MAX, 0).unwrap();
+    let mut req = peer_req(PEER_ID, PEER_QPN);
+    req.primary_path.local_ack_timeout = 31;
+    t.recv(TID, CmMessage::Req(req));
+    let ev = t.events();
+    let [(_, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    let c = *cep;
+    let id = t.ep.local_comm_id(c).unwrap();
+    t.ep.accept(
+        t.now,
+        c,
+        &AcceptParams {
+            qpn: 0x22,
+            ..AcceptParams::default()
+        },
+    )
+    .unwrap();
+    t.sent_one();
+    t.recv(
+        TID,
+        CmMessage::Rtu(Rtu {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            ..Rtu::default()
+        }),
+    );
+    assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
+    t.recv(0x77, dreq(PEER_ID, id, 0x22));
+    t.events();
+    t.ep.disconnect(t.now, c, &[]).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Drep(_)));
+    assert_eq!(t.ep.state(c), Some(State::Timewait));
+    t.advance(Duration::from_secs(30) + Duration::from_millis(1));
+    assert_eq!(t.events(), vec![(c, CmEvent::TimewaitExit)]);
+}

@@ -79,6 +79,11 @@ pub struct Endpoint {
     conn_ceps: usize,
 }
 
+/// The longest timewait: the path's ACK timeout decides it, and on the passive side that is
+/// the peer's REQ's, up to 4.096 µs × 2^31 (2.4 hours) that a peer could make every
+/// connection it ends hold. 30 s is longer than any ACK timeout Linux's rdma_cm sets.
+pub const MAX_TIMEWAIT: Duration = Duration::from_secs(30);
+
 /// The backlog a listener gets when the caller passes 0 (Linux's iWARP default, ucma's cap
 /// is 1024).
 pub const DEFAULT_BACKLOG: usize = 256;
@@ -381,7 +386,9 @@ impl Endpoint {
             return;
         };
         c.state = State::Timewait;
-        let wait = Duration::from_millis(ibta_time_ms(c.ack_timeout)).max(self.cfg.min_timewait);
+        let wait = Duration::from_millis(ibta_time_ms(c.ack_timeout))
+            .min(MAX_TIMEWAIT)
+            .max(self.cfg.min_timewait);
         let (remote_id, remote_guid, remote_qpn, peer) =
             (c.remote_id, c.remote_guid, c.remote_qpn, c.peer);
         self.unlink_remote_keys(h, remote_id, remote_guid, remote_qpn, peer);
@@ -1078,14 +1085,17 @@ impl Endpoint {
             }
             return;
         }
-        // The peer reuses a QPN we still consider connected: stale (IBTA 12.9.8.3.3).
+        // The peer reuses a QPN we still consider connected: stale (IBTA 12.9.8.3.3). The
+        // connection it names is ended (Linux cm_req_handler sends it a DREQ) only when the
+        // REQ comes from that connection's peer: the QPN and CA GUID travel in the clear,
+        // and from anyone else this would let any host end anyone's connection.
         if let Some(&old) = self.remote_qps.get(&(req.local_qpn, guid)) {
             self.issue_rej(from, tid, req, RejReason::StaleConn, MsgCode::Req);
             self.stats.stale_rejects += 1;
             if self
                 .ceps
                 .get(&old)
-                .is_some_and(|c| c.state == State::Established && !c.orphan)
+                .is_some_and(|c| c.state == State::Established && !c.orphan && c.peer == from)
             {
                 let _ = self.disconnect(now, old, &[]);
             }

@@ -11,5 +11,5 @@ mod timers;
 mod types;
 
 pub use cep::State;
-pub use endpoint::{Endpoint, Stats, DEFAULT_BACKLOG};
+pub use endpoint::{Endpoint, Stats, DEFAULT_BACKLOG, MAX_TIMEWAIT};
 pub use types::*;
