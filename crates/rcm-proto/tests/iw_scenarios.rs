@@ -1987,6 +1987,14 @@ fn no_terminate_after_our_write_side_is_shut() {
     );
 }
 
+/// B ended the stream with a Terminate of `(layer, error type, error code)` among what it
+/// sent from `mark` on.
+fn assert_terminated(n: &Net, mark: usize, want: (u8, u8, u8)) {
+    let t = last_terminate(&n.sides[B].sent[mark..]);
+    assert_eq!((t.layer, t.error_type, t.error_code), want);
+    assert!(n.sides[B].cep.is_closed());
+}
+
 /// A zero-length RDMA Read Request FPDU (no CRC) with message sequence number `msn`.
 fn zero_read_request(msn: u32) -> Vec<u8> {
     let mut u =
@@ -2128,12 +2136,11 @@ fn a_receive_queue_of_zero_holds_one_message() {
     let mark = n.sides[B].sent.len();
     n.send(A, b"second");
     assert_eq!(n.messages(B), [b"first".to_vec()]);
-    let t = last_terminate(&n.sides[B].sent[mark..]);
-    assert_eq!(
-        (t.layer, t.error_type, t.error_code),
-        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    assert_terminated(
+        &n,
+        mark,
+        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02),
     );
-    assert!(n.sides[B].cep.is_closed());
 }
 
 /// A Read Request counts against our IRD until its Response is written to the socket (siw
@@ -2175,12 +2182,11 @@ fn read_requests_beyond_the_ird_unwritten_end_the_stream() {
     let three = [read_request(1), read_request(2), read_request(3)].concat();
     n.b().on_bytes(now, &three);
     n.pump();
-    let t = last_terminate(&n.sides[B].sent[mark..]);
-    assert_eq!(
-        (t.layer, t.error_type, t.error_code),
-        (term_layer::RDMAP, term_etype::RDMAP_REMOTE_OPERATION, 0x07)
+    assert_terminated(
+        &n,
+        mark,
+        (term_layer::RDMAP, term_etype::RDMAP_REMOTE_OPERATION, 0x07),
     );
-    assert!(n.sides[B].cep.is_closed());
 }
 
 #[test]
@@ -2206,10 +2212,9 @@ fn bytes_held_for_the_application_are_bounded_too() {
     let mark = n.sides[B].sent.len();
     n.send(A, &[9u8; 3000]);
     assert_eq!(n.messages(B).len(), 13);
-    let t = last_terminate(&n.sides[B].sent[mark..]);
-    assert_eq!(
-        (t.layer, t.error_type, t.error_code),
-        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02)
+    assert_terminated(
+        &n,
+        mark,
+        (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02),
     );
-    assert!(n.sides[B].cep.is_closed());
 }

@@ -137,8 +137,13 @@ impl T {
 
     /// Passive side: a listener and a REQ received; returns (listener, child, our id).
     fn req_rcvd(&mut self) -> (CepHandle, CepHandle, u32) {
+        self.req_rcvd_with(peer_req(PEER_ID, PEER_QPN))
+    }
+
+    /// [`T::req_rcvd`] with the peer's REQ `req`.
+    fn req_rcvd_with(&mut self, req: Req) -> (CepHandle, CepHandle, u32) {
         let l = self.ep.listen(SID, u64::MAX, 0).unwrap();
-        self.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+        self.recv(TID, CmMessage::Req(req));
         let ev = self.events();
         let [(
             lh,
@@ -158,7 +163,11 @@ impl T {
     }
 
     fn rep_sent(&mut self) -> (CepHandle, CepHandle, u32) {
-        let (l, c, id) = self.req_rcvd();
+        self.rep_sent_with(peer_req(PEER_ID, PEER_QPN))
+    }
+
+    fn rep_sent_with(&mut self, req: Req) -> (CepHandle, CepHandle, u32) {
+        let (l, c, id) = self.req_rcvd_with(req);
         self.ep
             .accept(
                 self.now,
@@ -176,7 +185,11 @@ impl T {
     }
 
     fn established_passive(&mut self) -> (CepHandle, u32) {
-        let (_, c, id) = self.rep_sent();
+        self.established_passive_with(peer_req(PEER_ID, PEER_QPN))
+    }
+
+    fn established_passive_with(&mut self, req: Req) -> (CepHandle, u32) {
+        let (_, c, id) = self.rep_sent_with(req);
         self.recv(
             TID,
             CmMessage::Rtu(Rtu {
@@ -1622,35 +1635,9 @@ fn a_stale_req_ends_the_connection_it_names_only_from_that_connections_peer() {
 #[test]
 fn a_peers_largest_ack_timeout_does_not_make_timewait_last_hours() {
     let mut t = T::new();
-    t.ep.listen(SID, u64::MAX, 0).unwrap();
     let mut req = peer_req(PEER_ID, PEER_QPN);
     req.primary_path.local_ack_timeout = 31;
-    t.recv(TID, CmMessage::Req(req));
-    let ev = t.events();
-    let [(_, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
-        panic!("{ev:?}")
-    };
-    let c = *cep;
-    let id = t.ep.local_comm_id(c).unwrap();
-    t.ep.accept(
-        t.now,
-        c,
-        &AcceptParams {
-            qpn: 0x22,
-            ..AcceptParams::default()
-        },
-    )
-    .unwrap();
-    t.sent_one();
-    t.recv(
-        TID,
-        CmMessage::Rtu(Rtu {
-            local_comm_id: PEER_ID,
-            remote_comm_id: id,
-            ..Rtu::default()
-        }),
-    );
-    assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
+    let (c, id) = t.established_passive_with(req);
     t.recv(0x77, dreq(PEER_ID, id, 0x22));
     t.events();
     t.ep.disconnect(t.now, c, &[]).unwrap();

@@ -396,8 +396,7 @@ impl EventChannel {
                     continue;
                 }
                 also = Some(listener.0.slot.clone());
-                sync::lock(&id.0.st).request_unseen = false;
-                leave_backlog(&id.0);
+                request_delivered(&id.0);
             }
             return Some(ChannelEvent {
                 id,
@@ -498,8 +497,7 @@ fn callback(h: Handler) -> Target<Event> {
                 let Some(_listening) = listener.0.slot.enter() else {
                     return Flow::Destroy;
                 };
-                sync::lock(&inner.st).request_unseen = false;
-                leave_backlog(&inner);
+                request_delivered(&inner);
                 return h(&CmId(inner), ev);
             }
             h(&CmId(inner), ev)
@@ -1666,13 +1664,25 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
 /// An iWARP child's request was delivered (or answered, or the child goes): its place in the
 /// listener's backlog is free. The child's lock is not held while the listener's is taken.
 fn leave_backlog(child: &IdInner) {
-    let listener = {
-        let mut g = sync::lock(&child.st);
-        if !std::mem::take(&mut g.in_backlog) {
-            return;
-        }
-        g.listener.clone()
-    };
+    free_backlog_place(sync::lock(&child.st));
+}
+
+/// A child's connect request reached the application: no longer unseen, and (iWARP) its
+/// backlog place is free. One lock of the child's state on this per-connection path.
+fn request_delivered(child: &IdInner) {
+    let mut g = sync::lock(&child.st);
+    g.request_unseen = false;
+    free_backlog_place(g);
+}
+
+/// Takes the child's backlog place under its lock `g`, then (that lock released) gives it
+/// back to the listener.
+fn free_backlog_place(mut g: sync::MutexGuard<'_, IdState>) {
+    if !std::mem::take(&mut g.in_backlog) {
+        return;
+    }
+    let listener = g.listener.clone();
+    drop(g);
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
         if let Some(li) = sync::lock(&l.st).listening.as_mut() {
             li.undelivered = li.undelivered.saturating_sub(1);

@@ -768,16 +768,18 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
         // at all while a stream has more to read.
         wait = d.with_iw(|e, iw, now| {
             e.sleeping_until = None;
-            // Each stream gets one turn a pass, whether it is ready again, left unread, or
-            // both.
+            let unread = std::mem::take(&mut e.unread);
             let mut keys: Vec<ConnKey> = tokens
                 .into_iter()
                 .filter(|&t| t != WAKER)
                 .map(|t| t.0)
-                .chain(std::mem::take(&mut e.unread))
                 .collect();
-            let mut seen = std::collections::HashSet::with_capacity(keys.len());
-            keys.retain(|k| seen.insert(*k));
+            // Each stream gets one turn a pass, whether it is ready again, left unread, or
+            // both (one poll reports a stream once).
+            if !unread.is_empty() {
+                let mut seen: std::collections::HashSet<ConnKey> = keys.iter().copied().collect();
+                keys.extend(unread.into_iter().filter(|k| seen.insert(*k)));
+            }
             // Streams before listeners: a Request already in a stream's socket is read
             // before new accepts could count that stream as silent.
             keys.sort_by_key(|k| e.listeners.contains_key(k));

@@ -110,13 +110,24 @@ fn listener(
     log: &Arc<Log>,
     on: impl Fn(&CmId, &Event) -> Flow + Send + Sync + 'static,
 ) -> CmId {
+    listener_with_backlog(f, at, 0, log, on)
+}
+
+/// [`listener`] listening with `backlog`.
+fn listener_with_backlog(
+    f: &Fabric,
+    at: SocketAddr,
+    backlog: usize,
+    log: &Arc<Log>,
+    on: impl Fn(&CmId, &Event) -> Flow + Send + Sync + 'static,
+) -> CmId {
     let log = log.clone();
     let id = f.create_id(PortSpace::Tcp, move |id, ev| {
         log.push(id, describe(&ev));
         on(id, &ev)
     });
     id.bind(at).unwrap();
-    id.listen(0).unwrap();
+    id.listen(backlog).unwrap();
     id
 }
 
@@ -1107,24 +1118,18 @@ fn the_listen_backlog_bounds_undelivered_requests() {
     let f = iw_fabric(&[1, 2]);
     let log = Log::new();
     let gate = Gate::new();
-    let l = {
-        let (log, gate) = (log.clone(), gate.clone());
-        let id = f.create_id(PortSpace::Tcp, move |id, ev| {
-            log.push(id, describe(&ev));
-            if let Event::ConnectRequest { private_data, .. } = ev {
-                // The first request holds the listener's callbacks (requests are delivered
-                // one at a time with them) until the gate opens.
-                if private_data == b"a" {
-                    gate.wait();
-                }
-                id.accept(&AcceptOptions::default()).unwrap();
+    let g = gate.clone();
+    let l = listener_with_backlog(&f, addr(1, 27921), 2, &log, move |id, ev| {
+        if let Event::ConnectRequest { private_data, .. } = ev {
+            // The first request holds the listener's callbacks (requests are delivered
+            // one at a time with them) until the gate opens.
+            if private_data == b"a" {
+                g.wait();
             }
-            Flow::Continue
-        });
-        id.bind(addr(1, 27921)).unwrap();
-        id.listen(2).unwrap();
-        id
-    };
+            id.accept(&AcceptOptions::default()).unwrap();
+        }
+        Flow::Continue
+    });
     let dst = addr(1, 27921);
     let a = client(&f, dst, b"a", &log, cont);
     log.wait_n("request a", 1);
