@@ -153,7 +153,11 @@ pub struct Limits {
     pub max_ids: u32,
     /// Events queued for the session (not yet written to it).
     pub max_queued_events: u32,
-    /// Connect requests queued and not yet written to the session.
+    /// Connect requests queued and not yet written to the session. The default is the
+    /// event queue's: a listener's own backlog is what bounds its requests (the daemon's
+    /// engine drops a REQ beyond it, and the peer retries), and a client that reads slowly
+    /// during a burst must not get its requests rejected while the queue has room (a burst
+    /// of 10,000 through the daemon met a limit of 4,096 in one run of six).
     pub max_unread_requests: u32,
     /// Bytes in one frame, header included.
     pub max_message: u32,
@@ -164,7 +168,7 @@ impl Default for Limits {
         Limits {
             max_ids: 1 << 18,
             max_queued_events: 1 << 16,
-            max_unread_requests: 4096,
+            max_unread_requests: 1 << 16,
             max_message: 4096,
         }
     }

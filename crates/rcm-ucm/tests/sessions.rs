@@ -475,6 +475,63 @@ fn unread_request_limit_refuses_on_the_wire() {
 
 /// Credit for more events than one batch (256) brings them all: after a whole batch went
 /// out, the rest waited (with credit) for the next event to be queued.
+/// With the default limits, a listener's client that reads more slowly than a burst of
+/// requests comes has them queued, not rejected, while its backlog allows them: here it
+/// reads nothing, and 4,200 requests (more than one credit window of 4,096) wait for it.
+#[test]
+fn a_burst_past_a_credit_window_waits_for_a_slow_listener() {
+    const N: usize = 4200;
+    let port = 47229;
+    let d = Daemon::start(config_patient("burst-unread", port, &[1])).expect("daemon");
+    let (mut ls, _) = raw(&d);
+    let lh = create(&mut ls);
+    ok(&mut ls, &Command::Call(lh, Op::Bind(sa(1, 7200))));
+    ok(&mut ls, &Command::Call(lh, Op::Listen(N)));
+    // The peer is in-process (its own device on 127.0.0.2), so the burst is quick to make.
+    let peer = Fabric::new(FabricConfig {
+        udp_port: port,
+        ..config_patient("burst-unread-peer", port, &[]).fabric
+    });
+    peer.add_device(ip(2)).expect("peer device");
+    let ch = EventChannel::new();
+    let ids: Vec<_> = (0..N)
+        .map(|_| {
+            let c = peer.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+            c.resolve_addr(None, sa(1, 7200)).expect("resolve_addr");
+            c
+        })
+        .collect();
+    let mut connected = 0;
+    while connected < N {
+        let e = next(&ch);
+        match e.event() {
+            Event::AddrResolved => e.id().resolve_route().expect("resolve_route"),
+            Event::RouteResolved => {
+                e.id().connect(&ConnectOptions::default()).expect("connect");
+                connected += 1;
+            }
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    wait_stats(
+        &mut ls,
+        |s| s.queued_events == N as u64 || s.refused_requests > 0,
+        "every request queued",
+    );
+    let st = stats(&mut ls);
+    assert_eq!(st.refused_requests, 0, "{st:?}");
+    assert_eq!(st.queued_events, N as u64);
+    assert!(
+        ch.get_event(Some(Duration::ZERO)).is_none(),
+        "no peer saw a reject"
+    );
+    drop(ls);
+    for c in ids {
+        let _ = c.destroy();
+    }
+    peer.shutdown();
+}
+
 #[test]
 fn credit_for_more_than_a_batch_brings_every_queued_event() {
     const N: usize = 600;
