@@ -1141,6 +1141,9 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
         return Ok(None);
     }
     let server = o.server.ok_or("--server is required")?;
+    if let Some(w) = too_few_ports(o.connections, &binds) {
+        eprintln!("rcm bench: {w}; add client addresses with --bind");
+    }
     let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o);
     fabric.shutdown();
     Ok(Some(r))
@@ -1161,6 +1164,9 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     if srcs.is_empty() {
         srcs.push(server_ip);
     }
+    if let Some(w) = too_few_ports(o.connections, &srcs) {
+        eprintln!("rcm bench: {w}; add addresses with the daemon's --bind");
+    }
     let served = Arc::new(Served::default());
     let srv = serve(
         &sf,
@@ -1179,6 +1185,23 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     // The baseline is this host's loopback TCP, whatever the daemon serves.
     add_baseline(&mut r, o);
     Ok(Some(r))
+}
+
+/// A warning when `n` connections cannot all get a port on `srcs`: an id binds an
+/// ephemeral port of its client address, and each address has one range of them, so the
+/// connections past the range fail with "no free port" (run_client binds round-robin).
+fn too_few_ports(n: usize, srcs: &[IpAddr]) -> Option<String> {
+    let per = usize::from(rcm::EPHEMERAL.1 - rcm::EPHEMERAL.0) + 1;
+    let have = srcs.len().max(1);
+    let need = n.div_ceil(per);
+    (need > have).then(|| {
+        format!(
+            "{n} connections need {need} client addresses ({per} ports each) and {have} \
+             {} given: {} of them will fail with no free port",
+            if have == 1 { "is" } else { "are" },
+            n - have * per
+        )
+    })
 }
 
 /// With `--baseline tcp`: the TCP baseline beside the run. A baseline that fails is one
@@ -1364,6 +1387,18 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn connections_past_the_ports_of_the_client_addresses_are_announced() {
+        let one = [std::net::IpAddr::from([127, 0, 0, 2])];
+        let two = [one[0], std::net::IpAddr::from([127, 0, 0, 3])];
+        assert_eq!(super::too_few_ports(28_232, &one), None);
+        let w = super::too_few_ports(35_000, &one).expect("a warning");
+        assert!(w.contains("need 2 client addresses"), "{w}");
+        assert!(w.contains("6768 of them will fail"), "{w}");
+        assert_eq!(super::too_few_ports(35_000, &two), None);
+        assert!(super::too_few_ports(60_000, &two).is_some());
+    }
+
     use super::*;
 
     #[test]
