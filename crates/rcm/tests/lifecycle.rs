@@ -843,6 +843,53 @@ fn destroy_discards_only_that_ids_queued_channel_events() {
     f.shutdown();
 }
 
+/// Point 7/2, the channel's index of queued events by id: ids destroyed with events at the
+/// front, in the middle and at the back of the queue, around events taken, leave the others'
+/// events in order and the count of pending events right; the queue keeps working after.
+#[test]
+fn destroys_anywhere_in_a_channels_queue_keep_the_rest_in_order() {
+    let f = fabric(25031);
+    let ch = EventChannel::new();
+    let ids: Vec<_> = (0..4)
+        .map(|_| f.create_id_on(PortSpace::Tcp, &ch))
+        .collect();
+    // Round-robin: id k gets 10k, 10k+1, 10k+2.
+    for n in 0..3 {
+        for (k, id) in ids.iter().enumerate() {
+            poke(id, 10 * k as u32 + n);
+        }
+    }
+    assert_eq!(ch.pending(), 12);
+    let [a, b, c, d] = <[_; 4]>::try_from(ids).expect("four ids");
+    assert_eq!(b.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(ch.pending(), 9);
+    let first = ch.get_event(Some(T)).expect("event");
+    assert_eq!((first.id(), seq_of(first.event())), (&a, Some(0)));
+    drop(first);
+    assert_eq!(a.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(ch.pending(), 6);
+    poke(&c, 23);
+    poke(&d, 33);
+    let mut got = Vec::new();
+    while let Some(e) = ch.get_event(Some(Duration::from_millis(100))) {
+        got.push(seq_of(e.event()).unwrap());
+        if got.len() == 4 {
+            drop(e);
+            assert_eq!(ch.pending(), 4);
+            assert_eq!(d.destroy(), Ok(DestroyOutcome::Done));
+            assert_eq!(ch.pending(), 2);
+        }
+    }
+    assert_eq!(got, vec![20, 30, 21, 31, 22, 23]);
+    poke(&c, 24);
+    let last = ch.get_event(Some(T)).expect("event");
+    assert_eq!(seq_of(last.event()), Some(24));
+    drop(last);
+    assert_eq!(ch.pending(), 0);
+    c.destroy().unwrap();
+    f.shutdown();
+}
+
 // ----- 11. Migration -----------------------------------------------------------------------
 
 /// Point 11: migrating moves queued events to the new channel in order; an event held from
