@@ -822,6 +822,8 @@ fn wait(
                 | Event::ConnectError(_)
                 | Event::AddrError(_)
                 | Event::RouteError(_)
+                // The device (or the daemon) is gone: nothing more comes for this id.
+                | Event::DeviceRemoval
         ) {
             failures.push(format!("connection {i}: {}", e.event().name()));
             failed[i] = true;

@@ -318,6 +318,60 @@ fn killed_client_is_cleaned_up_and_its_peer_sees_the_disconnect() {
     assert_eq!(wait_exit(&mut d), 0);
 }
 
+/// A bench whose daemon dies (kill -9) while its connects wait for an answer ends at once,
+/// each connection failed with the device removal it saw, not after its step timeout.
+#[test]
+fn a_bench_whose_daemon_dies_ends_with_device_removals() {
+    let path = sock("dies");
+    let mut d = start(&path, 27807, &["127.0.0.1", "127.0.0.2"]);
+    let p = path.to_str().unwrap().to_string();
+    // Nobody answers at 127.0.0.9: the REQs wait (the daemon retries for seconds).
+    let bench = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "bench",
+            "--daemon",
+            &p,
+            "--server",
+            "127.0.0.9",
+            "-c",
+            "20",
+            "--timeout",
+            "60",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("bench");
+    std::thread::sleep(Duration::from_millis(1500));
+    d.kill().expect("kill -9 the daemon");
+    let _ = d.wait();
+    let t0 = Instant::now();
+    let out = bench.wait_with_output().expect("bench output");
+    let waited = t0.elapsed();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let failures: Vec<&str> = v["failures"]
+        .as_array()
+        .expect("failures")
+        .iter()
+        .filter_map(|f| f.as_str())
+        .collect();
+    assert!(
+        !failures.iter().any(|f| f.contains("timed out")),
+        "{failures:?} after {waited:?}"
+    );
+    assert_eq!(
+        failures
+            .iter()
+            .filter(|f| f.ends_with("DEVICE_REMOVAL"))
+            .count(),
+        20,
+        "{failures:?}"
+    );
+}
+
 #[test]
 fn daemon_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["daemon", "--socket", "/tmp/x.sock"]);
