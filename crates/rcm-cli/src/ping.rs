@@ -444,6 +444,13 @@ fn server_loop(
                 }
             }
             Event::TimewaitExit => {}
+            Event::DeviceRemoval if id == *listener => {
+                // No request can come any more (the device, or the daemon, is gone).
+                r.errors.push(format!(
+                    "server: the listener's device was removed after {finished} connection(s)"
+                ));
+                break;
+            }
             other => {
                 if id != *listener {
                     r.errors

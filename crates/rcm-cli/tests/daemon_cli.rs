@@ -372,6 +372,55 @@ fn a_bench_whose_daemon_dies_ends_with_device_removals() {
     );
 }
 
+/// A ping server that serves forever (`-c 0`) through a daemon that dies (kill -9) stops,
+/// with an error, instead of waiting for requests that cannot come.
+#[test]
+fn a_ping_server_whose_daemon_dies_stops_with_an_error() {
+    let path = sock("dies-ping");
+    let mut d = start(&path, 27808, &["127.0.0.1"]);
+    let p = path.to_str().unwrap().to_string();
+    let mut srv = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(["ping", "--daemon", &p, "--listen", "-c", "0", "-p", "7602"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
+    let t0 = Instant::now();
+    loop {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        match lines.next() {
+            Some(Ok(l)) if l.contains("listening") => break,
+            Some(Ok(_)) => {}
+            _ => panic!("server exited"),
+        }
+    }
+    d.kill().expect("kill -9 the daemon");
+    let _ = d.wait();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(st) = srv.try_wait().expect("try_wait") {
+            break st.code();
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = srv.kill();
+            let _ = srv.wait();
+            panic!("the server still runs 20 s after its daemon died");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let mut err = String::new();
+    let _ = std::io::Read::read_to_string(&mut srv.stderr.take().unwrap(), &mut err);
+    assert_eq!(code, Some(1), "{rest:?} {err}");
+    assert!(
+        rest.iter()
+            .chain(std::iter::once(&err))
+            .any(|l| l.contains("listener's device was removed")),
+        "{rest:?} {err}"
+    );
+}
+
 #[test]
 fn daemon_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["daemon", "--socket", "/tmp/x.sock"]);
