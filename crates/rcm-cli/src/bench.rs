@@ -1189,6 +1189,40 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     Ok(Some(r))
 }
 
+/// Raises this process's limit of open files to its hard limit, as servers do: an iWARP
+/// connection is a TCP socket at each end and a daemon's client a Unix socket or more, and
+/// the usual soft limit (1,024) is far below the hard one (on Debian 12, 524,288 or more).
+/// Returns the soft limit now in force, if there is one.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
+    if let (Some(cur), Some(max)) = (l.current, l.maximum) {
+        if cur < max {
+            let _ = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(max),
+                    maximum: Some(max),
+                },
+            );
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
+/// A warning when `sockets` sockets (with a margin for the process's own) may not fit in
+/// the open-file limit `limit`.
+fn too_few_fds(sockets: usize, limit: Option<u64>) -> Option<String> {
+    let limit = limit?;
+    let need = sockets as u64 + 64;
+    (need > limit).then(|| {
+        format!(
+            "about {need} open files are needed and the limit is {limit}: connections past it \
+             fail with 'Too many open files' (raise the hard limit: ulimit -Hn)"
+        )
+    })
+}
+
 /// A warning when `n` connections cannot all get a port on `srcs`: an id binds an
 /// ephemeral port of its client address, and each address has one range of them, so the
 /// connections past the range fail with "no free port" (run_client binds round-robin).
@@ -1241,6 +1275,12 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
             format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
         })?
     };
+    if o.iwarp {
+        // A TCP socket at each end of every connection.
+        if let Some(w) = too_few_fds(2 * o.connections, raise_fd_limit()) {
+            eprintln!("rcm bench: {w}");
+        }
+    }
     let served = Arc::new(Served::default());
     // A burst is accepted as fast as callbacks run; the backlog must hold all of it or the
     // excess is dropped and retried a second later.
@@ -1389,6 +1429,36 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_and_a_run_past_it_announced() {
+        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+        let hard = getrlimit(Resource::Nofile).maximum;
+        // Lowered first (to half the hard limit: enough for tests running beside this one),
+        // so the raise has something to do.
+        if let Some(h) = hard {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(h / 2),
+                    maximum: Some(h),
+                },
+            )
+            .expect("lower the soft limit");
+        }
+        assert_eq!(
+            super::raise_fd_limit(),
+            hard,
+            "the soft limit is raised to the hard one"
+        );
+        assert_eq!(super::too_few_fds(1000, Some(1064)), None);
+        let w = super::too_few_fds(1001, Some(1064)).expect("a warning");
+        assert!(
+            w.contains("about 1065 open files") && w.contains("limit is 1064"),
+            "{w}"
+        );
+        assert_eq!(super::too_few_fds(usize::MAX / 2, None), None);
+    }
+
     #[test]
     fn connections_past_the_ports_of_the_client_addresses_are_announced() {
         let one = [std::net::IpAddr::from([127, 0, 0, 2])];
