@@ -466,6 +466,8 @@ impl DeviceInner {
         )?;
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
+        // The port is chosen at connect (Linux 4.2 and later; an older kernel picks it here).
+        let _ = crate::sys::bind_address_no_port(&sock);
         sock.bind(&SocketAddr::new(self.ip, 0).into())?;
         match sock.connect(&dst.into()) {
             Ok(()) => {}
