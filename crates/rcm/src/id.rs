@@ -1610,7 +1610,7 @@ fn register_listen(
 ) -> Result<()> {
     if d.is_iwarp() {
         return match cma::parse_service_id(sid) {
-            Some((PortSpace::Tcp, port)) => d.iw_listen(port, id),
+            Some((PortSpace::Tcp, port)) => d.iw_listen(port, backlog, id),
             _ => Err(Error::InvalidArgument(
                 "iWARP devices carry only the TCP port space".into(),
             )),
