@@ -92,6 +92,30 @@ fn ping_iwarp_both_roles_exchanges_private_data_and_messages() {
     );
 }
 
+/// More connections at once than the default backlog (1,024): the server listens with a
+/// backlog of its count, so none is refused (past 1,024, 472 of 1,500 were).
+#[test]
+fn ping_iwarp_more_connections_than_the_default_backlog() {
+    let (code, out, err) = rcm(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "-c",
+        "1500",
+        "-p",
+        "28040",
+        "--udp-port",
+        "28041",
+        "--timeout",
+        "60",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("both: 1500 of 1500 established, 1500 disconnected, 0 rejected"),
+        "{out}"
+    );
+}
+
 #[test]
 fn ping_iwarp_split_server_and_client() {
     let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
