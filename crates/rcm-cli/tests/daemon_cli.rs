@@ -87,6 +87,32 @@ fn start_with(path: &Path, udp: u16, binds: &[&str], extra: &[&str]) -> Started 
     Started(c)
 }
 
+/// `rcm ping --listen -c 0` through the daemon at `p` on `port`, once it listens; with the
+/// rest of its standard output.
+fn ping_server(
+    p: &str,
+    port: &str,
+    stderr: Stdio,
+) -> (Child, std::io::Lines<BufReader<std::process::ChildStdout>>) {
+    let mut srv = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args(["ping", "--daemon", p, "--listen", "-c", "0", "-p", port])
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("server");
+    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
+    let t0 = Instant::now();
+    loop {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        match lines.next() {
+            Some(Ok(l)) if l.contains("listening") => break,
+            Some(Ok(_)) => {}
+            _ => panic!("server exited"),
+        }
+    }
+    (srv, lines)
+}
+
 fn sigterm(c: &Child) {
     let pid = c.id().to_string();
     let st = Command::new("kill")
@@ -263,22 +289,7 @@ fn killed_client_is_cleaned_up_and_its_peer_sees_the_disconnect() {
     let mut d = start(&path, 27804, &["127.0.0.1", "127.0.0.2"]);
     let p = path.to_str().unwrap().to_string();
     // A server that serves forever (count 0) in its own process, then killed with -9.
-    let mut srv = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(["ping", "--daemon", &p, "--listen", "-c", "0", "-p", "7601"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("server");
-    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
-    let t0 = Instant::now();
-    loop {
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        match lines.next() {
-            Some(Ok(l)) if l.contains("listening") => break,
-            Some(Ok(_)) => {}
-            _ => panic!("server exited"),
-        }
-    }
+    let (mut srv, _) = ping_server(&p, "7601", Stdio::null());
     let (code, out, err) = rcm(&[
         "ping",
         "--daemon",
@@ -379,22 +390,7 @@ fn a_ping_server_whose_daemon_dies_stops_with_an_error() {
     let path = sock("dies-ping");
     let mut d = start(&path, 27808, &["127.0.0.1"]);
     let p = path.to_str().unwrap().to_string();
-    let mut srv = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(["ping", "--daemon", &p, "--listen", "-c", "0", "-p", "7602"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("server");
-    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
-    let t0 = Instant::now();
-    loop {
-        assert!(t0.elapsed() < Duration::from_secs(10));
-        match lines.next() {
-            Some(Ok(l)) if l.contains("listening") => break,
-            Some(Ok(_)) => {}
-            _ => panic!("server exited"),
-        }
-    }
+    let (mut srv, lines) = ping_server(&p, "7602", Stdio::piped());
     d.kill().expect("kill -9 the daemon");
     let _ = d.wait();
     let t0 = Instant::now();

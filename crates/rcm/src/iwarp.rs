@@ -103,19 +103,25 @@ pub(crate) struct IwEngine {
 /// application yet (ucma's `max_backlog`, 1,024).
 pub(crate) const IW_DEFAULT_BACKLOG: usize = 1024;
 
+/// A non-blocking TCP socket of `addr`'s family.
+fn tcp_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
 /// A TCP listener whose accept queue holds the rdma_cm listener's backlog (0: the default),
 /// as siw passes it to `listen`: std's and mio's 128 overflowed under a burst (1,336 SYNs
 /// dropped in a two-process burst of 15,000; none now), and each connection the kernel
 /// could not queue waited for a retransmission (a second or more). The kernel caps it at
 /// `net.core.somaxconn`.
 fn tcp_listener(addr: SocketAddr, backlog: usize) -> std::io::Result<TcpListener> {
-    let s = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
+    let s = tcp_socket(addr)?;
     s.set_reuse_address(true)?;
-    s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
     let backlog = if backlog == 0 {
         IW_DEFAULT_BACKLOG
@@ -482,12 +488,7 @@ impl DeviceInner {
         p: iw::ConnectParams,
         owner: Weak<IdInner>,
     ) -> crate::Result<ConnKey> {
-        let sock = socket2::Socket::new(
-            socket2::Domain::for_address(dst),
-            socket2::Type::STREAM,
-            Some(socket2::Protocol::TCP),
-        )?;
-        sock.set_nonblocking(true)?;
+        let sock = tcp_socket(dst)?;
         sock.set_nodelay(true)?;
         // The port is chosen at connect (Linux 4.2 and later; an older kernel picks it here).
         let _ = crate::sys::bind_address_no_port(&sock);
