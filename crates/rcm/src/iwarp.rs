@@ -114,20 +114,19 @@ fn tcp_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
     Ok(s)
 }
 
-/// A TCP listener whose accept queue holds the rdma_cm listener's backlog (0: the default),
-/// as siw passes it to `listen`: std's and mio's 128 overflowed under a burst (1,336 SYNs
-/// dropped in a two-process burst of 15,000; none now), and each connection the kernel
-/// could not queue waited for a retransmission (a second or more). The kernel caps it at
-/// `net.core.somaxconn`.
+/// A TCP listener whose accept queue holds the rdma_cm listener's backlog, and at least
+/// the default (siw passes the backlog to `listen`): std's and mio's 128 overflowed under
+/// a burst (1,336 SYNs dropped in a two-process burst of 15,000; none now), and each
+/// connection the kernel could not queue waited for a retransmission (a second or more).
+/// The kernel caps it at `net.core.somaxconn`.
 fn tcp_listener(addr: SocketAddr, backlog: usize) -> std::io::Result<TcpListener> {
     let s = tcp_socket(addr)?;
     s.set_reuse_address(true)?;
     s.bind(&addr.into())?;
-    let backlog = if backlog == 0 {
-        IW_DEFAULT_BACKLOG
-    } else {
-        backlog
-    };
+    // Never below the default: rcm bounds undelivered requests itself (the rdma_cm
+    // backlog), and a small queue here would make even streams that never become requests
+    // (a peer that says nothing) wait for SYN retransmissions, seconds apart.
+    let backlog = backlog.max(IW_DEFAULT_BACKLOG);
     s.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
     Ok(TcpListener::from_std(s.into()))
 }
@@ -844,12 +843,12 @@ pub(crate) fn check_addr(ip: IpAddr) -> crate::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    /// The accept queue holds the backlog asked for: 260 connections none of which is
-    /// accepted yet all complete (std's and mio's 128 dropped the SYNs past it; a dropped
-    /// one is retried after a second, past this test's 500 ms).
+    /// The accept queue holds at least the default backlog, here for a backlog of 2: 260
+    /// connections none of which is accepted yet all complete (std's and mio's 128 dropped
+    /// the SYNs past it; a dropped one is retried after a second, past this test's 500 ms).
     #[test]
     fn a_tcp_listener_queues_its_backlog() {
-        let l = super::tcp_listener("127.0.0.1:0".parse().expect("addr"), 300).expect("listener");
+        let l = super::tcp_listener("127.0.0.1:0".parse().expect("addr"), 2).expect("listener");
         let at = l.local_addr().expect("addr");
         let held: Vec<_> = (0..260)
             .map(|i| {
