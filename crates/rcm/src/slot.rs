@@ -743,7 +743,10 @@ impl<E> ChannelQueue<E> {
         };
         let mut out = Vec::with_capacity(seqs.len());
         for seq in seqs {
-            let at = usize::try_from(seq - self.head).unwrap_or(usize::MAX);
+            let at = seq
+                .checked_sub(self.head)
+                .and_then(|d| usize::try_from(d).ok())
+                .unwrap_or(usize::MAX);
             if let Some((_, ev)) = self.items.get_mut(at).and_then(Option::take) {
                 out.push(ev);
                 self.live -= 1;
