@@ -1277,7 +1277,9 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     };
     if o.iwarp {
         // A TCP socket at each end of every connection.
-        if let Some(w) = too_few_fds(2 * o.connections, raise_fd_limit()) {
+        // `main` raised the limit already: only read it.
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        if let Some(w) = too_few_fds(2 * o.connections, limit) {
             eprintln!("rcm bench: {w}");
         }
     }
