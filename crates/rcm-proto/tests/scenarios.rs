@@ -1646,3 +1646,65 @@ fn a_peers_largest_ack_timeout_does_not_make_timewait_last_hours() {
     t.advance(Duration::from_secs(30) + Duration::from_millis(1));
     assert_eq!(t.events(), vec![(c, CmEvent::TimewaitExit)]);
 }
+
+/// A REQ whose comm ID is 0 (the engine's mark for "peer not known yet") is refused with
+/// REJ(INVALID_COMM_ID) and surfaces nothing: accepted, the connection could not be ended by
+/// the peer's DREQ.
+#[test]
+fn a_req_with_comm_id_zero_is_rejected_invalid_comm_id() {
+    let mut t = T::new();
+    let _l = t.ep.listen(SID, u64::MAX, 0).unwrap();
+    t.recv(TID, CmMessage::Req(peer_req(0, PEER_QPN)));
+    let m = t.sent_one();
+    let CmMessage::Rej(rej) = &m.msg else {
+        panic!("{m:?}")
+    };
+    assert_eq!(
+        (rej.reason, rej.message_rejected, rej.remote_comm_id),
+        (RejReason::InvalidCommId, MsgCode::Req, 0)
+    );
+    assert_eq!(m.header.tid, TID);
+    assert!(t.events().is_empty(), "no connect request surfaced");
+    assert_eq!(t.ep.stats().invalid_comm_id_rejects, 1);
+    // The same peer with a proper comm ID is served.
+    t.recv(TID + 1, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    t.nothing_sent();
+    assert!(matches!(
+        t.events().as_slice(),
+        [(_, CmEvent::ReqReceived { .. })]
+    ));
+}
+
+/// A REP whose comm ID is 0 is refused with REJ(INVALID_COMM_ID), and our attempt ends as
+/// rejected (idle, no retry of the REQ).
+#[test]
+fn a_rep_with_comm_id_zero_is_rejected_and_the_attempt_ends() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    let mut rep = peer_rep(req.local_comm_id);
+    rep.local_comm_id = 0;
+    t.recv(tid, CmMessage::Rep(rep));
+    let m = t.sent_one();
+    let CmMessage::Rej(rej) = &m.msg else {
+        panic!("{m:?}")
+    };
+    assert_eq!(
+        (
+            rej.reason,
+            rej.message_rejected,
+            rej.local_comm_id,
+            rej.remote_comm_id
+        ),
+        (RejReason::InvalidCommId, MsgCode::Rep, req.local_comm_id, 0)
+    );
+    let ev = t.events();
+    assert!(
+        matches!(ev.as_slice(), [(eh, CmEvent::Rejected { reason: RejReason::InvalidCommId, .. })] if *eh == h),
+        "{ev:?}"
+    );
+    assert_eq!(t.ep.state(h), Some(State::Idle));
+    assert_eq!(t.ep.stats().invalid_comm_id_rejects, 1);
+    t.advance(Duration::from_secs(120));
+    t.nothing_sent();
+    assert!(t.events().is_empty(), "no REQ retry, no timeout");
+}

@@ -45,6 +45,8 @@ pub struct Stats {
     /// Accepted connections still waiting for their RTU that were given up early because the
     /// half-open budget (`EndpointConfig::max_half_open`) was exceeded.
     pub half_open_evictions: u64,
+    /// REQs and REPs answered with REJ(INVALID_COMM_ID): their own comm ID was 0.
+    pub invalid_comm_id_rejects: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -1053,6 +1055,16 @@ impl Endpoint {
     }
 
     fn on_req(&mut self, now: Instant, from: IpAddr, tid: u64, req: &Req) {
+        // Comm ID 0 is how this engine marks a peer it does not know yet (and never hands
+        // out itself): a connection under it could not be told from one whose REP is still
+        // to come, and the peer's DREQ would not end it. Refused at the door instead, with
+        // the REJ reason the spec has for it (6, Invalid Communication ID; Linux's
+        // IB_CM_REJ_INVALID_COMM_ID). Linux makes a comm ID 0 once in 2^32.
+        if req.local_comm_id == 0 {
+            self.issue_rej(from, tid, req, RejReason::InvalidCommId, MsgCode::Req);
+            self.stats.invalid_comm_id_rejects += 1;
+            return;
+        }
         let guid = req.local_ca_guid;
         // A REQ we already know: answer from the state it reached (IBTA 12.9.8.1; Linux
         // cm_dup_req_handler, plus resending the REP, which recovers a lost REP at once).
@@ -1193,6 +1205,28 @@ impl Endpoint {
             }
             State::RepRcvd => return self.stats.rx_duplicates += 1,
             _ => return self.unmatched(),
+        }
+        if rep.local_comm_id == 0 {
+            // As for a REQ (see `on_req`): refused, and this attempt ends as if rejected.
+            let rej = Rej {
+                local_comm_id: rep.remote_comm_id,
+                remote_comm_id: 0,
+                message_rejected: MsgCode::Rep,
+                reason: RejReason::InvalidCommId,
+                ..Rej::default()
+            };
+            self.send(from, tid, CmMessage::Rej(rej));
+            self.stats.invalid_comm_id_rejects += 1;
+            self.reset_to_idle(h);
+            self.emit(
+                h,
+                CmEvent::Rejected {
+                    reason: RejReason::InvalidCommId,
+                    ari: Vec::new(),
+                    private_data: Vec::new(),
+                },
+            );
+            return;
         }
         let guid = rep.local_ca_guid;
         if let Some(&other) = self.remote_qps.get(&(rep.local_qpn, guid)) {

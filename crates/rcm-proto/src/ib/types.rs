@@ -324,7 +324,8 @@ pub enum CmEvent {
     RepReceived(Box<RepInfo>),
     /// The connection is established (passive: RTU received; active: RTU sent).
     Established,
-    /// The peer rejected (or the stale-connection rule fired).
+    /// The peer rejected (or the stale-connection rule fired, or we refused the peer's REP
+    /// for its comm ID of 0: reason INVALID_COMM_ID).
     Rejected {
         /// Reason.
         reason: RejReason,
