@@ -97,6 +97,10 @@ pub(crate) struct IwEngine {
     half_open_order: VecDeque<ConnKey>,
     /// When the I/O thread last looked through every stream's deadline.
     last_scan: Option<Instant>,
+    /// Listeners whose accept failed for want of a resource (descriptors, memory), and when
+    /// they are tried again: their queued connections raise no new edge.
+    stalled: Vec<ConnKey>,
+    accept_retry: Option<Instant>,
 }
 
 /// The backlog of an iWARP listener that asked for 0: connect requests not delivered to the
@@ -140,6 +144,10 @@ pub(crate) const IW_MAX_HALF_OPEN: usize = 1024;
 /// pause (zero-length RDMA Writes cost nothing to keep) must not keep the thread, and the
 /// engine lock every call of the device takes, to itself.
 const READ_TURN: usize = 256 << 10;
+
+/// How long a listener whose accept failed for want of a resource waits before it tries
+/// again (the connections wait in the kernel's accept queue meanwhile).
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 
 #[derive(Default)]
 struct Pending {
@@ -200,6 +208,8 @@ impl IwDev {
                 half_open: 0,
                 half_open_order: VecDeque::new(),
                 last_scan: None,
+                stalled: Vec::new(),
+                accept_retry: None,
             }),
             registry,
             waker,
@@ -610,12 +620,29 @@ impl DeviceInner {
         if let Some(l) = e.listeners.get(&key) {
             let port = l.port;
             let mut accepted = Vec::new();
-            loop {
+            let stalled = loop {
                 match l.sock.accept() {
                     Ok((s, peer)) => accepted.push((s, peer)),
-                    Err(err) if err.kind() == ErrorKind::Interrupted => {}
-                    Err(_) => break,
+                    Err(err) if err.kind() == ErrorKind::WouldBlock => break false,
+                    // That one connection is gone; the next may be fine.
+                    Err(err)
+                        if matches!(
+                            err.kind(),
+                            ErrorKind::Interrupted
+                                | ErrorKind::ConnectionAborted
+                                | ErrorKind::ConnectionReset
+                        ) => {}
+                    // Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the rest stay
+                    // queued, and edge-triggered, nothing would bring this listener back to
+                    // them until another connection came. It tries again shortly.
+                    Err(_) => break true,
                 }
+            };
+            if stalled {
+                if !e.stalled.contains(&key) {
+                    e.stalled.push(key);
+                }
+                e.accept_retry = Some(now + ACCEPT_RETRY);
             }
             for (mut stream, peer) in accepted {
                 // Past the bound the oldest silent stream is reset (as the RoCE engine gives
@@ -744,13 +771,23 @@ impl DeviceInner {
 
     /// Runs the Cep timers that are due; returns the next deadline.
     fn iw_timers(e: &mut IwEngine, iw: &IwDev, now: Instant) -> Option<Instant> {
+        if e.accept_retry.is_some_and(|t| t <= now) {
+            e.accept_retry = None;
+            for k in std::mem::take(&mut e.stalled) {
+                DeviceInner::iw_ready(e, iw, Token(k), now);
+            }
+        }
+        let soonest = |e: &IwEngine| match (e.earliest, e.accept_retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         // Nothing due yet: no look through every stream (most are idle). With no deadline
         // known, one look every 100 ms all the same.
         let recent = e
             .last_scan
             .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_millis(100));
         if e.earliest.map_or(recent, |t| t > now) {
-            return e.earliest;
+            return soonest(e);
         }
         e.last_scan = Some(now);
         let due: Vec<ConnKey> = e
@@ -777,7 +814,7 @@ impl DeviceInner {
             .filter_map(|c| c.cep.poll_timeout())
             .chain(e.conns.values().filter_map(|c| c.drain_by))
             .min();
-        e.earliest
+        soonest(e)
     }
 }
 
