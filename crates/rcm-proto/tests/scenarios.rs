@@ -428,26 +428,120 @@ fn drep_private_data_has_the_drep_limit() {
     assert_eq!(d.private_data[..], [7; 224][..]);
 }
 
+/// After an MRA every retry waits the interval it asked for, as Linux's `ib_modify_mad`
+/// leaves the MAD's timeout (the classic interval came back after the first stretched
+/// wait); a second MRA changes nothing.
 #[test]
 fn second_mra_is_not_honoured() {
     let mut t = T::with(|c| c.retry = RetryPolicy::Classic);
     let (h, req, tid) = t.connect();
-    let mra = CmMessage::Mra(Mra {
-        local_comm_id: PEER_ID,
-        remote_comm_id: req.local_comm_id,
-        message_mraed: MsgCode::Req,
-        service_timeout: 24,
-        ..Mra::default()
-    });
-    t.recv(tid, mra.clone());
-    t.advance(Duration::from_secs(70));
-    assert_eq!(t.sent().len(), 1);
-    t.recv(tid, mra); // state is MraReqRcvd now: ignored
+    let mra = |st| {
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_mraed: MsgCode::Req,
+            service_timeout: st,
+            ..Mra::default()
+        })
+    };
+    // 16.4 s of service time plus our ACK timeout; the classic interval is 6.1 s.
+    let extra = Duration::from_millis(
+        rcm_proto::ib::ibta_time_ms(22)
+            + rcm_proto::ib::ibta_time_ms(req.primary_path.local_ack_timeout),
+    );
+    let ms = Duration::from_millis(1);
+    t.recv(tid, mra(22));
+    t.advance(extra.saturating_sub(ms));
+    t.nothing_sent();
+    t.advance(2 * ms);
+    assert!(matches!(t.sent_one().msg, CmMessage::Req(_)));
+    t.recv(tid, mra(26)); // state is MraReqRcvd now: ignored
     assert_eq!(t.ep.stats().rx_unmatched, 1);
     t.events();
-    t.advance(Duration::from_millis(6200));
-    assert_eq!(t.sent().len(), 1, "the normal interval applies again");
+    t.advance(extra.saturating_sub(2 * ms));
+    t.nothing_sent();
+    t.advance(2 * ms);
+    assert!(
+        matches!(t.sent_one().msg, CmMessage::Req(_)),
+        "the first MRA's interval again, neither the classic one nor the second MRA's"
+    );
     assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
+}
+
+/// With the backoff policy an MRA'd REQ is still retried once the stretched wait is over
+/// (a REP lost after the peer's long work no longer fails the connect), at the MRA's
+/// interval, and a REP then completes it.
+#[test]
+fn backoff_retries_a_req_after_an_mra() {
+    let mut t = T::with(|c| {
+        c.retry = RetryPolicy::Backoff {
+            initial: Duration::from_secs(1),
+            max_wait: Duration::from_secs(60),
+            deadline: Duration::from_secs(10),
+        }
+    });
+    let (h, req, tid) = t.connect();
+    let extra = Duration::from_millis(
+        rcm_proto::ib::ibta_time_ms(22)
+            + rcm_proto::ib::ibta_time_ms(req.primary_path.local_ack_timeout),
+    );
+    t.recv(
+        tid,
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_mraed: MsgCode::Req,
+            service_timeout: 22,
+            ..Mra::default()
+        }),
+    );
+    t.events();
+    // Past the 10 s deadline and the stretched wait: retried, not given up.
+    t.advance(extra + Duration::from_millis(1));
+    assert!(matches!(t.sent_one().msg, CmMessage::Req(_)));
+    assert!(t.events().is_empty(), "{:?}", t.ep.state(h));
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    assert!(matches!(
+        t.events().as_slice(),
+        [(eh, CmEvent::RepReceived(_))] if *eh == h
+    ));
+}
+
+/// Without an answer the MRA'd exchange ends one stretched wait after its retry.
+#[test]
+fn backoff_gives_up_an_mraed_req_after_one_more_wait() {
+    let mut t = T::with(|c| {
+        c.retry = RetryPolicy::Backoff {
+            initial: Duration::from_secs(1),
+            max_wait: Duration::from_secs(60),
+            deadline: Duration::from_secs(10),
+        }
+    });
+    let (h, req, tid) = t.connect();
+    let extra = Duration::from_millis(
+        rcm_proto::ib::ibta_time_ms(22)
+            + rcm_proto::ib::ibta_time_ms(req.primary_path.local_ack_timeout),
+    );
+    t.recv(
+        tid,
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_mraed: MsgCode::Req,
+            service_timeout: 22,
+            ..Mra::default()
+        }),
+    );
+    t.events();
+    t.advance((2 * extra).saturating_sub(Duration::from_millis(1)));
+    assert_eq!(t.sent().len(), 1, "one retry");
+    assert!(t.events().is_empty());
+    t.advance(Duration::from_millis(2));
+    let ev = t.events();
+    assert!(
+        matches!(ev.as_slice(), [(eh, CmEvent::TimedOut(TimedOut::Req))] if *eh == h),
+        "{ev:?}"
+    );
 }
 
 #[test]

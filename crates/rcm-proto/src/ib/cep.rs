@@ -50,6 +50,10 @@ pub(crate) struct Outstanding {
     pub retries_done: u8,
     pub next_wait: Duration,
     pub deadline: Option<Instant>,
+    /// An MRA set `next_wait` to the time the peer asked for: every later retry waits that
+    /// long, whatever the policy (Linux's `ib_modify_mad` changes the MAD's timeout, which
+    /// `retry_send` uses for each retry).
+    pub stretched: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

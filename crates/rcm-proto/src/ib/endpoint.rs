@@ -290,6 +290,7 @@ impl Endpoint {
                     retries_done: 0,
                     next_wait: wait,
                     deadline,
+                    stretched: false,
                 }));
             }
             self.arm(h, now + wait, TimerKind::Retransmit);
@@ -948,6 +949,7 @@ impl Endpoint {
             out.retries_done += 1;
             let mad = out.mad;
             let wait = match policy {
+                _ if out.stretched => out.next_wait,
                 RetryPolicy::Classic => out.next_wait,
                 RetryPolicy::Backoff { max_wait, .. } => {
                     out.next_wait = (out.next_wait * 2).min(max_wait);
@@ -1307,7 +1309,13 @@ impl Endpoint {
                 ibta_time_ms(mra.service_timeout) + ibta_time_ms(c.ack_timeout),
             );
             if let Some(out) = c.out.as_mut() {
-                out.deadline = out.deadline.map(|d| d.max(now + extra));
+                // Retried at the asked-for interval from now on (see `Outstanding::stretched`);
+                // a deadline leaves room for one retry after the stretched wait and its answer
+                // (it ended the exchange when the stretched wait did: a REP lost after the
+                // peer's long work failed the connect).
+                out.next_wait = extra;
+                out.stretched = true;
+                out.deadline = out.deadline.map(|d| d.max(now + 2 * extra));
                 let at = now + extra;
                 self.arm(h, at, TimerKind::Retransmit);
             }

@@ -28,7 +28,10 @@ pub fn cm_ack_timeout(ca_ack_delay: u8, packet_life_time: u8) -> u8 {
     ack.min(31)
 }
 
-/// How a message that expects an answer is retransmitted.
+/// How a message that expects an answer is retransmitted. Under either policy, once the
+/// peer sends an MRA (the first one is honoured) every later retry of that message waits the
+/// time the MRA asks for (its service timeout plus the ACK timeout), as Linux's
+/// `ib_modify_mad` makes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryPolicy {
     /// The IBTA/classic Linux rule, taken from the message's own fields: a fixed interval of
@@ -37,7 +40,9 @@ pub enum RetryPolicy {
     Classic,
     /// Exponential backoff: the first wait is `initial`, each next one doubles, no wait exceeds
     /// `max_wait`, and the exchange fails at `deadline` after the first send (or after
-    /// `max_cm_retries` retransmissions, whichever comes first). An MRA extends the wait once.
+    /// `max_cm_retries` retransmissions, whichever comes first). An MRA pushes the deadline
+    /// to at least two of its waits from its arrival: one retry after the stretched wait,
+    /// and the time to answer it.
     Backoff {
         /// First wait.
         initial: Duration,
