@@ -47,6 +47,9 @@ pub struct Stats {
     pub half_open_evictions: u64,
     /// REQs and REPs answered with REJ(INVALID_COMM_ID): their own comm ID was 0.
     pub invalid_comm_id_rejects: u64,
+    /// Walks of the half-open queue to drop the entries that left it (see
+    /// `EndpointConfig::max_half_open`).
+    pub half_open_compactions: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -78,7 +81,15 @@ pub struct Endpoint {
     /// Accepted passive connections in order of their REP, for the half-open budget. Entries
     /// of connections that moved on are dropped lazily.
     rep_wait: VecDeque<CepHandle>,
+    /// Connections in RepSent or MraRepRcvd (all of them in `rep_wait`), counted at each
+    /// transition in or out, so the budget is kept without a walk.
+    half_open: usize,
     conn_ceps: usize,
+}
+
+/// Whether an endpoint in state `s` counts against the half-open budget.
+fn is_half_open(s: State) -> bool {
+    matches!(s, State::RepSent | State::MraRepRcvd)
 }
 
 /// The longest timewait: the path's ACK timeout decides it, and on the passive side that is
@@ -114,6 +125,7 @@ impl Endpoint {
             events: VecDeque::new(),
             stats: Stats::default(),
             rep_wait: VecDeque::new(),
+            half_open: 0,
             conn_ceps: 0,
         }
     }
@@ -318,6 +330,9 @@ impl Endpoint {
         if c.state != State::Listen {
             self.conn_ceps -= 1;
         }
+        if is_half_open(c.state) {
+            self.left_half_open();
+        }
         if self.local_ids.get(&c.local_id) == Some(&h) {
             self.local_ids.remove(&c.local_id);
         }
@@ -372,6 +387,9 @@ impl Endpoint {
         }
         let c = c.clone();
         self.unlink_remote(&c, h);
+        if is_half_open(c.state) {
+            self.left_half_open();
+        }
         if let Some(c) = self.ceps.get_mut(&h) {
             c.state = State::Idle;
         }
@@ -388,6 +406,7 @@ impl Endpoint {
         let Some(c) = self.ceps.get_mut(&h) else {
             return;
         };
+        let was_half_open = is_half_open(c.state);
         c.state = State::Timewait;
         let wait = Duration::from_millis(ibta_time_ms(c.ack_timeout))
             .min(MAX_TIMEWAIT)
@@ -395,6 +414,9 @@ impl Endpoint {
         let (remote_id, remote_guid, remote_qpn, peer) =
             (c.remote_id, c.remote_guid, c.remote_qpn, c.peer);
         self.unlink_remote_keys(h, remote_id, remote_guid, remote_qpn, peer);
+        if was_half_open {
+            self.left_half_open();
+        }
         self.arm(h, now + wait, TimerKind::Timewait);
     }
 
@@ -566,32 +588,46 @@ impl Endpoint {
     /// spoofed addresses that a server accepts leaves connections waiting for RTUs that never
     /// come, each with REP retransmissions; past the budget the oldest of them are given up
     /// (as a REP timeout, without a REJ towards the spoofed address). Legitimate connections
-    /// confirm within a round trip, so under a flood the oldest entries are the flood's. The
-    /// queue is compacted only when it outgrows the budget, and a full budget evicts an
-    /// eighth at once, so the cost per accept stays constant.
+    /// confirm within a round trip, so under a flood the oldest entries are the flood's.
+    /// The count is kept at each transition, so only a connection over the budget is given
+    /// up; entries of connections that moved on are skipped when met at the front, and the
+    /// queue is walked to drop them once they could be half of it, so a walk's cost is
+    /// spread over as many accepts. (Walking it whenever it outgrew the budget meant a full
+    /// walk every few accepts when it hovered just under it, entries leaving as fast as
+    /// they came.)
     fn note_half_open(&mut self, h: CepHandle) {
         let max = self.cfg.max_half_open.max(1);
+        self.half_open += 1;
         self.rep_wait.push_back(h);
-        if self.rep_wait.len() <= max {
-            return;
+        // The count against the states, in the tests' builds (small tables only: a walk).
+        #[cfg(debug_assertions)]
+        if self.ceps.len() <= 4096 {
+            let walked = self.ceps.values().filter(|c| is_half_open(c.state)).count();
+            debug_assert_eq!(walked, self.half_open, "half-open count");
         }
-        let ceps = &self.ceps;
-        self.rep_wait.retain(|h| {
-            ceps.get(h)
-                .is_some_and(|c| matches!(c.state, State::RepSent | State::MraRepRcvd))
-        });
-        if self.rep_wait.len() <= max {
-            return;
-        }
-        let target = max - max / 8;
-        while self.rep_wait.len() > target {
+        while self.half_open > max {
             let Some(old) = self.rep_wait.pop_front() else {
                 break;
             };
-            self.stats.half_open_evictions += 1;
-            self.reset_to_idle(old);
-            self.emit(old, CmEvent::TimedOut(TimedOut::Rep));
+            if self.ceps.get(&old).is_some_and(|c| is_half_open(c.state)) {
+                self.stats.half_open_evictions += 1;
+                self.reset_to_idle(old);
+                self.emit(old, CmEvent::TimedOut(TimedOut::Rep));
+            }
         }
+        if self.rep_wait.len() > 2 * self.half_open + 64 {
+            self.stats.half_open_compactions += 1;
+            let ceps = &self.ceps;
+            self.rep_wait
+                .retain(|h| ceps.get(h).is_some_and(|c| is_half_open(c.state)));
+            debug_assert_eq!(self.rep_wait.len(), self.half_open, "half-open count");
+        }
+    }
+
+    /// One connection left RepSent/MraRepRcvd.
+    fn left_half_open(&mut self) {
+        debug_assert!(self.half_open > 0, "half-open count");
+        self.half_open = self.half_open.saturating_sub(1);
     }
 
     /// Sends the RTU after a REP (active side): RepRcvd/MraRepSent → Established.
@@ -619,6 +655,7 @@ impl Endpoint {
             return Err(CmError::InvalidState(c.state));
         }
         c.state = State::Established;
+        self.left_half_open();
         self.cancel_timer(h);
         self.emit(h, CmEvent::Established);
         Ok(())
@@ -1388,6 +1425,7 @@ impl Endpoint {
             return self.stats.rx_duplicates += 1;
         }
         c.state = State::Established;
+        self.left_half_open();
         self.cancel_timer(h);
         self.emit(h, CmEvent::Established);
     }
@@ -1416,8 +1454,12 @@ impl Endpoint {
         }
         match c.state {
             State::RepSent | State::MraRepRcvd | State::Established | State::DreqSent => {
+                let was_half_open = is_half_open(c.state);
                 c.state = State::DreqRcvd;
                 c.tid = tid;
+                if was_half_open {
+                    self.left_half_open();
+                }
                 self.cancel_timer(h);
                 self.unlink_listener(h);
                 let pd = dreq.private_data.clone();
