@@ -786,6 +786,43 @@ fn disconnect_sends_dreq_and_drep_ends_in_timewait() {
     t.nothing_sent();
 }
 
+/// The active side's ACK timeout follows the REP's target ACK delay, as Linux's
+/// `cm_rep_handler` recomputes it: a peer that acknowledges late (delay 20) makes it 21, not
+/// the 19 our own REQ announced, and timewait lasts 2^13 ms, not 2^11.
+#[test]
+fn the_active_sides_ack_timeout_follows_the_reps_target_ack_delay() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    assert_eq!(req.primary_path.local_ack_timeout, 19);
+    t.recv(
+        tid,
+        CmMessage::Rep(Rep {
+            target_ack_delay: 20,
+            ..peer_rep(req.local_comm_id)
+        }),
+    );
+    t.events();
+    t.ep.establish(h).unwrap();
+    t.sent();
+    t.events();
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    let m = t.sent_one();
+    t.recv(
+        m.header.tid,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            ..Drep::default()
+        }),
+    );
+    assert_eq!(t.events(), vec![(h, CmEvent::DrepReceived)]);
+    t.advance(Duration::from_millis(8191));
+    assert!(t.events().is_empty(), "still in timewait");
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+    t.advance(Duration::from_millis(2));
+    assert_eq!(t.events(), vec![(h, CmEvent::TimewaitExit)]);
+}
+
 #[test]
 fn dreq_retries_then_times_out_into_timewait() {
     let mut t = T::new();

@@ -2065,6 +2065,10 @@ pub(crate) fn on_engine_event(
         match ev {
             CmEvent::RepReceived(info) => {
                 if g.state == State::Connect {
+                    // As the engine does (and Linux's cm_rep_handler): the QP's ACK timeout
+                    // from the peer's ACK delay and our path's packet lifetime.
+                    g.conn.ack_timeout =
+                        ib::cm_ack_timeout(info.target_ack_delay, g.path.packet_life_time);
                     g.conn.remote_qpn = info.remote_qpn;
                     g.conn.remote_psn = info.starting_psn;
                     g.conn.responder_resources = info.initiator_depth;

@@ -825,6 +825,50 @@ fn psns_and_read_resources_follow_the_wire() {
     f.shutdown();
 }
 
+/// The QP's ACK timeout on the active side follows the REP's target ACK delay (Linux's
+/// cm_rep_handler recomputes it, and RTS takes it): a peer with ACK delay 20 makes it 21,
+/// where the REQ announced 19 from our own delay.
+#[test]
+fn the_rts_timeout_follows_the_peers_ack_delay() {
+    use rcm_wire::cm::{CmMessage, Rep};
+    let f = one_device(24806);
+    let peer = RawPeer::new(24806);
+    let ch = EventChannel::new();
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    c.resolve_addr(None, addr(2, 7478)).unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::AddrResolved
+    ));
+    c.resolve_route().unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::RouteResolved
+    ));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let CmMessage::Req(req) = peer.recv() else {
+        panic!("expected a REQ")
+    };
+    assert_eq!(req.primary_path.local_ack_timeout, 19);
+    peer.send(
+        CmMessage::Rep(Rep {
+            local_comm_id: 0xBEEF,
+            remote_comm_id: req.local_comm_id,
+            local_qpn: 0x99,
+            starting_psn: 0x65_4321,
+            target_ack_delay: 20,
+            rnr_retry_count: 7,
+            ..Rep::default()
+        }),
+        0x6262,
+    );
+    let e = ch.get_event(Some(T)).expect("CONNECT_RESPONSE");
+    assert!(matches!(e.event(), Event::ConnectResponse { .. }), "{e:?}");
+    drop(e);
+    assert_eq!(c.init_qp_attr(QpState::Rts).unwrap().timeout, 21);
+    f.shutdown();
+}
+
 /// Requests rdma_cm turns away before any listener sees them: a REQ whose rdma_cm header
 /// names another host than the device it reached (cma.c validate_net_dev) is rejected,
 /// even by a wildcard listener, whose child took that foreign address as its own; and a

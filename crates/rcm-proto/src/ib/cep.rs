@@ -87,6 +87,9 @@ pub(crate) struct Cep {
     pub max_retries: u8,
     /// The path's local ACK timeout (IBTA time value): timewait lasts this long.
     pub ack_timeout: u8,
+    /// Active side: the path's packet lifetime, from which the REP's target ACK delay makes
+    /// the ACK timeout.
+    pub packet_life_time: u8,
     /// Service timeout of the MRA we sent (or armed) and whether it actually went out.
     pub mra_timeout: u8,
     pub mra_sent: bool,
@@ -118,6 +121,7 @@ impl Cep {
             timeout_ms: 0,
             max_retries: 0,
             ack_timeout: 0,
+            packet_life_time: 0,
             mra_timeout: 0,
             mra_sent: false,
             mra_honoured: false,

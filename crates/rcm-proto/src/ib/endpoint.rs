@@ -538,6 +538,7 @@ impl Endpoint {
             + ibta_time_ms(p.cm_response_timeout)) as u32;
         c.max_retries = req.max_cm_retries;
         c.ack_timeout = ack_timeout;
+        c.packet_life_time = p.path.packet_life_time;
         let h = self.insert_cep(c);
         self.send_tracked(now, h, CmMessage::Req(req));
         Ok(h)
@@ -1305,6 +1306,10 @@ impl Endpoint {
             return;
         };
         c.state = State::RepRcvd;
+        // The ACK timeout now follows the peer's ACK delay, not ours (Linux cm_rep_handler
+        // recomputes av.timeout from the REP's target ACK delay): timewait and the QP's
+        // timeout use it.
+        c.ack_timeout = super::types::cm_ack_timeout(rep.target_ack_delay, c.packet_life_time);
         c.remote_id = rep.local_comm_id;
         c.remote_guid = guid;
         c.remote_qpn = rep.local_qpn;
