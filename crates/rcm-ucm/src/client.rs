@@ -12,7 +12,9 @@
 //! had, a call goes on the session's connection and the reader hands the reply over. What
 //! goes on the session's connection (such calls, event credit, releases without a channel)
 //! is written by a thread of its own, in order, so the reader never waits on a full socket.
-//! Losing the daemon is a device removal for every id.
+//! Losing the daemon is a device removal for every id; a call waiting for its answer then
+//! fails with `DeviceRemoved`, also when the reader is held by an inline callback (the
+//! caller looks for the hang-up itself, every 100 ms).
 
 use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
@@ -505,11 +507,42 @@ impl Inner {
         if let Some(r) = got {
             return r;
         }
-        match rx.recv() {
-            Ok(r) => r.map_err(WireError::into_cm),
-            Err(_) => Err(Error::DeviceRemoved),
+        loop {
+            match rx.recv_timeout(HANGUP_CHECK) {
+                Ok(r) => return r.map_err(WireError::into_cm),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(Error::DeviceRemoved),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            // The reader fails this wait when it reads the daemon's end, unless it is held
+            // meanwhile: with inline callbacks, by a callback that waits for a lock this
+            // caller holds (a call lands here when the session's channels died with the
+            // daemon and none attaches). So the caller looks for the hang-up itself.
+            if hung_up(&self.stream) {
+                lock(&self.pending).remove(&seq);
+                return Err(Error::DeviceRemoved);
+            }
         }
     }
+}
+
+/// How often a call waiting for its answer on the session's connection looks for the
+/// daemon's hang-up (see `Inner::request`).
+const HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Whether the other end of `s` is gone (or this one was shut down), whatever is still
+/// queued to be read: `POLLRDHUP` is set from the peer's close on, and `POLLHUP` once both
+/// directions are shut.
+fn hung_up(s: &UnixStream) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(s, PollFlags::RDHUP)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
 }
 
 impl Provider for Client {

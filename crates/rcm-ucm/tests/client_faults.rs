@@ -391,3 +391,94 @@ fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// With inline callbacks, a callback on the reader waits for a lock that an application
+/// thread holds while it makes calls, and the daemon dies: the calls on the dead channel
+/// fail, and the next one (no channel attaches any more, so it waits on the session's
+/// connection, whose answers the held reader would read) fails too instead of waiting for
+/// good. It waited for ever: the reader, held by the callback, never read the daemon's
+/// end, and the caller never let go of the lock.
+#[test]
+fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let path = sock("held-reader");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let (created, go) = mpsc::channel::<()>();
+    let daemon_path = path.clone();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("session");
+        open_session(&mut s);
+        let (mut c, _) = listener.accept().expect("channel");
+        let (seq, attach) = read_command(&mut c);
+        assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
+        c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
+            .expect("attach ok");
+        let (seq, create) = read_command(&mut c);
+        assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
+        c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+            .expect("handle");
+        go.recv_timeout(T).expect("the id is made");
+        let event = Message::Event {
+            handle: 1,
+            event: proto::WireEvent::AddrResolved,
+            qp: None,
+        }
+        .encode(0);
+        s.write_all(&event).expect("event");
+        // The call made under the lock comes on the channel; then the daemon is gone.
+        let (_, call) = read_command(&mut c);
+        assert_eq!(call, Command::CreateId(rcm::PortSpace::Tcp));
+        drop(listener);
+        let _ = std::fs::remove_file(&daemon_path);
+    });
+    let cfg = rcm::FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..rcm::FabricConfig::default()
+    };
+    let client = Client::connect_for(&path, &cfg).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client), cfg);
+    let app_lock = Arc::new(Mutex::new(()));
+    let entered = Arc::new(AtomicBool::new(false));
+    let (l, e) = (app_lock.clone(), entered.clone());
+    let _id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                e.store(true, Ordering::SeqCst);
+                drop(l.lock());
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    let (results, got) = mpsc::channel();
+    let (locked, is_locked) = mpsc::channel();
+    let f2 = f.clone();
+    let l = app_lock.clone();
+    let e = entered.clone();
+    std::thread::spawn(move || {
+        let _held = l.lock().expect("the application's lock");
+        locked.send(()).expect("tell");
+        // The reader's callback is now waiting for this lock.
+        let t0 = Instant::now();
+        while !e.load(Ordering::SeqCst) && t0.elapsed() < T {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let first = f2.try_create_id(rcm::PortSpace::Tcp, |_, _| rcm::Flow::Continue);
+        let second = f2.try_create_id(rcm::PortSpace::Tcp, |_, _| rcm::Flow::Continue);
+        let _ = results.send((first.err(), second.err()));
+    });
+    is_locked.recv_timeout(T).expect("locked");
+    created.send(()).expect("tell the fake daemon");
+    daemon.join().expect("fake daemon");
+    let (first, second) = got
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the calls made under the lock returned (they waited for good)");
+    assert_eq!(
+        first,
+        Some(rcm::Error::DeviceRemoved),
+        "on the dead channel"
+    );
+    assert_eq!(second, Some(rcm::Error::DeviceRemoved), "on the session");
+    f.shutdown();
+}
