@@ -334,19 +334,22 @@ fn rep_from_elsewhere_or_for_another_id_is_ignored() {
     assert_eq!(t.ep.stats().rx_unmatched, 2);
 }
 
+/// The peer's MRA of our REQ (comm ID `our_id`), asking for `service_timeout`.
+fn mra_of_req(our_id: u32, service_timeout: u8) -> CmMessage {
+    CmMessage::Mra(Mra {
+        local_comm_id: PEER_ID,
+        remote_comm_id: our_id,
+        message_mraed: MsgCode::Req,
+        service_timeout,
+        ..Mra::default()
+    })
+}
+
 #[test]
 fn mra_for_req_extends_the_wait_once() {
     let mut t = T::new();
     let (h, req, tid) = t.connect();
-    let mra = |st| {
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: req.local_comm_id,
-            message_mraed: MsgCode::Req,
-            service_timeout: st,
-            ..Mra::default()
-        })
-    };
+    let mra = |st| mra_of_req(req.local_comm_id, st);
     t.recv(tid, mra(24)); // 1 << 16 ms ≈ 65 s more
     assert_eq!(
         t.events(),
@@ -381,16 +384,7 @@ fn mra_for_req_extends_the_wait_once() {
 fn an_mra_does_not_fix_the_peers_comm_id() {
     let mut t = T::new();
     let (h, req, tid) = t.connect();
-    t.recv(
-        tid,
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: req.local_comm_id,
-            message_mraed: MsgCode::Req,
-            service_timeout: 20,
-            ..Mra::default()
-        }),
-    );
+    t.recv(tid, mra_of_req(req.local_comm_id, 20));
     t.events();
     assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
     t.recv(
@@ -435,15 +429,7 @@ fn drep_private_data_has_the_drep_limit() {
 fn second_mra_is_not_honoured() {
     let mut t = T::with(|c| c.retry = RetryPolicy::Classic);
     let (h, req, tid) = t.connect();
-    let mra = |st| {
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: req.local_comm_id,
-            message_mraed: MsgCode::Req,
-            service_timeout: st,
-            ..Mra::default()
-        })
-    };
+    let mra = |st| mra_of_req(req.local_comm_id, st);
     // 16.4 s of service time plus our ACK timeout; the classic interval is 6.1 s.
     let extra = Duration::from_millis(
         rcm_proto::ib::ibta_time_ms(22)
@@ -468,11 +454,9 @@ fn second_mra_is_not_honoured() {
     assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
 }
 
-/// With the backoff policy an MRA'd REQ is still retried once the stretched wait is over
-/// (a REP lost after the peer's long work no longer fails the connect), at the MRA's
-/// interval, and a REP then completes it.
-#[test]
-fn backoff_retries_a_req_after_an_mra() {
+/// Backoff with a 10 s deadline, a REQ sent and MRA'd for service timeout 22 (16.4 s): the
+/// endpoint, the REQ's handle, the REQ, its TID and the stretched wait.
+fn backoff_req_mraed() -> (T, CepHandle, Req, u64, Duration) {
     let mut t = T::with(|c| {
         c.retry = RetryPolicy::Backoff {
             initial: Duration::from_secs(1),
@@ -485,17 +469,17 @@ fn backoff_retries_a_req_after_an_mra() {
         rcm_proto::ib::ibta_time_ms(22)
             + rcm_proto::ib::ibta_time_ms(req.primary_path.local_ack_timeout),
     );
-    t.recv(
-        tid,
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: req.local_comm_id,
-            message_mraed: MsgCode::Req,
-            service_timeout: 22,
-            ..Mra::default()
-        }),
-    );
+    t.recv(tid, mra_of_req(req.local_comm_id, 22));
     t.events();
+    (t, h, req, tid, extra)
+}
+
+/// With the backoff policy an MRA'd REQ is still retried once the stretched wait is over
+/// (a REP lost after the peer's long work no longer fails the connect), at the MRA's
+/// interval, and a REP then completes it.
+#[test]
+fn backoff_retries_a_req_after_an_mra() {
+    let (mut t, h, req, tid, extra) = backoff_req_mraed();
     // Past the 10 s deadline and the stretched wait: retried, not given up.
     t.advance(extra + Duration::from_millis(1));
     assert!(matches!(t.sent_one().msg, CmMessage::Req(_)));
@@ -510,29 +494,7 @@ fn backoff_retries_a_req_after_an_mra() {
 /// Without an answer the MRA'd exchange ends one stretched wait after its retry.
 #[test]
 fn backoff_gives_up_an_mraed_req_after_one_more_wait() {
-    let mut t = T::with(|c| {
-        c.retry = RetryPolicy::Backoff {
-            initial: Duration::from_secs(1),
-            max_wait: Duration::from_secs(60),
-            deadline: Duration::from_secs(10),
-        }
-    });
-    let (h, req, tid) = t.connect();
-    let extra = Duration::from_millis(
-        rcm_proto::ib::ibta_time_ms(22)
-            + rcm_proto::ib::ibta_time_ms(req.primary_path.local_ack_timeout),
-    );
-    t.recv(
-        tid,
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: req.local_comm_id,
-            message_mraed: MsgCode::Req,
-            service_timeout: 22,
-            ..Mra::default()
-        }),
-    );
-    t.events();
+    let (mut t, h, _, _, extra) = backoff_req_mraed();
     t.advance((2 * extra).saturating_sub(Duration::from_millis(1)));
     assert_eq!(t.sent().len(), 1, "one retry");
     assert!(t.events().is_empty());
@@ -1558,6 +1520,20 @@ fn stale_rep_is_rejected_and_its_later_copies_dropped() {
     assert!(t.ep.stats().rx_duplicates >= 1);
 }
 
+/// The events since the last call, but the half-open evictions (REP timeouts), whose
+/// endpoints go to `evicted`.
+fn events_but_evictions(t: &mut T, evicted: &mut Vec<CepHandle>) -> Vec<(CepHandle, CmEvent)> {
+    let mut ev = t.events();
+    ev.retain(|(h, e)| {
+        let gone = matches!(e, CmEvent::TimedOut(TimedOut::Rep));
+        if gone {
+            evicted.push(*h);
+        }
+        !gone
+    });
+    ev
+}
+
 /// The half-open budget: accepted connections whose RTU never comes (a spoofed REQ flood)
 /// stay within `max_half_open`; the oldest are given up as REP timeouts, without a REJ to the
 /// (spoofed) peer, while a connection that confirms in time is untouched.
@@ -1573,14 +1549,7 @@ fn half_open_budget_evicts_the_oldest_unconfirmed_accepts() {
             TID + u64::from(i),
             CmMessage::Req(peer_req(PEER_ID + i, PEER_QPN + i)),
         );
-        let mut ev = t.events();
-        ev.retain(|(h, e)| {
-            let evicted = matches!(e, CmEvent::TimedOut(TimedOut::Rep));
-            if evicted {
-                timeouts.push(*h);
-            }
-            !evicted
-        });
+        let ev = events_but_evictions(&mut t, &mut timeouts);
         let [(lh, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
             panic!("{ev:?}")
         };
@@ -1603,15 +1572,8 @@ fn half_open_budget_evicts_the_oldest_unconfirmed_accepts() {
                     ..Rtu::default()
                 }),
             );
-            let mut ev = t.events();
             // The accept's own eviction (one per accept over the budget) may come first.
-            ev.retain(|(h, e)| {
-                let evicted = matches!(e, CmEvent::TimedOut(TimedOut::Rep));
-                if evicted {
-                    timeouts.push(*h);
-                }
-                !evicted
-            });
+            let ev = events_but_evictions(&mut t, &mut timeouts);
             assert_eq!(ev, vec![(*cep, CmEvent::Established)]);
             legit = Some(*cep);
         }

@@ -308,6 +308,36 @@ fn reader_keeps_reading() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// The fake daemon's side of an inline-callback client's start: the session opened, one
+/// command channel attached (inline callbacks need one), the client's `CreateId` answered
+/// with handle 1 on it. Waits for `go` (an event for a handle the client has not filed yet
+/// would be dropped) and returns the session, the channel and an ADDR_RESOLVED event for
+/// handle 1, encoded.
+fn session_channel_and_one_id(
+    listener: &UnixListener,
+    go: &mpsc::Receiver<()>,
+) -> (UnixStream, UnixStream, Vec<u8>) {
+    let (mut s, _) = listener.accept().expect("session");
+    open_session(&mut s);
+    let (mut c, _) = listener.accept().expect("channel");
+    let (seq, attach) = read_command(&mut c);
+    assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
+    c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
+        .expect("attach ok");
+    let (seq, create) = read_command(&mut c);
+    assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
+    c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+        .expect("handle");
+    go.recv_timeout(T).expect("the id is made");
+    let event = Message::Event {
+        handle: 1,
+        event: proto::WireEvent::AddrResolved,
+        qp: None,
+    }
+    .encode(0);
+    (s, c, event)
+}
+
 /// Inline callbacks run on the reader before it waits on the socket, including when what
 /// it read ends inside a frame: the rest of that frame may come only later (here the fake
 /// daemon sends it once the first event's callback has run; a daemon's write cut by a full
@@ -324,26 +354,7 @@ fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
     let seen = ran.clone();
     let (created, go) = mpsc::channel::<()>();
     let daemon = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("session");
-        open_session(&mut s);
-        // The client's calls come on a channel (inline callbacks need one).
-        let (mut c, _) = listener.accept().expect("channel");
-        let (seq, attach) = read_command(&mut c);
-        assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
-        c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
-            .expect("attach ok");
-        let (seq, create) = read_command(&mut c);
-        assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
-        c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
-            .expect("handle");
-        // An event for a handle the client has not filed yet would be dropped.
-        go.recv_timeout(T).expect("the id is made");
-        let event = Message::Event {
-            handle: 1,
-            event: proto::WireEvent::AddrResolved,
-            qp: None,
-        }
-        .encode(0);
+        let (mut s, c, event) = session_channel_and_one_id(&listener, &go);
         // One event and half of the next, in one write; the rest once the first callback ran.
         let half = event.len() / 2;
         let mut first = event.clone();
@@ -408,24 +419,7 @@ fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
     let (created, go) = mpsc::channel::<()>();
     let daemon_path = path.clone();
     let daemon = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("session");
-        open_session(&mut s);
-        let (mut c, _) = listener.accept().expect("channel");
-        let (seq, attach) = read_command(&mut c);
-        assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
-        c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
-            .expect("attach ok");
-        let (seq, create) = read_command(&mut c);
-        assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
-        c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
-            .expect("handle");
-        go.recv_timeout(T).expect("the id is made");
-        let event = Message::Event {
-            handle: 1,
-            event: proto::WireEvent::AddrResolved,
-            qp: None,
-        }
-        .encode(0);
+        let (mut s, mut c, event) = session_channel_and_one_id(&listener, &go);
         s.write_all(&event).expect("event");
         // The call made under the lock comes on the channel; then the daemon is gone.
         let (_, call) = read_command(&mut c);

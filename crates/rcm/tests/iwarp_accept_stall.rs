@@ -6,11 +6,11 @@
 
 mod common;
 
-use common::ip;
+use common::{closed_within, ip};
 use rcm::{Fabric, Flow, PortSpace};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const PORT: u16 = 27095;
 
@@ -68,25 +68,7 @@ fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
     // answers (the connection sits in the kernel's accept queue).
     let mut s: std::net::TcpStream = client.into();
     s.write_all(&[0x5a; 64]).expect("write");
-    s.set_read_timeout(Some(Duration::from_millis(200)))
-        .expect("timeout");
-    let t0 = Instant::now();
-    let mut buf = [0u8; 256];
-    let closed = loop {
-        match s.read(&mut buf) {
-            Ok(0) => break true,
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(_) => break true,
-        }
-        if t0.elapsed() > Duration::from_secs(10) {
-            break false;
-        }
-    };
+    let closed = closed_within(s, Duration::from_secs(10)).is_some();
     assert!(
         closed,
         "the connection queued while descriptors ran out was never accepted"

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{eventually, ip};
+use common::{closed_within, eventually, ip};
 use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, Flow, PortSpace};
 use rcm_wire::mpa::MpaFrame;
 use std::io::{Read, Write};
@@ -17,27 +17,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const PORT: u16 = 27971;
-
-/// Waits until the peer closed `s` (FIN or RST); returns how long that took.
-fn closed_within(mut s: TcpStream, limit: Duration) -> Option<Duration> {
-    let t0 = Instant::now();
-    s.set_read_timeout(Some(Duration::from_millis(200))).ok()?;
-    let mut buf = [0u8; 512];
-    while t0.elapsed() < limit {
-        match s.read(&mut buf) {
-            Ok(0) => return Some(t0.elapsed()),
-            // Whatever rcm answers (a reject or a Terminate) before it closes is fine.
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(_) => return Some(t0.elapsed()),
-        }
-    }
-    None
-}
 
 fn dial() -> TcpStream {
     TcpStream::connect(SocketAddr::new(ip(1), PORT)).expect("TCP connect to the listener")

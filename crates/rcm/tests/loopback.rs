@@ -720,6 +720,22 @@ fn one_device(port: u16) -> Fabric {
     f
 }
 
+/// An id on `ch` with its address and route to `dst` resolved (the events taken).
+fn routed(f: &Fabric, ch: &EventChannel, dst: SocketAddr) -> rcm::CmId {
+    let c = f.create_id_on(PortSpace::Tcp, ch);
+    c.resolve_addr(None, dst).unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::AddrResolved
+    ));
+    c.resolve_route().unwrap();
+    assert!(matches!(
+        ch.get_event(Some(T)).expect("event").event(),
+        Event::RouteResolved
+    ));
+    c
+}
+
 /// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
 /// on 127.0.0.2 that plays the other side. A REQ's or REP's starting PSN is the PSN its
 /// sender receives from (cm.c keeps it as the sender's rq_psn and the receiver's sq_psn), so
@@ -777,17 +793,7 @@ fn psns_and_read_resources_follow_the_wire() {
     );
 
     // Active: our REQ announces a PSN, the raw peer's REP announces 0x654321.
-    let c = f.create_id_on(PortSpace::Tcp, &ch);
-    c.resolve_addr(None, addr(2, 7476)).unwrap();
-    assert!(matches!(
-        ch.get_event(Some(T)).expect("event").event(),
-        Event::AddrResolved
-    ));
-    c.resolve_route().unwrap();
-    assert!(matches!(
-        ch.get_event(Some(T)).expect("event").event(),
-        Event::RouteResolved
-    ));
+    let c = routed(&f, &ch, addr(2, 7476));
     c.connect(&ConnectOptions::default()).unwrap();
     let req = loop {
         // Skipping anything else (the child's REP retries, say).
@@ -834,17 +840,7 @@ fn the_rts_timeout_follows_the_peers_ack_delay() {
     let f = one_device(24806);
     let peer = RawPeer::new(24806);
     let ch = EventChannel::new();
-    let c = f.create_id_on(PortSpace::Tcp, &ch);
-    c.resolve_addr(None, addr(2, 7478)).unwrap();
-    assert!(matches!(
-        ch.get_event(Some(T)).expect("event").event(),
-        Event::AddrResolved
-    ));
-    c.resolve_route().unwrap();
-    assert!(matches!(
-        ch.get_event(Some(T)).expect("event").event(),
-        Event::RouteResolved
-    ));
+    let c = routed(&f, &ch, addr(2, 7478));
     c.connect(&ConnectOptions::default()).unwrap();
     let CmMessage::Req(req) = peer.recv() else {
         panic!("expected a REQ")

@@ -118,3 +118,25 @@ pub fn eventually(d: Duration, mut cond: impl FnMut() -> bool) -> bool {
         thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Waits until the peer closed `s` (FIN or RST); returns how long that took.
+pub fn closed_within(mut s: std::net::TcpStream, limit: Duration) -> Option<Duration> {
+    use std::io::Read;
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(200))).ok()?;
+    let mut buf = [0u8; 512];
+    while t0.elapsed() < limit {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(t0.elapsed()),
+            // Whatever rcm answers (a reject or a Terminate) before it closes is fine.
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return Some(t0.elapsed()),
+        }
+    }
+    None
+}
