@@ -1,50 +1,35 @@
 //! An iWARP listener whose accept fails for want of descriptors (EMFILE) comes back to the
 //! connections waiting in its accept queue once descriptors are free again, without another
-//! connection arriving to raise a new readiness edge. Alone in its test binary: it runs the
-//! process out of descriptors for a moment. TCP port 27095 (listener), UDP 27096 (unused).
+//! connection arriving to raise a new readiness edge; and, accepting them in one pass, it
+//! reads a stream's waiting MPA Request before it would give that stream up as silent.
+//! In a test binary of their own: these tests run the process out of descriptors for a
+//! moment (one at a time). TCP ports 27095 and 27097 (listeners), UDP 27096 (unused).
 #![cfg(not(loom))]
 
 mod common;
 
 use common::{closed_within, ip};
-use rcm::{Fabric, Flow, PortSpace};
+use rcm::{AcceptOptions, Event, Fabric, FabricConfig, Flow, PortSpace};
 use std::io::Write;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-const PORT: u16 = 27095;
+/// One test at a time: another one's setup needs descriptors.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Opens files until the process has no descriptor left; they are freed when dropped.
-fn exhaust_descriptors() -> Vec<std::fs::File> {
-    let mut held = Vec::new();
-    loop {
-        match std::fs::File::open("/dev/null") {
-            Ok(f) => held.push(f),
-            Err(e) => {
-                assert_eq!(
-                    e.raw_os_error(),
-                    Some(libc::EMFILE),
-                    "ran out of something else: {e}"
-                );
-                return held;
-            }
-        }
-    }
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-#[test]
-fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
+/// Runs `f` while the process has no descriptor left (under a lowered open-file limit, so
+/// that running out takes a few dozen files), then waits 300 ms for the listener to try its
+/// accept and fail, and frees them.
+fn without_descriptors(f: impl FnOnce()) {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let f = Fabric::new(common::config(27096));
-    f.add_iwarp_device(ip(1)).expect("iWARP device");
-    let l = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
-    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
-    l.listen(8).expect("listen");
-
-    // The client's socket exists before the descriptors run out; its connect needs none.
-    let client = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
-        .expect("client socket");
-    // A low limit, so that running out takes a few dozen files, not a million.
     let before = getrlimit(Resource::Nofile);
     let open_now = std::fs::read_dir("/proc/self/fd").expect("/proc").count() as u64;
     setrlimit(
@@ -55,24 +40,109 @@ fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
         },
     )
     .expect("lower the open-file limit");
-    let held = exhaust_descriptors();
-    client
-        .connect(&SocketAddr::new(ip(1), PORT).into())
-        .expect("TCP connect (the kernel completes it)");
-    // The listener is told, tries to accept, and cannot.
+    let mut held = Vec::new();
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => held.push(f),
+            Err(e) => {
+                assert_eq!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE),
+                    "ran out of something else: {e}"
+                );
+                break;
+            }
+        }
+    }
+    f();
     std::thread::sleep(Duration::from_millis(300));
     drop(held);
     setrlimit(Resource::Nofile, before).expect("restore the open-file limit");
+}
 
+/// A client socket made before the descriptors run out (its connect needs none).
+fn tcp_socket() -> socket2::Socket {
+    socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket")
+}
+
+#[test]
+fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
+    const PORT: u16 = 27095;
+    let _one = one_at_a_time();
+    let f = Fabric::new(common::config(27096));
+    f.add_iwarp_device(ip(1)).expect("iWARP device");
+    let l = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
+    l.listen(8).expect("listen");
+    let client = tcp_socket();
+    without_descriptors(|| {
+        client
+            .connect(&SocketAddr::new(ip(1), PORT).into())
+            .expect("TCP connect (the kernel completes it)");
+    });
     // Not MPA: once accepted, the stream is refused and closed. Before that, nothing
     // answers (the connection sits in the kernel's accept queue).
     let mut s: std::net::TcpStream = client.into();
     s.write_all(&[0x5a; 64]).expect("write");
-    let closed = closed_within(s, Duration::from_secs(10)).is_some();
     assert!(
-        closed,
+        closed_within(s, Duration::from_secs(10)).is_some(),
         "the connection queued while descriptors ran out was never accepted"
     );
+    l.destroy().expect("destroy");
+    f.shutdown();
+}
+
+/// With room for one silent stream, two connections accepted in one pass (both queued while
+/// descriptors ran out): the first has sent its MPA Request, the second nothing. Taking the
+/// second puts the first over the half-open budget, and its waiting Request is read before
+/// it would be reset as silent: it reaches the listener as a connect request.
+#[test]
+fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
+    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
+    const PORT: u16 = 27097;
+    let _one = one_at_a_time();
+    let f = Fabric::new(FabricConfig {
+        max_half_open: 1,
+        ..common::config(27096)
+    });
+    f.add_iwarp_device(ip(1)).expect("iWARP device");
+    let requests = Arc::new(AtomicUsize::new(0));
+    let r = requests.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            r.fetch_add(1, Ordering::SeqCst);
+            if id.accept(&AcceptOptions::default()).is_err() {
+                return Flow::Destroy;
+            }
+        }
+        Flow::Continue
+    });
+    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
+    l.listen(8).expect("listen");
+    // The first client's MPA Request, as a sans-IO initiator makes it.
+    let mut cep = Cep::active(CepConfig::default());
+    cep.connect(Instant::now(), &ConnectParams::default())
+        .expect("an MPA Request");
+    let request: Vec<u8> = std::iter::from_fn(|| cep.poll_transmit())
+        .flatten()
+        .collect();
+    let (speaks, silent) = (tcp_socket(), tcp_socket());
+    let to = SocketAddr::new(ip(1), PORT).into();
+    without_descriptors(|| {
+        speaks.connect(&to).expect("TCP connect");
+        (&speaks).write_all(&request).expect("the MPA Request");
+        silent.connect(&to).expect("TCP connect");
+    });
+    let t0 = Instant::now();
+    while requests.load(Ordering::SeqCst) == 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        1,
+        "the Request waiting in the first stream was never read (the stream was reset as silent)"
+    );
+    drop((speaks, silent));
     l.destroy().expect("destroy");
     f.shutdown();
 }
