@@ -1189,27 +1189,6 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     Ok(Some(r))
 }
 
-/// Raises this process's limit of open files to its hard limit, as servers do: an iWARP
-/// connection is a TCP socket at each end and a daemon's client a Unix socket or more, and
-/// the usual soft limit (1,024) is far below the hard one (on Debian 12, 524,288 or more).
-/// Returns the soft limit now in force, if there is one.
-pub fn raise_fd_limit() -> Option<u64> {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let l = getrlimit(Resource::Nofile);
-    if let (Some(cur), Some(max)) = (l.current, l.maximum) {
-        if cur < max {
-            let _ = setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(max),
-                    maximum: Some(max),
-                },
-            );
-        }
-    }
-    getrlimit(Resource::Nofile).current
-}
-
 /// A warning when `sockets` sockets (with a margin for the process's own) may not fit in
 /// the open-file limit `limit`.
 fn too_few_fds(sockets: usize, limit: Option<u64>) -> Option<String> {
@@ -1432,26 +1411,7 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_open_file_limit_is_raised_and_a_run_past_it_announced() {
-        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-        let hard = getrlimit(Resource::Nofile).maximum;
-        // Lowered first (to half the hard limit: enough for tests running beside this one),
-        // so the raise has something to do.
-        if let Some(h) = hard {
-            setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(h / 2),
-                    maximum: Some(h),
-                },
-            )
-            .expect("lower the soft limit");
-        }
-        assert_eq!(
-            super::raise_fd_limit(),
-            hard,
-            "the soft limit is raised to the hard one"
-        );
+    fn a_run_past_the_open_file_limit_is_announced() {
         assert_eq!(super::too_few_fds(1000, Some(1064)), None);
         let w = super::too_few_fds(1001, Some(1064)).expect("a warning");
         assert!(

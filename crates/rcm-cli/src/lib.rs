@@ -10,6 +10,27 @@ pub mod stress;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 
+/// Raises this process's limit of open files to its hard limit, as servers do: an iWARP
+/// connection is a TCP socket at each end and a daemon's client a Unix socket or more, and
+/// the usual soft limit (1,024) is far below the hard one (on Debian 12, 524,288 or more).
+/// Returns the soft limit now in force, if there is one.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
+    if let (Some(cur), Some(max)) = (l.current, l.maximum) {
+        if cur < max {
+            let _ = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(max),
+                    maximum: Some(max),
+                },
+            );
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
 /// The local address a tool binds its device to when it connects to `dst` without `--bind`.
 /// Toward loopback: another loopback address (127.0.0.2, or 127.0.0.1 toward 127.0.0.2), as
 /// a device per address cannot share its UDP port with the peer's; IPv6 has only `::1`.
@@ -42,6 +63,29 @@ pub fn default_source(dst: IpAddr) -> Result<IpAddr, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_one() {
+        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+        let hard = getrlimit(Resource::Nofile).maximum;
+        // Lowered first (to half the hard limit: enough for tests running beside this one),
+        // so the raise has something to do.
+        if let Some(h) = hard {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(h / 2),
+                    maximum: Some(h),
+                },
+            )
+            .expect("lower the soft limit");
+        }
+        assert_eq!(
+            super::raise_fd_limit(),
+            hard,
+            "the soft limit is raised to the hard one"
+        );
+    }
+
     use super::*;
 
     #[test]

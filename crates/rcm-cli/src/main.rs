@@ -510,7 +510,7 @@ fn ps_default_port(ps: rcm::PortSpace) -> u16 {
 
 fn main() -> ExitCode {
     fix_mmap_threshold();
-    rcm_cli::bench::raise_fd_limit();
+    rcm_cli::raise_fd_limit();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Decode {

@@ -688,6 +688,14 @@ fn client_loop(
     }
 }
 
+/// A server's listen backlog: every connection asked for, and never less than the default
+/// (1,024; also for a count of 0, serving forever). A client makes its connects at once, and
+/// past the backlog a request is refused (iWARP) or dropped and retried a second later
+/// (RoCE).
+fn backlog(o: &PingOpts) -> usize {
+    o.count.max(1024)
+}
+
 /// Runs `rcm ping` as asked.
 pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
     if o.iwarp {
@@ -806,12 +814,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             let l = fabric.create_id_on(o.ps, &ch);
             l.bind(SocketAddr::new(bind, default_port))
                 .map_err(|e| format!("bind: {e}"))?;
-            // The backlog holds every connection asked for, and never less than the default
-            // (1,024; also for 0, serving forever): a client makes its connects at once, and
-            // past the backlog a request is refused (iWARP) or dropped and retried a second
-            // later (RoCE).
-            l.listen(o.count.max(1024))
-                .map_err(|e| format!("listen: {e}"))?;
+            l.listen(backlog(o)).map_err(|e| format!("listen: {e}"))?;
             if log {
                 println!("rcm ping: listening on {bind}:{default_port} ({:?})", o.ps);
             }
@@ -849,8 +852,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             let l = fabric.create_id_on(o.ps, &sch);
             l.bind(SocketAddr::new(s, default_port))
                 .map_err(|e| format!("bind: {e}"))?;
-            l.listen(o.count.max(1024))
-                .map_err(|e| format!("listen: {e}"))?;
+            l.listen(backlog(o)).map_err(|e| format!("listen: {e}"))?;
             let so = PingOpts {
                 count: o.count.max(1),
                 ..o.clone()

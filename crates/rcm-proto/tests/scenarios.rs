@@ -1035,6 +1035,125 @@ fn mra_of_rep_then_rtu() {
     assert_eq!(t.events(), vec![(c, CmEvent::Established)]);
 }
 
+/// After an MRA of our REP every REP retry waits the interval the MRA asked for (Linux's
+/// `ib_modify_mad`), not the peer's response timeout (4.1 s here).
+#[test]
+fn an_mraed_rep_is_retried_at_the_mras_interval() {
+    let mut t = T::new();
+    let (_, c, id) = t.rep_sent();
+    t.recv(
+        TID,
+        CmMessage::Mra(Mra {
+            local_comm_id: PEER_ID,
+            remote_comm_id: id,
+            message_mraed: MsgCode::Rep,
+            service_timeout: 22,
+            ..Mra::default()
+        }),
+    );
+    t.events();
+    // 16.4 s asked for, plus the REQ's ACK timeout (19: 2.0 s).
+    let extra =
+        Duration::from_millis(rcm_proto::ib::ibta_time_ms(22) + rcm_proto::ib::ibta_time_ms(19));
+    let ms = Duration::from_millis(1);
+    for _ in 0..2 {
+        t.advance(extra.saturating_sub(ms));
+        t.nothing_sent();
+        t.advance(ms);
+        assert!(matches!(t.sent_one().msg, CmMessage::Rep(_)));
+    }
+    assert_eq!(t.ep.state(c), Some(State::MraRepRcvd));
+}
+
+/// Every way out of the half-open state gives its place in the budget back: with room for
+/// one, a connection accepted after another left (confirmed, MRA'd then confirmed,
+/// disconnected, rejected, timed out, destroyed, confirmed by its QP) is not given up.
+#[test]
+fn every_way_out_of_half_open_frees_its_place_in_the_budget() {
+    fn rtu(peer: u32, id: u32) -> CmMessage {
+        CmMessage::Rtu(Rtu {
+            local_comm_id: peer,
+            remote_comm_id: id,
+            ..Rtu::default()
+        })
+    }
+
+    type Exit = fn(&mut T, CepHandle, u32, u32);
+
+    let mut t = T::with(|c| c.max_half_open = 1);
+    t.ep.listen(SID, u64::MAX, 0).unwrap();
+    let mut n = 0u32;
+    let mut accept = |t: &mut T| {
+        n += 1;
+        t.recv(
+            TID + u64::from(n),
+            CmMessage::Req(peer_req(PEER_ID + n, 0x100 + n)),
+        );
+        let ev = t.events();
+        let [(_, CmEvent::ReqReceived { cep, .. })] = ev.as_slice() else {
+            panic!("{ev:?}")
+        };
+        let cep = *cep;
+        t.ep.accept(
+            t.now,
+            cep,
+            &AcceptParams {
+                qpn: 0x22,
+                ..AcceptParams::default()
+            },
+        )
+        .unwrap();
+        t.sent();
+        (cep, PEER_ID + n, t.ep.local_comm_id(cep).unwrap())
+    };
+    let exits: [(&str, Exit); 7] = [
+        ("RTU", |t, _, peer, id| t.recv(TID, rtu(peer, id))),
+        ("MRA, then RTU", |t, _, peer, id| {
+            t.recv(
+                TID,
+                CmMessage::Mra(Mra {
+                    local_comm_id: peer,
+                    remote_comm_id: id,
+                    message_mraed: MsgCode::Rep,
+                    service_timeout: 22,
+                    ..Mra::default()
+                }),
+            );
+            t.recv(TID, rtu(peer, id));
+        }),
+        ("DREQ", |t, _, peer, id| t.recv(TID, dreq(peer, id, 0x22))),
+        ("REJ", |t, _, peer, id| {
+            t.recv(
+                TID,
+                CmMessage::Rej(Rej {
+                    local_comm_id: peer,
+                    remote_comm_id: id,
+                    message_rejected: MsgCode::Rep,
+                    reason: RejReason::ConsumerDefined,
+                    ..Rej::default()
+                }),
+            );
+        }),
+        ("REP timeout", |t, _, _, _| {
+            t.advance(Duration::from_secs(120));
+        }),
+        ("destroy", |t, c, _, _| t.ep.destroy(t.now, c).unwrap()),
+        ("COMM_EST", |t, c, _, _| t.ep.notify_established(c).unwrap()),
+    ];
+    for (name, exit) in exits {
+        let (c, peer, id) = accept(&mut t);
+        assert_eq!(t.ep.state(c), Some(State::RepSent), "{name}");
+        exit(&mut t, c, peer, id);
+        t.sent();
+        t.events();
+        assert_ne!(t.ep.state(c), Some(State::RepSent), "{name}");
+        assert_ne!(t.ep.state(c), Some(State::MraRepRcvd), "{name}");
+    }
+    let (last, _, _) = accept(&mut t);
+    assert_eq!(t.ep.stats().half_open_evictions, 0);
+    assert_eq!(t.ep.state(last), Some(State::RepSent));
+}
+
 #[test]
 fn reject_with_private_data() {
     let mut t = T::new();

@@ -1344,10 +1344,8 @@ fn migrate_id(
             if let Some(b) = q.frame.get_mut(12..16) {
                 b.copy_from_slice(&nh.to_le_bytes());
             }
-            if q.listener.is_some() {
-                ob.unread_requests += 1;
-                oa.unread_requests = oa.unread_requests.saturating_sub(1);
-            }
+            // Never a connect request: an id whose request is still queued was refused above.
+            debug_assert!(q.listener.is_none(), "a queued connect request moved");
             ob.events.push_back(q);
         }
     }

@@ -97,10 +97,9 @@ pub(crate) struct IwEngine {
     half_open_order: VecDeque<ConnKey>,
     /// When the I/O thread last looked through every stream's deadline.
     last_scan: Option<Instant>,
-    /// Listeners whose accept failed for want of a resource (descriptors, memory), and when
-    /// they are tried again: their queued connections raise no new edge.
-    stalled: Vec<ConnKey>,
-    accept_retry: Option<Instant>,
+    /// When listeners whose accept failed for want of a resource (descriptors, memory) are
+    /// tried again, and which: their queued connections raise no new edge.
+    stalled: Option<(Instant, Vec<ConnKey>)>,
 }
 
 /// The backlog of an iWARP listener that asked for 0: connect requests not delivered to the
@@ -208,8 +207,7 @@ impl IwDev {
                 half_open: 0,
                 half_open_order: VecDeque::new(),
                 last_scan: None,
-                stalled: Vec::new(),
-                accept_retry: None,
+                stalled: None,
             }),
             registry,
             waker,
@@ -639,10 +637,11 @@ impl DeviceInner {
                 }
             };
             if stalled {
-                if !e.stalled.contains(&key) {
-                    e.stalled.push(key);
+                let (at, keys) = e.stalled.get_or_insert_with(|| (now, Vec::new()));
+                *at = now + ACCEPT_RETRY;
+                if !keys.contains(&key) {
+                    keys.push(key);
                 }
-                e.accept_retry = Some(now + ACCEPT_RETRY);
             }
             for (mut stream, peer) in accepted {
                 // Past the bound the oldest silent stream is reset (as the RoCE engine gives
@@ -771,13 +770,12 @@ impl DeviceInner {
 
     /// Runs the Cep timers that are due; returns the next deadline.
     fn iw_timers(e: &mut IwEngine, iw: &IwDev, now: Instant) -> Option<Instant> {
-        if e.accept_retry.is_some_and(|t| t <= now) {
-            e.accept_retry = None;
-            for k in std::mem::take(&mut e.stalled) {
+        if let Some((_, keys)) = e.stalled.take_if(|(t, _)| *t <= now) {
+            for k in keys {
                 DeviceInner::iw_ready(e, iw, Token(k), now);
             }
         }
-        let soonest = |e: &IwEngine| match (e.earliest, e.accept_retry) {
+        let soonest = |e: &IwEngine| match (e.earliest, e.stalled.as_ref().map(|(t, _)| *t)) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };

@@ -732,24 +732,28 @@ impl<E> ChannelQueue<E> {
         None
     }
 
+    /// Moves the event with sequence number `seq` (if still queued) to `out`.
+    fn take_at(&mut self, seq: u64, out: &mut Vec<E>) {
+        let at = seq
+            .checked_sub(self.head)
+            .and_then(|d| usize::try_from(d).ok())
+            .unwrap_or(usize::MAX);
+        if let Some((_, ev)) = self.items.get_mut(at).and_then(Option::take) {
+            out.push(ev);
+            self.live -= 1;
+        }
+    }
+
     /// Takes out every event of `s`, in order.
     fn remove_slot(&mut self, s: &Slot<E>) -> Vec<E> {
-        let Some(p) = self.places.remove(&Self::key(s)) else {
-            return Vec::new();
-        };
-        let seqs = match p {
-            Places::One(q) => VecDeque::from([q]),
-            Places::Many(v) => v,
-        };
-        let mut out = Vec::with_capacity(seqs.len());
-        for seq in seqs {
-            let at = seq
-                .checked_sub(self.head)
-                .and_then(|d| usize::try_from(d).ok())
-                .unwrap_or(usize::MAX);
-            if let Some((_, ev)) = self.items.get_mut(at).and_then(Option::take) {
-                out.push(ev);
-                self.live -= 1;
+        let mut out = Vec::new();
+        match self.places.remove(&Self::key(s)) {
+            None => return out,
+            Some(Places::One(seq)) => self.take_at(seq, &mut out),
+            Some(Places::Many(seqs)) => {
+                for seq in seqs {
+                    self.take_at(seq, &mut out);
+                }
             }
         }
         while matches!(self.items.front(), Some(None)) {

@@ -9,11 +9,11 @@
 mod common;
 
 use common::{closed_within, ip};
-use rcm::{AcceptOptions, Event, Fabric, FabricConfig, Flow, PortSpace};
+use rcm::{Fabric, FabricConfig, Flow, PortSpace};
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// One test at a time: another one's setup needs descriptors.
@@ -106,19 +106,7 @@ fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
         ..common::config(27096)
     });
     f.add_iwarp_device(ip(1)).expect("iWARP device");
-    let requests = Arc::new(AtomicUsize::new(0));
-    let r = requests.clone();
-    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
-        if let Event::ConnectRequest { .. } = ev {
-            r.fetch_add(1, Ordering::SeqCst);
-            if id.accept(&AcceptOptions::default()).is_err() {
-                return Flow::Destroy;
-            }
-        }
-        Flow::Continue
-    });
-    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
-    l.listen(8).expect("listen");
+    let (l, requests) = common::counting_listener(&f, SocketAddr::new(ip(1), PORT), 8);
     // The first client's MPA Request, as a sans-IO initiator makes it.
     let mut cep = Cep::active(CepConfig::default());
     cep.connect(Instant::now(), &ConnectParams::default())

@@ -12,7 +12,7 @@ use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, Flow, Port
 use rcm_wire::mpa::MpaFrame;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,22 +27,7 @@ fn hostile_mpa_peers_are_closed_and_a_real_client_still_connects() {
     let f = Fabric::new(common::config(27979));
     f.add_iwarp_device(ip(1)).expect("iWARP device 1");
     f.add_iwarp_device(ip(2)).expect("iWARP device 2");
-    let requests = Arc::new(AtomicUsize::new(0));
-    let r = requests.clone();
-    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
-        if let Event::ConnectRequest { .. } = ev {
-            r.fetch_add(1, Ordering::SeqCst);
-            if id.accept(&AcceptOptions::default()).is_err() {
-                return Flow::Destroy;
-            }
-        }
-        if matches!(ev, Event::Disconnected) {
-            return Flow::Destroy;
-        }
-        Flow::Continue
-    });
-    l.bind(SocketAddr::new(ip(1), PORT)).expect("bind");
-    l.listen(64).expect("listen");
+    let (l, requests) = common::counting_listener(&f, SocketAddr::new(ip(1), PORT), 64);
     let base = f.engine_ceps();
 
     let valid = MpaFrame::request_v1(b"hello".to_vec())

@@ -140,3 +140,25 @@ pub fn closed_within(mut s: std::net::TcpStream, limit: Duration) -> Option<Dura
     }
     None
 }
+
+/// A listener on `at` that accepts every connect request, counting them (the count is
+/// returned), and destroys each connection when it goes down.
+pub fn counting_listener(f: &Fabric, at: SocketAddr, backlog: usize) -> (CmId, Arc<AtomicUsize>) {
+    let requests = Arc::new(AtomicUsize::new(0));
+    let r = requests.clone();
+    let l = f.create_id(rcm::PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            r.fetch_add(1, Ordering::SeqCst);
+            if id.accept(&rcm::AcceptOptions::default()).is_err() {
+                return rcm::Flow::Destroy;
+            }
+        }
+        if matches!(ev, Event::Disconnected) {
+            return rcm::Flow::Destroy;
+        }
+        rcm::Flow::Continue
+    });
+    l.bind(at).expect("bind");
+    l.listen(backlog).expect("listen");
+    (l, requests)
+}
