@@ -409,6 +409,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                                   call: &(dyn Fn(&CmId) -> rcm::Result<()> + Sync),
                                   want: fn(&Event) -> bool| {
             run_step(
+                what,
                 &events,
                 chunk_ids,
                 &range,
@@ -485,6 +486,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             id.connect(&opts).err().map(|e| format!("connect: {e}"))
         };
         run_step(
+            "cm connect",
             &events,
             chunk_ids,
             &range,
@@ -539,6 +541,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             skip_est[i] = early[i] || failed[i];
         }
         wait(
+            "establish",
             &events,
             &range,
             &mut failures,
@@ -581,6 +584,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             id.disconnect().err().map(|e| format!("disconnect: {e}"))
         };
         run_step(
+            "disconnect",
             &events,
             chunk_ids,
             &range,
@@ -719,6 +723,7 @@ impl Events<'_> {
 /// `issue_and_wait`), `on` sees their events until each is done (see `wait`); the calls'
 /// errors join the failures.
 fn run_step(
+    step: &str,
     from: &Events<'_>,
     chunk: &[CmId],
     range: &std::ops::Range<usize>,
@@ -744,13 +749,14 @@ fn run_step(
         None
     };
     let errs = issue_and_wait((from.serial, from.send_batch), chunk, issue, || {
-        wait(from, range, failures, failed, on);
+        wait(step, from, range, failures, failed, on);
     });
     failures.extend(errs);
 }
 
 /// Takes events until every live connection in `range` satisfied `on` (or failed).
 fn wait(
+    step: &str,
     from: &Events<'_>,
     range: &std::ops::Range<usize>,
     failures: &mut Vec<String>,
@@ -786,8 +792,13 @@ fn wait(
         }
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
+            // A step's own timeout (`--timeout`) ends it while connections still wait for
+            // their event: say which step, and what a user usually has to check.
             failures.push(format!(
-                "timed out with {pending} connection(s) still waiting"
+                "{step}: timed out after {} s with {pending} connection(s) still waiting \
+                 (no answer from the peer: is the server running and reachable? --timeout \
+                 waits longer)",
+                timeout.as_secs_f64()
             ));
             for (k, d) in done.iter().enumerate() {
                 if !d {

@@ -406,6 +406,38 @@ fn bench_failed_connections_are_reported_once_and_not_waited_for() {
     );
 }
 
+/// With no server at the other end, the step that waits for the peer ends at `--timeout`,
+/// and the failure says which step it was and what to check (it said only "timed out with
+/// N connection(s) still waiting").
+#[test]
+fn bench_without_a_server_says_which_step_timed_out() {
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--server",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "2",
+        "--timeout",
+        "1",
+        "--udp-port",
+        "26809",
+        "--json",
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["errors"], 2, "{out}");
+    assert_eq!(
+        v["failures"],
+        serde_json::json!([
+            "cm connect: timed out after 1 s with 2 connection(s) still waiting (no answer \
+             from the peer: is the server running and reachable? --timeout waits longer)"
+        ]),
+        "{out}"
+    );
+}
+
 /// A server in its own process, started once it says it listens.
 fn ping_server(args: &[&str]) -> std::process::Child {
     let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
