@@ -928,3 +928,222 @@ fn requests_for_another_host_or_the_wrong_qp_type_are_turned_away() {
     drop(e);
     f.shutdown();
 }
+
+/// A small deterministic generator for the chaos test (the crate has no `rand` for tests).
+struct XorShift(u64);
+
+impl XorShift {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A peer that answers with CM messages in any order, right or wrong (REP, MRA, REJ of any
+/// reason, RTU, DREQ, DREP and repeated REQs, with the right comm IDs, swapped ones or
+/// others), at an active id (after its REQ) and at a passive one (after its REQ to a
+/// listener), while the application answers what it sees (establish, reject, disconnect)
+/// and then destroys the id. Nothing panics; every destroy completes at once; no event
+/// comes for an id after its destroy returned, nor a second DISCONNECTED or a
+/// CONNECT_RESPONSE after ESTABLISHED; and afterwards no id, port or engine endpoint is left.
+#[test]
+fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
+    use rcm_wire::cm::{CmMessage, Drep, Dreq, Mra, MsgCode, Rej, Rep, Rtu};
+    use std::collections::{HashMap, HashSet};
+    let f = one_device(24807);
+    let peer = RawPeer::new(24807);
+    // What rcm sent meanwhile (answers, retries): read and dropped, without waiting.
+    let drain_peer = || {
+        let mut buf = [0u8; 4096];
+        peer.sock.set_nonblocking(true).unwrap();
+        while peer.sock.recv_from(&mut buf).is_ok() {}
+        peer.sock.set_nonblocking(false).unwrap();
+    };
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 7479)).unwrap();
+    l.listen(64).unwrap();
+    let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
+    // Per id (by key): the events seen, and whether its destroy returned.
+    let mut seen: HashMap<u64, Vec<&'static str>> = HashMap::new();
+    let mut destroyed: HashSet<u64> = HashSet::new();
+    let mut check = |id: &CmId, ev: &Event, destroyed: &HashSet<u64>| {
+        let k = id.key();
+        assert!(!destroyed.contains(&k), "{} after destroy", ev.name());
+        let v = seen.entry(k).or_default();
+        match ev {
+            Event::Disconnected => {
+                assert!(!v.contains(&"DISCONNECTED"), "a second DISCONNECTED: {v:?}");
+            }
+            Event::ConnectResponse { .. } => {
+                assert!(!v.contains(&"ESTABLISHED"), "CONNECT_RESPONSE after {v:?}");
+            }
+            _ => {}
+        }
+        v.push(ev.name());
+    };
+    for round in 0..160u32 {
+        let active = rng.below(2) == 0;
+        // The id under test, rcm's comm ID and QPN, and the peer's.
+        let (id, rcm_comm, rcm_qpn, peer_comm) = if active {
+            let c = routed(&f, &ch, addr(2, 7480));
+            c.connect(&ConnectOptions::default()).unwrap();
+            let req = loop {
+                if let CmMessage::Req(r) = peer.recv() {
+                    break r;
+                }
+            };
+            (c, req.local_comm_id, req.local_qpn, 0x1_0000 + round)
+        } else {
+            let mut req = raw_req(7479, IpAddr::from([127, 0, 0, 1]), round);
+            req.local_comm_id = 0x2_0000 + round;
+            req.local_qpn = 0x1000 + round;
+            peer.send(CmMessage::Req(req), u64::from(round));
+            let child = loop {
+                let e = ch.get_event(Some(T)).expect("a CONNECT_REQUEST");
+                check(e.id(), e.event(), &destroyed);
+                if matches!(e.event(), Event::ConnectRequest { .. }) {
+                    break e.id().clone();
+                }
+            };
+            if rng.below(4) == 0 {
+                let _ = child.reject(b"no");
+            } else {
+                let _ = child.accept(&AcceptOptions::default());
+            }
+            // Its answer (earlier rounds' retries may come first).
+            let mine = 0x2_0000 + round;
+            let (comm, qpn) = loop {
+                match peer.recv() {
+                    CmMessage::Rep(r) if r.remote_comm_id == mine => {
+                        break (r.local_comm_id, r.local_qpn)
+                    }
+                    CmMessage::Rej(r) if r.remote_comm_id == mine => break (r.local_comm_id, 0),
+                    _ => {}
+                }
+            };
+            (child, comm, qpn, 0x2_0000 + round)
+        };
+        // Children of the peer's repeated REQs (new comm IDs): the application's to destroy.
+        let mut others = Vec::new();
+        for _ in 0..=rng.below(8) {
+            // Right IDs mostly; sometimes swapped, stale or made up.
+            let (mut local, mut remote) = (peer_comm, rcm_comm);
+            match rng.below(6) {
+                0 => (local, remote) = (remote, local),
+                1 => remote = rcm_comm.wrapping_add(1),
+                2 => local = 0,
+                _ => {}
+            }
+            let msg = match rng.below(9) {
+                0 | 1 => CmMessage::Rep(Rep {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    local_qpn: 0x500 + round,
+                    starting_psn: round,
+                    rnr_retry_count: 7,
+                    ..Rep::default()
+                }),
+                2 => CmMessage::Mra(Mra {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    message_mraed: if rng.below(2) == 0 {
+                        MsgCode::Req
+                    } else {
+                        MsgCode::Rep
+                    },
+                    service_timeout: rng.below(14) as u8,
+                    ..Mra::default()
+                }),
+                3 => CmMessage::Rej(Rej {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    message_rejected: [MsgCode::Req, MsgCode::Rep, MsgCode::Other]
+                        [rng.below(3) as usize],
+                    reason: [
+                        RejReason::ConsumerDefined,
+                        RejReason::Timeout,
+                        RejReason::StaleConn,
+                        RejReason::InvalidCommId,
+                    ][rng.below(4) as usize],
+                    ..Rej::default()
+                }),
+                4 | 5 => CmMessage::Rtu(Rtu {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    ..Rtu::default()
+                }),
+                6 => CmMessage::Dreq(Dreq {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    remote_qpn: if rng.below(3) == 0 { 0x77 } else { rcm_qpn },
+                    ..Dreq::default()
+                }),
+                7 => CmMessage::Drep(Drep {
+                    local_comm_id: local,
+                    remote_comm_id: remote,
+                    ..Drep::default()
+                }),
+                _ => {
+                    let mut req = raw_req(7479, IpAddr::from([127, 0, 0, 1]), round);
+                    req.local_comm_id = local;
+                    req.local_qpn = 0x1000 + round;
+                    CmMessage::Req(req)
+                }
+            };
+            peer.send(msg, rng.below(4));
+            // The application answers what came of it.
+            while let Some(e) = ch.get_event(Some(Duration::from_millis(3))) {
+                check(e.id(), e.event(), &destroyed);
+                match e.event() {
+                    Event::ConnectResponse { .. } => {
+                        let _ = if rng.below(4) == 0 {
+                            e.id().reject(b"no")
+                        } else {
+                            e.id().establish()
+                        };
+                    }
+                    Event::ConnectRequest { .. } => {
+                        let _ = e.id().accept(&AcceptOptions::default());
+                        others.push(e.id().clone());
+                    }
+                    Event::Established { .. } if rng.below(3) == 0 => {
+                        let _ = e.id().disconnect();
+                    }
+                    _ => {}
+                }
+            }
+            drain_peer();
+        }
+        if rng.below(2) == 0 {
+            let _ = id.disconnect();
+        }
+        for id in std::iter::once(id).chain(others) {
+            assert_eq!(id.destroy(), Ok(DestroyOutcome::Done), "round {round}");
+            destroyed.insert(id.key());
+        }
+    }
+    // Children of repeated REQs, and what is still queued: taken, checked, destroyed.
+    while let Some(e) = ch.get_event(Some(Duration::from_millis(50))) {
+        check(e.id(), e.event(), &destroyed);
+        let (id, k) = (e.id().clone(), e.id().key());
+        drop(e);
+        if k != l.key() && !destroyed.contains(&k) {
+            assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+            destroyed.insert(k);
+        }
+    }
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
+    // Timewaits end (ACK timeout 19: ~2 s each, in parallel); the peer's retried REQs and
+    // REPs go unanswered meanwhile.
+    let left = || (f.live_ids(), f.bound_ports(), f.engine_ceps());
+    let gone = (0..1000).any(|_| {
+        drain_peer();
+        std::thread::sleep(Duration::from_millis(10));
+        left() == (0, 0, 0)
+    });
+    assert!(gone, "left (ids, ports, engine endpoints): {:?}", left());
+    f.shutdown();
+}
