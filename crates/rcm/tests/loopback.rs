@@ -948,6 +948,7 @@ impl XorShift {
 /// and then destroys the id. Nothing panics; every destroy completes at once; no event
 /// comes for an id after its destroy returned, nor a second DISCONNECTED or a
 /// CONNECT_RESPONSE after ESTABLISHED; and afterwards no id, port or engine endpoint is left.
+/// `RCM_CHAOS_SEED=<n>` runs another sequence.
 #[test]
 fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
     use rcm_wire::cm::{CmMessage, Drep, Dreq, Mra, MsgCode, Rej, Rep, Rtu};
@@ -965,20 +966,35 @@ fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
     let l = f.create_id_on(PortSpace::Tcp, &ch);
     l.bind(addr(1, 7479)).unwrap();
     l.listen(64).unwrap();
-    let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
+    // `RCM_CHAOS_SEED` replays (or varies) the run.
+    let seed = std::env::var("RCM_CHAOS_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x2545_F491_4F6C_DD1D_u64);
+    let mut rng = XorShift(seed | 1);
     // Per id (by key): the events seen, and whether its destroy returned.
     let mut seen: HashMap<u64, Vec<&'static str>> = HashMap::new();
     let mut destroyed: HashSet<u64> = HashSet::new();
     let mut check = |id: &CmId, ev: &Event, destroyed: &HashSet<u64>| {
         let k = id.key();
-        assert!(!destroyed.contains(&k), "{} after destroy", ev.name());
+        assert!(
+            !destroyed.contains(&k),
+            "{} after destroy (seed {seed})",
+            ev.name()
+        );
         let v = seen.entry(k).or_default();
         match ev {
             Event::Disconnected => {
-                assert!(!v.contains(&"DISCONNECTED"), "a second DISCONNECTED: {v:?}");
+                assert!(
+                    !v.contains(&"DISCONNECTED"),
+                    "a second DISCONNECTED: {v:?} (seed {seed})"
+                );
             }
             Event::ConnectResponse { .. } => {
-                assert!(!v.contains(&"ESTABLISHED"), "CONNECT_RESPONSE after {v:?}");
+                assert!(
+                    !v.contains(&"ESTABLISHED"),
+                    "CONNECT_RESPONSE after {v:?} (seed {seed})"
+                );
             }
             _ => {}
         }
@@ -1121,7 +1137,11 @@ fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
             let _ = id.disconnect();
         }
         for id in std::iter::once(id).chain(others) {
-            assert_eq!(id.destroy(), Ok(DestroyOutcome::Done), "round {round}");
+            assert_eq!(
+                id.destroy(),
+                Ok(DestroyOutcome::Done),
+                "seed {seed}, round {round}"
+            );
             destroyed.insert(id.key());
         }
     }
@@ -1144,6 +1164,10 @@ fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
         std::thread::sleep(Duration::from_millis(10));
         left() == (0, 0, 0)
     });
-    assert!(gone, "left (ids, ports, engine endpoints): {:?}", left());
+    assert!(
+        gone,
+        "left (ids, ports, engine endpoints): {:?} (seed {seed})",
+        left()
+    );
     f.shutdown();
 }
