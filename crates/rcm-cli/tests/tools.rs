@@ -359,20 +359,7 @@ fn ping_separate_server_and_client_processes() {
 #[test]
 fn bench_failed_connections_are_reported_once_and_not_waited_for() {
     let t0 = std::time::Instant::now();
-    let (code, out, err) = rcm(&[
-        "bench",
-        "--server",
-        "::1",
-        "--bind",
-        "127.0.0.2",
-        "-c",
-        "2",
-        "--udp-port",
-        "26804",
-        "--json",
-    ]);
-    assert_ne!(code, 0, "{out}\n{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let (v, out) = failed_bench_json(&["--server", "::1", "--udp-port", "26804"]);
     assert_eq!(v["established"], 0, "{out}");
     assert_eq!(v["errors"], 2, "{out}");
     let failures = v["failures"].as_array().cloned().unwrap_or_default();
@@ -406,27 +393,32 @@ fn bench_failed_connections_are_reported_once_and_not_waited_for() {
     );
 }
 
+/// `rcm bench --bind 127.0.0.2 -c 2 --json` with `args`, which must fail: its report and
+/// its output.
+fn failed_bench_json(args: &[&str]) -> (serde_json::Value, String) {
+    let (code, out, err) = rcm(&[
+        &["bench", "--bind", "127.0.0.2", "-c", "2", "--json"][..],
+        args,
+    ]
+    .concat());
+    assert_ne!(code, 0, "{out}\n{err}");
+    let v = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    (v, out)
+}
+
 /// With no server at the other end, the step that waits for the peer ends at `--timeout`,
 /// and the failure says which step it was and what to check (it said only "timed out with
 /// N connection(s) still waiting").
 #[test]
 fn bench_without_a_server_says_which_step_timed_out() {
-    let (code, out, err) = rcm(&[
-        "bench",
+    let (v, out) = failed_bench_json(&[
         "--server",
         "127.0.0.1",
-        "--bind",
-        "127.0.0.2",
-        "-c",
-        "2",
         "--timeout",
         "1",
         "--udp-port",
         "26809",
-        "--json",
     ]);
-    assert_ne!(code, 0, "{out}\n{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["errors"], 2, "{out}");
     assert_eq!(
         v["failures"],

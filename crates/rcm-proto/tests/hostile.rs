@@ -38,23 +38,10 @@ const SVC: u64 = cma::service_id(PortSpace::Tcp, 7471);
 const SIDR_SVC: u64 = cma::service_id(PortSpace::Udp, 7174);
 /// Not a simulated host: what is sent to it is lost.
 const ATTACKER: &str = "198.18.0.9";
-/// Every CM attribute, and a few that are not.
-const ATTRS: [u16; 14] = [
-    attr::CLASS_PORT_INFO,
-    attr::REQ,
-    attr::MRA,
-    attr::REJ,
-    attr::REP,
-    attr::RTU,
-    attr::DREQ,
-    attr::DREP,
-    attr::SIDR_REQ,
-    attr::SIDR_REP,
-    attr::LAP,
-    attr::APR,
-    0x0000,
-    0xFFFF,
-];
+/// Attribute IDs a forgery may take: every CM attribute, and two that are none.
+fn attrs() -> impl Iterator<Item = u16> {
+    attr::ALL.into_iter().chain([0x0000, 0xFFFF])
+}
 
 /// How long the network may take to go quiet once the attack stops. A forged MRA may stretch
 /// an exchange's wait to the largest service timeout (2^31 × 4.096 µs, 2.4 h) plus the ACK
@@ -209,7 +196,8 @@ impl Run {
         for _ in 0..self.rng.gen_range(1..=3) {
             match self.rng.gen_range(0..9) {
                 0 => {
-                    let a = ATTRS[self.rng.gen_range(0..ATTRS.len())];
+                    let n = attr::ALL.len() + 2;
+                    let a = attrs().nth(self.rng.gen_range(0..n)).unwrap_or(0);
                     m[16..18].copy_from_slice(&a.to_be_bytes());
                 }
                 1 | 2 => {

@@ -11,20 +11,7 @@ use rcm_wire::cma::{self, CmaHdr, PortSpace};
 use rcm_wire::mad::{MadHeader, MAD_DATA_LEN};
 use rcm_wire::WireError;
 
-const ATTRS: [u16; 12] = [
-    attr::CLASS_PORT_INFO,
-    attr::REQ,
-    attr::MRA,
-    attr::REJ,
-    attr::REP,
-    attr::RTU,
-    attr::DREQ,
-    attr::DREP,
-    attr::SIDR_REQ,
-    attr::SIDR_REP,
-    attr::LAP,
-    attr::APR,
-];
+const ATTRS: [u16; 12] = attr::ALL;
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]

@@ -50,20 +50,7 @@ const MIN_ITERS_FOR_BALANCE: u64 = 20_000;
 /// Mutated buffers are cut to this length so that repeated extensions stay cheap.
 const MAX_INPUT: usize = 4096;
 
-const ATTRS: [u16; 12] = [
-    attr::CLASS_PORT_INFO,
-    attr::REQ,
-    attr::MRA,
-    attr::REJ,
-    attr::REP,
-    attr::RTU,
-    attr::DREQ,
-    attr::DREP,
-    attr::SIDR_REQ,
-    attr::SIDR_REP,
-    attr::LAP,
-    attr::APR,
-];
+const ATTRS: [u16; 12] = attr::ALL;
 
 const INTERESTING_16: [u16; 20] = [
     0, 1, 2, 3, 4, 5, 7, 8, 16, 0x7F, 0x80, 0xFF, 0x100, 0x1FF, 0x200, 0x201, 0x7FFF, 0x8000,

@@ -38,6 +38,21 @@ pub mod attr {
     pub const LAP: u16 = 0x0019;
     /// APR.
     pub const APR: u16 = 0x001A;
+    /// Every CM attribute ID above, in numeric order.
+    pub const ALL: [u16; 12] = [
+        CLASS_PORT_INFO,
+        REQ,
+        MRA,
+        REJ,
+        REP,
+        RTU,
+        DREQ,
+        DREP,
+        SIDR_REQ,
+        SIDR_REP,
+        LAP,
+        APR,
+    ];
 }
 
 /// Private-data area of each message, in bytes (Linux `IB_CM_*_PRIVATE_DATA_SIZE`).
