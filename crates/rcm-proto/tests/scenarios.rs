@@ -334,15 +334,21 @@ fn rep_from_elsewhere_or_for_another_id_is_ignored() {
     assert_eq!(t.ep.stats().rx_unmatched, 2);
 }
 
-/// The peer's MRA of our REQ (comm ID `our_id`), asking for `service_timeout`.
-fn mra_of_req(our_id: u32, service_timeout: u8) -> CmMessage {
+/// An MRA from the peer with comm ID `peer` of our `mraed` message (our comm ID `our_id`),
+/// asking for `service_timeout`.
+fn peer_mra(peer: u32, our_id: u32, mraed: MsgCode, service_timeout: u8) -> CmMessage {
     CmMessage::Mra(Mra {
-        local_comm_id: PEER_ID,
+        local_comm_id: peer,
         remote_comm_id: our_id,
-        message_mraed: MsgCode::Req,
+        message_mraed: mraed,
         service_timeout,
         ..Mra::default()
     })
+}
+
+/// The peer's MRA of our REQ (comm ID `our_id`), asking for `service_timeout`.
+fn mra_of_req(our_id: u32, service_timeout: u8) -> CmMessage {
+    peer_mra(PEER_ID, our_id, MsgCode::Req, service_timeout)
 }
 
 #[test]
@@ -1012,16 +1018,7 @@ fn rep_times_out_without_rtu() {
 fn mra_of_rep_then_rtu() {
     let mut t = T::new();
     let (_, c, id) = t.rep_sent();
-    t.recv(
-        TID,
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: id,
-            message_mraed: MsgCode::Rep,
-            service_timeout: 22,
-            ..Mra::default()
-        }),
-    );
+    t.recv(TID, peer_mra(PEER_ID, id, MsgCode::Rep, 22));
     assert_eq!(t.ep.state(c), Some(State::MraRepRcvd));
     t.events();
     t.recv(
@@ -1041,16 +1038,7 @@ fn mra_of_rep_then_rtu() {
 fn an_mraed_rep_is_retried_at_the_mras_interval() {
     let mut t = T::new();
     let (_, c, id) = t.rep_sent();
-    t.recv(
-        TID,
-        CmMessage::Mra(Mra {
-            local_comm_id: PEER_ID,
-            remote_comm_id: id,
-            message_mraed: MsgCode::Rep,
-            service_timeout: 22,
-            ..Mra::default()
-        }),
-    );
+    t.recv(TID, peer_mra(PEER_ID, id, MsgCode::Rep, 22));
     t.events();
     // 16.4 s asked for, plus the REQ's ACK timeout (19: 2.0 s).
     let extra =
@@ -1109,16 +1097,7 @@ fn every_way_out_of_half_open_frees_its_place_in_the_budget() {
     let exits: [(&str, Exit); 7] = [
         ("RTU", |t, _, peer, id| t.recv(TID, rtu(peer, id))),
         ("MRA, then RTU", |t, _, peer, id| {
-            t.recv(
-                TID,
-                CmMessage::Mra(Mra {
-                    local_comm_id: peer,
-                    remote_comm_id: id,
-                    message_mraed: MsgCode::Rep,
-                    service_timeout: 22,
-                    ..Mra::default()
-                }),
-            );
+            t.recv(TID, peer_mra(peer, id, MsgCode::Rep, 22));
             t.recv(TID, rtu(peer, id));
         }),
         ("DREQ", |t, _, peer, id| t.recv(TID, dreq(peer, id, 0x22))),

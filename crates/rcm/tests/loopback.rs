@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod raw_peer;
-use raw_peer::{raw_req, routed, RawPeer};
+use raw_peer::{raw_rep, raw_req, routed, RawPeer};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -706,22 +706,12 @@ fn psns_and_read_resources_follow_the_wire() {
     // Active: our REQ announces a PSN, the raw peer's REP announces 0x654321.
     let c = routed(&f, &ch, addr(2, 7476));
     c.connect(&ConnectOptions::default()).unwrap();
-    let req = loop {
-        // Skipping anything else (the child's REP retries, say).
-        if let CmMessage::Req(r) = peer.recv() {
-            break r;
-        }
-    };
+    let req = peer.recv_req();
     peer.send(
         CmMessage::Rep(Rep {
-            local_comm_id: 0xBEEF,
-            remote_comm_id: req.local_comm_id,
-            local_qpn: 0x99,
-            starting_psn: 0x65_4321,
             responder_resources: 1,
             initiator_depth: 1,
-            rnr_retry_count: 7,
-            ..Rep::default()
+            ..raw_rep(req.local_comm_id)
         }),
         0x6161,
     );
@@ -759,13 +749,8 @@ fn the_rts_timeout_follows_the_peers_ack_delay() {
     assert_eq!(req.primary_path.local_ack_timeout, 19);
     peer.send(
         CmMessage::Rep(Rep {
-            local_comm_id: 0xBEEF,
-            remote_comm_id: req.local_comm_id,
-            local_qpn: 0x99,
-            starting_psn: 0x65_4321,
             target_ack_delay: 20,
-            rnr_retry_count: 7,
-            ..Rep::default()
+            ..raw_rep(req.local_comm_id)
         }),
         0x6262,
     );

@@ -42,6 +42,16 @@ impl RawPeer {
         self.sock.send_to(&udp, ("127.0.0.1", self.port)).unwrap();
     }
 
+    /// The next REQ it receives (anything before it skipped: an earlier child's REP
+    /// retries, say).
+    pub fn recv_req(&self) -> rcm_wire::cm::Req {
+        loop {
+            if let rcm_wire::cm::CmMessage::Req(r) = self.recv() {
+                return r;
+            }
+        }
+    }
+
     /// The next CM message it receives.
     pub fn recv(&self) -> rcm_wire::cm::CmMessage {
         let mut buf = [0u8; 4096];
@@ -89,6 +99,19 @@ pub fn raw_req(port: u16, dst: IpAddr, psn: u32) -> rcm_wire::cm::Req {
         .with_user_data(b"", cma::limits::CONNECT)
         .expect("cma_hdr"),
         ..Req::default()
+    }
+}
+
+/// The raw peer's REP (comm ID 0xBEEF, QPN 0x99, PSN 0x654321) to the REQ of comm ID
+/// `req_comm_id`.
+pub fn raw_rep(req_comm_id: u32) -> rcm_wire::cm::Rep {
+    rcm_wire::cm::Rep {
+        local_comm_id: 0xBEEF,
+        remote_comm_id: req_comm_id,
+        local_qpn: 0x99,
+        starting_psn: 0x65_4321,
+        rnr_retry_count: 7,
+        ..rcm_wire::cm::Rep::default()
     }
 }
 
@@ -164,11 +187,7 @@ pub fn chaos(f: &Fabric, peer: &RawPeer, seed: u64, rounds: u32) {
                 e.id() == &c && matches!(e.event(), Event::RouteResolved)
             }));
             c.connect(&ConnectOptions::default()).unwrap();
-            let req = loop {
-                if let CmMessage::Req(r) = peer.recv() {
-                    break r;
-                }
-            };
+            let req = peer.recv_req();
             (c, req.local_comm_id, req.local_qpn, 0x1_0000 + round)
         } else {
             // A REQ whose starting PSN names the round: its child is told from late children
