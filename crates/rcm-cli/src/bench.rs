@@ -1048,10 +1048,11 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
     for &bind in binds {
         if o.iwarp {
             f.add_iwarp_device(bind)
+                .map_err(|e| format!("iWARP device on {bind}: {e}"))?;
         } else {
             f.add_device(bind)
+                .map_err(|e| crate::device_error(&format!("device on {bind}"), &e))?;
         }
-        .map_err(|e| format!("device on {bind}: {e}"))?;
     }
     Ok((f, binds.to_vec()))
 }
@@ -1261,9 +1262,8 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         Fabric::loopback_iwarp(1 + client_devices, cfg)
             .map_err(|e| format!("cannot open loopback iWARP devices: {e}"))?
     } else {
-        Fabric::loopback_with(1 + client_devices, cfg).map_err(|e| {
-            format!("cannot open loopback devices on UDP port {}: {e} (is another rcm running? try --udp-port)", o.udp_port)
-        })?
+        Fabric::loopback_with(1 + client_devices, cfg)
+            .map_err(|e| crate::device_error("cannot open the loopback devices", &e))?
     };
     if o.iwarp {
         // A TCP socket at each end of every connection.

@@ -31,6 +31,29 @@ pub fn raise_fd_limit() -> Option<u64> {
     getrlimit(Resource::Nofile).current
 }
 
+/// What a tool says when it cannot open the RoCEv2 device `what`: the error, and for a UDP
+/// port another socket holds (one process owns a device's port, as the kernel owns QP1)
+/// what usually holds it and the ways past it.
+pub fn device_error(what: &str, e: &rcm::Error) -> String {
+    match e {
+        rcm::Error::AddrInUse(a) => {
+            let ip = a.ip().to_string();
+            let on = if what.contains(&ip) {
+                String::new()
+            } else {
+                format!(" on {ip}")
+            };
+            format!(
+                "{what}: UDP port {}{on} is held by another socket (another rcm process, or \
+                 an rcm daemon, whose clients take --daemon PATH); stop it, use its daemon, \
+                 or give both ends another --udp-port",
+                a.port()
+            )
+        }
+        e => format!("{what}: {e}"),
+    }
+}
+
 /// The local address a tool binds its device to when it connects to `dst` without `--bind`.
 /// Toward loopback: another loopback address (127.0.0.2, or 127.0.0.1 toward 127.0.0.2), as
 /// a device per address cannot share its UDP port with the peer's; IPv6 has only `::1`.

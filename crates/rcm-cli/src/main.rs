@@ -241,6 +241,13 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
     cfg.max_connections = a.max_connections;
     let d = match Daemon::start(cfg) {
         Ok(d) => d,
+        Err(rcm_ucm::DaemonError::Device(ip, e)) => {
+            eprintln!(
+                "rcm daemon: {}",
+                rcm_cli::device_error(&format!("device {ip}"), &e)
+            );
+            return ExitCode::from(2);
+        }
         Err(e) => {
             eprintln!("rcm daemon: {e}");
             return ExitCode::from(2);

@@ -793,7 +793,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             None => fabric
                 .add_device(ip)
                 .map(drop)
-                .map_err(|e| format!("device on {ip}: {e}")),
+                .map_err(|e| crate::device_error(&format!("device on {ip}"), &e)),
         }
     };
     let first = daemon_devs.as_ref().and_then(|d| d.first().copied());

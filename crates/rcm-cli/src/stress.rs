@@ -131,10 +131,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         let last = devs.iter().rev().find(|d| d.is_ipv4() == first.is_ipv4());
         (f, Some(c), first, *last.unwrap_or(&first))
     } else {
-        let f = Fabric::loopback_with(2, cfg).map_err(|e| format!("loopback devices: {e}"))?;
+        let f = Fabric::loopback_with(2, cfg)
+            .map_err(|e| crate::device_error("loopback devices", &e))?;
         let removable = IpAddr::from([127, 0, 0, 3]);
         f.add_device(removable)
-            .map_err(|e| format!("device {removable}: {e}"))?;
+            .map_err(|e| crate::device_error(&format!("device {removable}"), &e))?;
         (f, None, IpAddr::from([127, 0, 0, 1]), removable)
     };
     let through_daemon = client.is_some();

@@ -197,6 +197,41 @@ fn bench_usage_errors_are_clear() {
     }
 }
 
+/// A device's UDP port another socket holds: every command that opens devices says what
+/// usually holds it and the ways past it, and exits 2 (it said only "Address already in
+/// use" before, and the daemon and stress not even which port).
+#[test]
+fn a_taken_device_port_is_explained() {
+    let _holder = std::net::UdpSocket::bind("127.0.0.1:26810").unwrap();
+    let sock = std::env::temp_dir().join(format!("rcm-taken-{}.sock", std::process::id()));
+    let sock = sock.to_str().unwrap();
+    let p = ["--udp-port", "26810"];
+    for args in [
+        vec!["ping", "--listen", "-c", "1"],
+        vec!["bench", "-c", "1"],
+        vec!["bench", "--listen", "-c", "1"],
+        vec!["stress", "-d", "1"],
+        vec!["daemon", "--socket", sock, "--bind", "127.0.0.1"],
+    ] {
+        let all: Vec<&str> = args.iter().chain(&p).copied().collect();
+        let (code, _, err) = rcm(&all);
+        assert_eq!(code, 2, "{all:?}: {err}");
+        for want in [
+            "127.0.0.1",
+            "UDP port 26810",
+            "is held by another socket",
+            "--daemon PATH",
+            "another --udp-port",
+        ] {
+            assert!(err.contains(want), "{all:?}: {want:?} not in {err}");
+        }
+    }
+    assert!(
+        !std::path::Path::new(sock).exists(),
+        "the daemon left {sock}"
+    );
+}
+
 /// The contract's command lines as they are written, no `--bind`: `rcm bench --listen -c N`
 /// serves N connections and exits 0 with its own JSON report; `rcm bench --server IP`
 /// connects from the default source (127.0.0.2 toward 127.0.0.1).

@@ -105,7 +105,13 @@ impl DeviceInner {
         } else {
             None
         };
-        let sock = UdpSocket::bind(SocketAddr::new(ip, port))?;
+        let at = SocketAddr::new(ip, port);
+        // Typed, so that a tool can say what usually holds the port: another process's
+        // device (an rcm, a daemon), as only one process may own it.
+        let sock = UdpSocket::bind(at).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AddrInUse => crate::Error::AddrInUse(at),
+            _ => e.into(),
+        })?;
         if ip.is_ipv4() {
             crate::sys::pmtudisc_do(&sock)?;
         }

@@ -19,7 +19,8 @@ pub enum Error {
     /// No local device has this address, or none reaches the destination.
     #[error("address not available: {0}")]
     AddrNotAvailable(std::net::IpAddr),
-    /// The port is already bound in this port space.
+    /// The port is already bound in this port space; or, opening a RoCEv2 device, its UDP
+    /// port is another socket's.
     #[error("address in use: {0}")]
     AddrInUse(std::net::SocketAddr),
     /// No free port left in the ephemeral range.

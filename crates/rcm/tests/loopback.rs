@@ -647,6 +647,24 @@ fn one_device(port: u16) -> Fabric {
     f
 }
 
+/// A device's UDP port held by another socket (another process's device, say) is a typed
+/// `AddrInUse` naming the address and port, and nothing is left half-open: once the port is
+/// free the same fabric opens the device.
+#[test]
+fn a_device_port_held_elsewhere_is_addr_in_use() {
+    let at = addr(1, 24808);
+    let holder = std::net::UdpSocket::bind(at).unwrap();
+    let f = Fabric::new(FabricConfig {
+        udp_port: at.port(),
+        ..FabricConfig::default()
+    });
+    assert_eq!(f.add_device(at.ip()).err(), Some(Error::AddrInUse(at)));
+    assert!(f.device_addrs().is_empty());
+    drop(holder);
+    f.add_device(at.ip()).unwrap();
+    assert_eq!(f.device_addrs(), vec![at.ip()]);
+}
+
 /// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
 /// on 127.0.0.2 that plays the other side. A REQ's or REP's starting PSN is the PSN its
 /// sender receives from (cm.c keeps it as the sender's rq_psn and the receiver's sq_psn), so
