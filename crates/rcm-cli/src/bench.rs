@@ -1381,7 +1381,7 @@ pub fn print_table(r: &Report) {
 }
 
 /// Writes the connect-latency distribution (a CDF) as a small SVG.
-pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
+pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<()> {
     let mut v = r.latencies_us.clone();
     v.sort_by(f64::total_cmp);
     let (w, h, m) = (640.0, 400.0, 50.0);
@@ -1416,7 +1416,7 @@ pub fn write_plot(r: &Report, path: &std::path::Path) -> std::io::Result<()> {
         yt = h - m + 15.0,
         ml = m - 5.0,
     );
-    std::fs::write(path, svg)
+    out.write_all(svg.as_bytes())
 }
 
 #[cfg(test)]

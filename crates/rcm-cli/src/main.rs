@@ -103,8 +103,9 @@ struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Write the connect-latency distribution (CDF) as an SVG file.
-    #[arg(long, value_name = "FILE.svg")]
+    /// Write the connect-latency distribution (CDF) as an SVG file (the client's; created
+    /// before the run, so a path that cannot be written stops it at once).
+    #[arg(long, value_name = "FILE.svg", conflicts_with = "listen")]
     plot: Option<PathBuf>,
     /// Serve only, on --bind (default 127.0.0.1; another host runs the client with --server).
     #[arg(long, conflicts_with = "server")]
@@ -590,6 +591,17 @@ fn bench(a: &BenchArgs) -> ExitCode {
         spin: std::time::Duration::from_micros(a.spin_us),
         send_batch: !a.no_send_batch,
     };
+    // Created before the run: a long run must not end in "cannot write".
+    let mut plot = match &a.plot {
+        Some(p) => match std::fs::File::create(p) {
+            Ok(f) => Some((p, f)),
+            Err(e) => {
+                eprintln!("rcm bench: cannot write the plot to {}: {e}", p.display());
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
+    };
     let r = if a.listen || a.server.is_some() {
         bench::run_remote(&o)
     } else if o.daemon.is_some() {
@@ -612,8 +624,8 @@ fn bench(a: &BenchArgs) -> ExitCode {
     } else {
         bench::print_table(&r);
     }
-    if let Some(p) = &a.plot {
-        if let Err(e) = bench::write_plot(&r, p) {
+    if let Some((p, f)) = &mut plot {
+        if let Err(e) = bench::write_plot(&r, f) {
             eprintln!("rcm bench: writing {}: {e}", p.display());
             return ExitCode::from(2);
         }

@@ -168,6 +168,24 @@ fn bench_usage_errors_are_clear() {
         "a huge --timeout is refused, not an overflow panic"
     );
     assert!(err.contains("timeout"), "{err}");
+    // A plot that cannot be written stops the run before it starts (it ran the whole bench
+    // first, then failed), and a server has no connect latencies to plot.
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--udp-port",
+        "26811",
+        "--plot",
+        "/nonexistent-rcm-dir/lat.svg",
+    ]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(out.is_empty(), "the bench ran: {out}");
+    assert!(
+        err.contains("cannot write the plot to /nonexistent-rcm-dir/lat.svg"),
+        "{err}"
+    );
+    let (code, _, err) = rcm(&["bench", "--listen", "--plot", "lat.svg"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--plot"), "{err}");
     // iWARP works now (tests/iwarp_tools.rs); what it cannot do is a usage error.
     let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--ps", "udp"]);
     assert_eq!(code, 2);
