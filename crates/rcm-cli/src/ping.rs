@@ -698,6 +698,14 @@ fn backlog(o: &PingOpts) -> usize {
 
 /// Runs `rcm ping` as asked.
 pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
+    if o.count == 0 && o.listen != Some(true) {
+        // A client with 0 made one connection, which is not what 0 says anywhere.
+        return Err(
+            "--count 0 (serve forever) is for --listen; a client makes at least one \
+                    connection"
+                .into(),
+        );
+    }
     if o.iwarp {
         if ud(o.ps) {
             return Err("iWARP carries only the TCP port space (--ps tcp)".into());

@@ -186,6 +186,15 @@ fn bench_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["bench", "--listen", "--plot", "lat.svg"]);
     assert_eq!(code, 2);
     assert!(err.contains("--plot"), "{err}");
+    // 0 connections means "serve forever" for a server only (a client made one).
+    for args in [
+        vec!["ping", "-c", "0"],
+        vec!["ping", "--connect", "127.0.0.1", "-c", "0"],
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(err.contains("--count 0"), "{args:?}: {err}");
+    }
     // iWARP works now (tests/iwarp_tools.rs); what it cannot do is a usage error.
     let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--ps", "udp"]);
     assert_eq!(code, 2);
