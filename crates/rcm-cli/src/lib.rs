@@ -33,7 +33,8 @@ pub fn raise_fd_limit() -> Option<u64> {
 
 /// What a tool says when it cannot open the RoCEv2 device `what`: the error, and for a UDP
 /// port another socket holds (one process owns a device's port, as the kernel owns QP1)
-/// what usually holds it and the ways past it.
+/// what usually holds it and the ways past it; for an address this host does not have,
+/// that.
 pub fn device_error(what: &str, e: &rcm::Error) -> String {
     match e {
         rcm::Error::AddrInUse(a) => {
@@ -49,6 +50,9 @@ pub fn device_error(what: &str, e: &rcm::Error) -> String {
                  or give both ends another --udp-port",
                 a.port()
             )
+        }
+        rcm::Error::AddrNotAvailable(ip) => {
+            format!("{what}: {ip} is not an address of this host (`ip addr` lists them)")
         }
         e => format!("{what}: {e}"),
     }

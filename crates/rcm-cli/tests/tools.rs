@@ -226,7 +226,8 @@ fn bench_usage_errors_are_clear() {
 
 /// A device's UDP port another socket holds: every command that opens devices says what
 /// usually holds it and the ways past it, and exits 2 (it said only "Address already in
-/// use" before, and the daemon and stress not even which port).
+/// use" before, and the daemon and stress not even which port). So for an address the
+/// host does not have ("Cannot assign requested address" before).
 #[test]
 fn a_taken_device_port_is_explained() {
     let _holder = std::net::UdpSocket::bind("127.0.0.1:26810").unwrap();
@@ -257,6 +258,19 @@ fn a_taken_device_port_is_explained() {
         !std::path::Path::new(sock).exists(),
         "the daemon left {sock}"
     );
+    // An address this host lacks (nothing is sent: the bind fails).
+    for args in [
+        vec!["ping", "--listen", "--bind", "198.18.0.77"],
+        vec!["bench", "--listen", "--bind", "198.18.0.77"],
+        vec!["daemon", "--socket", sock, "--bind", "198.18.0.77"],
+    ] {
+        let (code, _, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains("198.18.0.77 is not an address of this host"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// The contract's command lines as they are written, no `--bind`: `rcm bench --listen -c N`

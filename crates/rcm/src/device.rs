@@ -110,6 +110,7 @@ impl DeviceInner {
         // device (an rcm, a daemon), as only one process may own it.
         let sock = UdpSocket::bind(at).map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => crate::Error::AddrInUse(at),
+            std::io::ErrorKind::AddrNotAvailable => crate::Error::AddrNotAvailable(ip),
             _ => e.into(),
         })?;
         if ip.is_ipv4() {

@@ -16,7 +16,8 @@ pub enum Error {
     /// The id's device was removed: only destroy is valid now.
     #[error("the device of this id was removed; only destroy is valid")]
     DeviceRemoved,
-    /// No local device has this address, or none reaches the destination.
+    /// No local device has this address, or none reaches the destination; or, opening a
+    /// RoCEv2 device, the host has no such address.
     #[error("address not available: {0}")]
     AddrNotAvailable(std::net::IpAddr),
     /// The port is already bound in this port space; or, opening a RoCEv2 device, its UDP

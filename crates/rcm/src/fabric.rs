@@ -533,7 +533,8 @@ impl Fabric {
 
     /// Adds a RoCEv2 device on a local address (it binds UDP `udp_port` there). Wildcard
     /// listeners start listening on it at once. [`crate::Error::AddrInUse`] (`ip:udp_port`)
-    /// when another socket holds that port: one process owns a device's port.
+    /// when another socket holds that port (one process owns a device's port);
+    /// [`crate::Error::AddrNotAvailable`] when `ip` is not an address of this host.
     pub fn add_device(&self, ip: IpAddr) -> crate::Result<Device> {
         self.add(ip, None)
     }

@@ -649,7 +649,7 @@ fn one_device(port: u16) -> Fabric {
 
 /// A device's UDP port held by another socket (another process's device, say) is a typed
 /// `AddrInUse` naming the address and port, and nothing is left half-open: once the port is
-/// free the same fabric opens the device.
+/// free the same fabric opens the device. An address the host lacks is `AddrNotAvailable`.
 #[test]
 fn a_device_port_held_elsewhere_is_addr_in_use() {
     let at = addr(1, 24808);
@@ -662,6 +662,13 @@ fn a_device_port_held_elsewhere_is_addr_in_use() {
     assert!(f.device_addrs().is_empty());
     drop(holder);
     f.add_device(at.ip()).unwrap();
+    assert_eq!(f.device_addrs(), vec![at.ip()]);
+    // An address this host does not have (nothing is sent: the bind fails).
+    let absent = IpAddr::from([198, 18, 0, 77]);
+    assert_eq!(
+        f.add_device(absent).err(),
+        Some(Error::AddrNotAvailable(absent))
+    );
     assert_eq!(f.device_addrs(), vec![at.ip()]);
 }
 
