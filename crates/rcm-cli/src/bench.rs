@@ -1048,7 +1048,7 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
     for &bind in binds {
         if o.iwarp {
             f.add_iwarp_device(bind)
-                .map_err(|e| format!("iWARP device on {bind}: {e}"))?;
+                .map_err(|e| crate::device_error(&format!("iWARP device on {bind}"), &e))?;
         } else {
             f.add_device(bind)
                 .map_err(|e| crate::device_error(&format!("device on {bind}"), &e))?;

@@ -797,7 +797,7 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
                     },
                 )
                 .map(drop)
-                .map_err(|e| format!("iWARP device on {ip}: {e}")),
+                .map_err(|e| crate::device_error(&format!("iWARP device on {ip}"), &e)),
             None => fabric
                 .add_device(ip)
                 .map(drop)

@@ -261,8 +261,25 @@ fn a_taken_device_port_is_explained() {
     // An address this host lacks (nothing is sent: the bind fails).
     for args in [
         vec!["ping", "--listen", "--bind", "198.18.0.77"],
+        vec![
+            "ping",
+            "--listen",
+            "--bind",
+            "198.18.0.77",
+            "--transport",
+            "iwarp",
+        ],
         vec!["bench", "--listen", "--bind", "198.18.0.77"],
         vec!["daemon", "--socket", sock, "--bind", "198.18.0.77"],
+        vec![
+            "daemon",
+            "--socket",
+            sock,
+            "--bind",
+            "198.18.0.77",
+            "--transport",
+            "iwarp",
+        ],
     ] {
         let (code, _, err) = rcm(&args);
         assert_eq!(code, 2, "{args:?}: {err}");

@@ -552,6 +552,7 @@ impl Fabric {
     /// socket is opened until something listens or connects. The same [`CmId`] API works on
     /// it (differences: no UD port spaces, private data up to 252 bytes, see the methods),
     /// and wildcard listeners start listening on it at once.
+    /// [`crate::Error::AddrNotAvailable`] when `ip` is not an address of this host.
     ///
     /// [`CmId`]: crate::CmId
     pub fn add_iwarp_device_with(

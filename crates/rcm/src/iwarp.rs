@@ -871,7 +871,10 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
 
 /// Whether `ip` can carry an iWARP device (any local address; checked by binding).
 pub(crate) fn check_addr(ip: IpAddr) -> crate::Result<()> {
-    let l = std::net::TcpListener::bind(SocketAddr::new(ip, 0))?;
+    let l = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AddrNotAvailable => crate::Error::AddrNotAvailable(ip),
+        _ => e.into(),
+    })?;
     drop(l);
     Ok(())
 }
