@@ -1300,3 +1300,156 @@ fn the_protocol_document_matches_the_codec() {
         );
     }
 }
+
+/// An enumeration of the protocol document's §1.1 (`* Title (`u8`): 1 A, 2 B, …`, over one or
+/// more lines) as (code, text) items.
+fn doc_enum(title: &str) -> Vec<(u8, String)> {
+    let doc = include_str!("../../../docs/ucm-protocol.md");
+    let start = format!("* {title} (`u8`):");
+    let mut text = String::new();
+    let mut lines = doc.lines().skip_while(|l| !l.starts_with(&start));
+    if let Some(first) = lines.next() {
+        text.push_str(&first[start.len()..]);
+    }
+    for l in lines.take_while(|l| l.starts_with("  ")) {
+        text.push(' ');
+        text.push_str(l.trim());
+    }
+    let items: Vec<(u8, String)> = text
+        .split(", ")
+        .filter_map(|item| {
+            let item = item.trim();
+            let (n, rest) = item.split_once(' ')?;
+            // Up to a parenthesis: "3 RTS (0 = none, …)" is RTS.
+            let rest = rest.split(" (").next().unwrap_or(rest);
+            Some((n.parse().ok()?, rest.trim_end_matches('.').to_string()))
+        })
+        .collect();
+    assert!(!items.is_empty(), "no enumeration {title:?}");
+    items
+}
+
+/// The §1.1 enumerations against the encoder: port spaces, QP states, rdma_cm states and
+/// session limits each have the code the document gives them, and the document lists no
+/// code the encoder does not write. The `match`es have no wildcard: a new variant does not
+/// compile here until it is named, and then it must be in the document.
+#[test]
+fn the_protocol_documents_enumerations_match_the_codec() {
+    fn check(title: &str, written: &[(u8, &str)], same: impl Fn(&str, &str) -> bool) {
+        let doc = doc_enum(title);
+        for (code, name) in written {
+            assert!(
+                doc.iter().any(|(c, t)| c == code && same(t, name)),
+                "{title}: {name} is {code} on the wire; the document has {doc:?}"
+            );
+        }
+        for (c, t) in &doc {
+            assert!(
+                written.iter().any(|(code, _)| code == c),
+                "{title}: the document's {c} ({t}) is never written"
+            );
+        }
+    }
+    let eq = |t: &str, n: &str| t.eq_ignore_ascii_case(n);
+    let ps_name = |p: PortSpace| match p {
+        PortSpace::Ipoib => "IPoIB",
+        PortSpace::Tcp => "TCP",
+        PortSpace::Udp => "UDP",
+        PortSpace::Ib => "IB",
+    };
+    let ps: Vec<(u8, &str)> = [
+        PortSpace::Ipoib,
+        PortSpace::Tcp,
+        PortSpace::Udp,
+        PortSpace::Ib,
+    ]
+    .into_iter()
+    .map(|p| (Command::CreateId(p).encode(1)[12], ps_name(p)))
+    .collect();
+    check("Port space", &ps, eq);
+    let qs_name = |s: QpState| match s {
+        QpState::Init => "INIT",
+        QpState::Rtr => "RTR",
+        QpState::Rts => "RTS",
+    };
+    let qs: Vec<(u8, &str)> = [QpState::Init, QpState::Rtr, QpState::Rts]
+        .into_iter()
+        .map(|s| {
+            (
+                Command::Call(7, Op::InitQpAttr(s)).encode(1)[16],
+                qs_name(s),
+            )
+        })
+        .collect();
+    check("QP state", &qs, eq);
+    let st_name = |s: State| match s {
+        State::Idle => "Idle",
+        State::AddrQuery => "AddrQuery",
+        State::AddrResolved => "AddrResolved",
+        State::RouteQuery => "RouteQuery",
+        State::RouteResolved => "RouteResolved",
+        State::Connect => "Connect",
+        State::Established => "Established",
+        State::Disconnect => "Disconnect",
+        State::AddrBound => "AddrBound",
+        State::Listen => "Listen",
+        State::DeviceRemoval => "DeviceRemoval",
+        State::Destroying => "Destroying",
+    };
+    let states = [
+        State::Idle,
+        State::AddrQuery,
+        State::AddrResolved,
+        State::RouteQuery,
+        State::RouteResolved,
+        State::Connect,
+        State::Established,
+        State::Disconnect,
+        State::AddrBound,
+        State::Listen,
+        State::DeviceRemoval,
+        State::Destroying,
+    ];
+    let st: Vec<(u8, &str)> = states
+        .into_iter()
+        .map(|s| {
+            let m = Message::Ok(Answer::Reply(Reply::Info(IdInfo {
+                state: s,
+                local: None,
+                peer: None,
+                device: None,
+            })));
+            (m.encode(1)[13], st_name(s))
+        })
+        .collect();
+    check("rdma_cm state", &st, eq);
+    // Limits are named in words there: each must start with these.
+    let limit_words = |l: Limit| match l {
+        Limit::Ids => "ids",
+        Limit::QueuedEvents => "queued events",
+        Limit::UnreadRequests => "unread connect requests",
+        Limit::MessageSize => "message size",
+        Limit::PendingCommands => "pending commands",
+        Limit::Channels => "command channels",
+        Limit::SendBuffer => "unsent bytes of an iWARP connection",
+        Limit::Connections => "connections the daemon serves at once",
+    };
+    let limits = [
+        Limit::Ids,
+        Limit::QueuedEvents,
+        Limit::UnreadRequests,
+        Limit::MessageSize,
+        Limit::PendingCommands,
+        Limit::Channels,
+        Limit::SendBuffer,
+        Limit::Connections,
+    ];
+    let li: Vec<(u8, &str)> = limits
+        .into_iter()
+        .map(|l| {
+            let m = Message::Err(WireError::Cm(rcm::Error::LimitExceeded(l)));
+            (m.encode(1)[14], limit_words(l))
+        })
+        .collect();
+    check("Limit", &li, |t, n| t.starts_with(n));
+}
