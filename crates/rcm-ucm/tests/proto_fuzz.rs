@@ -159,24 +159,36 @@ fn qp_state(rng: &mut StdRng) -> QpState {
     pick(rng, &[QpState::Init, QpState::Rtr, QpState::Rts])
 }
 
+/// Every rdma_cm state (the document test names each in an exhaustive match).
+const STATES: [State; 12] = [
+    State::Idle,
+    State::AddrQuery,
+    State::AddrResolved,
+    State::RouteQuery,
+    State::RouteResolved,
+    State::Connect,
+    State::Established,
+    State::Disconnect,
+    State::AddrBound,
+    State::Listen,
+    State::DeviceRemoval,
+    State::Destroying,
+];
+
+/// Every session limit.
+const LIMITS: [Limit; 8] = [
+    Limit::Ids,
+    Limit::QueuedEvents,
+    Limit::UnreadRequests,
+    Limit::MessageSize,
+    Limit::PendingCommands,
+    Limit::Channels,
+    Limit::SendBuffer,
+    Limit::Connections,
+];
+
 fn state(rng: &mut StdRng) -> State {
-    pick(
-        rng,
-        &[
-            State::Idle,
-            State::AddrQuery,
-            State::AddrResolved,
-            State::RouteQuery,
-            State::RouteResolved,
-            State::Connect,
-            State::Established,
-            State::Disconnect,
-            State::AddrBound,
-            State::Listen,
-            State::DeviceRemoval,
-            State::Destroying,
-        ],
-    )
+    pick(rng, &STATES)
 }
 
 fn op(rng: &mut StdRng, addr: &mut dyn FnMut(&mut StdRng) -> SocketAddr) -> Op {
@@ -273,19 +285,7 @@ fn cm_error(rng: &mut StdRng) -> rcm::Error {
         12 => E::Protocol(CmError::AddressInUse(rng.gen())),
         13 => E::Protocol(CmError::NoResources),
         14 => E::InvalidArgument(Cow::Owned(text(rng))),
-        15 => E::LimitExceeded(pick(
-            rng,
-            &[
-                Limit::Ids,
-                Limit::QueuedEvents,
-                Limit::UnreadRequests,
-                Limit::MessageSize,
-                Limit::PendingCommands,
-                Limit::Channels,
-                Limit::SendBuffer,
-                Limit::Connections,
-            ],
-        )),
+        15 => E::LimitExceeded(pick(rng, &LIMITS)),
         16 => E::ShutDown,
         _ => E::Remote(text(rng)),
     }
@@ -1396,21 +1396,7 @@ fn the_protocol_documents_enumerations_match_the_codec() {
         State::DeviceRemoval => "DeviceRemoval",
         State::Destroying => "Destroying",
     };
-    let states = [
-        State::Idle,
-        State::AddrQuery,
-        State::AddrResolved,
-        State::RouteQuery,
-        State::RouteResolved,
-        State::Connect,
-        State::Established,
-        State::Disconnect,
-        State::AddrBound,
-        State::Listen,
-        State::DeviceRemoval,
-        State::Destroying,
-    ];
-    let st: Vec<(u8, &str)> = states
+    let st: Vec<(u8, &str)> = STATES
         .into_iter()
         .map(|s| {
             let m = Message::Ok(Answer::Reply(Reply::Info(IdInfo {
@@ -1434,17 +1420,7 @@ fn the_protocol_documents_enumerations_match_the_codec() {
         Limit::SendBuffer => "unsent bytes of an iWARP connection",
         Limit::Connections => "connections the daemon serves at once",
     };
-    let limits = [
-        Limit::Ids,
-        Limit::QueuedEvents,
-        Limit::UnreadRequests,
-        Limit::MessageSize,
-        Limit::PendingCommands,
-        Limit::Channels,
-        Limit::SendBuffer,
-        Limit::Connections,
-    ];
-    let li: Vec<(u8, &str)> = limits
+    let li: Vec<(u8, &str)> = LIMITS
         .into_iter()
         .map(|l| {
             let m = Message::Err(WireError::Cm(rcm::Error::LimitExceeded(l)));
