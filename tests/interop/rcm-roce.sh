@@ -114,6 +114,42 @@ sleep 1
 [ -e /tmp/rcm-vm.sock ]; [ $? != 0 ]; verdict daemon-removed-its-socket $?
 cap_stop s8
 
+step "9: IPv6 (2001:2::/48, RFC 5180): RC both ways, then SIDR and 5 UD SENDs each way"
+# rxe sends RoCEv2 over IPv6 with UDP checksum 0; rcm's IPv6 devices take such datagrams
+# (UDP_NO_CHECK6_RX), without which they never heard the kernel. The kernel checks rcm's ICRC
+# over the IPv6 header (rxe drops a bad one): udaddy exits 0 only after 5 of rcm's UD SENDs.
+A6=2001:2::1; B6=2001:2::2
+ip -6 addr add $A6/64 dev veth0 nodad
+in_peer /usr/sbin/ip -6 addr add $B6/64 dev veth1 nodad
+sleep 1
+cap_start s9 veth0
+bg srv ucmatose -f ip -b $A6 -p 7471 -c 1 -C 0
+sleep 1
+in_peer rcm ping --connect $A6 --bind $B6 -c 1 --private-data "" --timeout 30; verdict rcm-active-v6 $?
+wait_job srv 30; verdict ucmatose-server-v6 $?
+stop srv
+bg_peer app rcm ping --listen --bind $B6 -c 1 --private-data "" --timeout 40
+sleep 1
+timeout 30 ucmatose -f ip -s $B6 -b $A6 -p 7471 -c 1 -C 0; verdict ucmatose-client-v6 $?
+wait_job app 30; verdict rcm-passive-v6 $?
+stop app
+bg usrv udaddy -b $A6 -c 1 -C 5 -S 100
+sleep 1
+in_peer rcm ping --ps udp --connect $A6 --bind $B6 -c 1 --messages 5 --size 100 --private-data "" --timeout 30; verdict rcm-ud-active-v6 $?
+wait_job usrv 30; verdict udaddy-server-ud-v6 $?
+stop usrv
+bg_peer uapp rcm ping --ps udp --listen --bind $B6 -c 1 --messages 5 --private-data "" --timeout 40
+sleep 1
+timeout 30 udaddy -s $B6 -b $A6 -c 1 -C 5 -S 100; verdict udaddy-client-ud-v6 $?
+wait_job uapp 30; verdict rcm-ud-passive-v6 $?
+stop uapp
+cap_stop s9
+rcm decode $HARNESS_OUT/s9.pcap > /tmp/s9.txt; r=$?
+n=$(grep -cE "\[$B6\]:[0-9]+ +> +\[$A6\]:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" /tmp/s9.txt)
+k=$(grep -cE "\[$A6\]:[0-9]+ +> +\[$B6\]:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s9.txt)
+echo "IPv6: rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
+[ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire-v6 $?
+
 step "6: timewait agreement: the kernel never had to retry a DREQ or DREP to rcm"
 r=0
 for f in /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/dreq /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/drep; do

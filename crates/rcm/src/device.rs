@@ -115,6 +115,8 @@ impl DeviceInner {
         })?;
         if ip.is_ipv4() {
             crate::sys::pmtudisc_do(&sock)?;
+        } else {
+            crate::sys::accept_zero_checksum6(&sock)?;
         }
         crate::sys::grow_buffers(&sock, 16 << 20);
         // A UDP socket takes a segmented send whole (with `UDP_GRO`, see `RxBatch`) or has the
@@ -1088,6 +1090,34 @@ mod tests {
         assert_eq!(dev.stats.tx_segmented.load(Ordering::Relaxed), 0);
         assert_eq!(dev.stats.tx.load(Ordering::Relaxed), 5);
         assert_eq!(dev.stats.tx_errors.load(Ordering::Relaxed), 0);
+        dev.shutdown();
+    }
+
+    /// An IPv6 device takes datagrams whose UDP checksum is 0, which is how Linux's rxe sends
+    /// RoCEv2 over IPv6 (the kernel dropped them before the socket saw them, so an IPv6
+    /// device never heard a Linux peer). The peer here sends with `UDP_NO_CHECK6_TX`.
+    #[test]
+    fn an_ipv6_device_takes_datagrams_with_udp_checksum_zero() {
+        let lo6 = IpAddr::from(std::net::Ipv6Addr::LOCALHOST);
+        let dev = device(lo6, 28422);
+        let peer = UdpSocket::bind("[::1]:0").expect("peer");
+        crate::sys::send_zero_checksum6(&peer).expect("UDP_NO_CHECK6_TX");
+        peer.send_to(b"not a MAD", SocketAddr::new(lo6, 28422))
+            .expect("send");
+        let until = Instant::now() + Duration::from_secs(5);
+        while dev.stats.rx_bad.load(Ordering::Relaxed) == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            dev.stats.rx.load(Ordering::Relaxed),
+            1,
+            "the datagram arrived"
+        );
+        assert_eq!(
+            dev.stats.rx_bad.load(Ordering::Relaxed),
+            1,
+            "and was judged"
+        );
         dev.shutdown();
     }
 }

@@ -15,6 +15,15 @@ pub(crate) fn pmtudisc_do(sock: &UdpSocket) -> std::io::Result<()> {
     )
 }
 
+/// Sets `UDP_NO_CHECK6_RX` on an IPv6 UDP socket: it then takes datagrams whose UDP checksum
+/// is 0. Linux's soft-RoCE (rxe) sends RoCEv2 over IPv6 with checksum 0 (the ICRC protects
+/// the payload), which RFC 8200 forbids for plain UDP, and without this option the kernel
+/// drops every one of them before the socket sees it: an IPv6 device heard no REP, REQ or DREQ
+/// from a Linux peer (seen in the interop VM).
+pub(crate) fn accept_zero_checksum6(sock: &UdpSocket) -> std::io::Result<()> {
+    set_int(sock, libc::IPPROTO_UDP, libc::UDP_NO_CHECK6_RX, 1)
+}
+
 /// Sets `IP_BIND_ADDRESS_NO_PORT` on a TCP socket about to be bound to an address with port
 /// 0 and then connected: the port is then chosen at `connect` for the whole 4-tuple. Without
 /// it `bind` picks a port no socket holds, TIME_WAIT ones included, searching the range
@@ -150,6 +159,13 @@ pub(crate) fn recv_segments(
 #[cfg(test)]
 pub(crate) fn set_no_check(sock: &UdpSocket) -> std::io::Result<()> {
     set_int(sock, libc::SOL_SOCKET, libc::SO_NO_CHECK, 1)
+}
+
+/// Sets `UDP_NO_CHECK6_TX`: the socket sends IPv6 datagrams with UDP checksum 0, as rxe does
+/// (for tests of [`accept_zero_checksum6`]).
+#[cfg(test)]
+pub(crate) fn send_zero_checksum6(sock: &UdpSocket) -> std::io::Result<()> {
+    set_int(sock, libc::IPPROTO_UDP, libc::UDP_NO_CHECK6_TX, 1)
 }
 
 #[cfg(test)]
