@@ -45,6 +45,40 @@ ucmatose -s $PEER_IP -p 7471 -c 2 -C 0; verdict ucmatose-siw-client-mpa-v1 $?
 wait_job app 40; verdict rcm-iwarp-passive-mpa-v1 $?
 stop app; cap_stop w4
 siw_param mpa_version 2
+
+step "5: messages (RDMAP Sends in FPDUs) with the kernel's ucmatose -C 2 -S 100, both ways"
+# ucmatose's server sends all its messages and then receives; its client receives all and
+# then answers: rcm sends all of its own before it waits, so neither side waits for the
+# other. ucmatose's messages are its buffer (not rcm's format): counted, not checked.
+cap_start w5 veth0 tcp
+bg srv ucmatose -b $INIT_IP -p 7472 -c 1 -C 2 -S 100
+sleep 1
+in_peer rcm ping --transport iwarp --connect $INIT_IP --bind $PEER_IP -p 7472 -c 1 -C 2 --private-data "" --timeout 40 > /tmp/w5a.log 2>&1; verdict rcm-iwarp-messages-active $?
+cat /tmp/w5a.log
+wait_job srv 40; verdict ucmatose-siw-messages-server $?
+stop srv
+bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p 7473 -c 1 -C 2 --private-data "" --timeout 40
+sleep 1
+timeout 40 ucmatose -s $PEER_IP -p 7473 -c 1 -C 2 -S 100; verdict ucmatose-siw-messages-client $?
+wait_job app 40; verdict rcm-iwarp-messages-passive $?
+stop app; cap_stop w5
+
+step "6: IPv6 (2001:2::/48, RFC 5180) both ways"
+A6=2001:2::1; B6=2001:2::2
+ip -6 addr add $A6/64 dev veth0 nodad
+in_peer /usr/sbin/ip -6 addr add $B6/64 dev veth1 nodad
+sleep 1
+cap_start w6 veth0 tcp
+bg srv ucmatose -f ip -b $A6 -p 7471 -c 1 -C 0
+sleep 1
+in_peer rcm ping --transport iwarp --no-messages --connect $A6 --bind $B6 -c 1 --private-data "" --timeout 30; verdict rcm-iwarp-active-v6 $?
+wait_job srv 30; verdict ucmatose-siw-server-v6 $?
+stop srv
+bg_peer app rcm ping --transport iwarp --no-messages --listen --bind $B6 -c 1 --private-data "" --timeout 40
+sleep 1
+timeout 30 ucmatose -f ip -s $B6 -b $A6 -p 7471 -c 1 -C 0; verdict ucmatose-siw-client-v6 $?
+wait_job app 30; verdict rcm-iwarp-passive-v6 $?
+stop app; cap_stop w6
 if [ "$FAIL" != 0 ]; then
   echo "--- siw parameters and counters"
   for f in /sys/module/siw/parameters/* /sys/class/infiniband/siw0/ports/1/counters/* \

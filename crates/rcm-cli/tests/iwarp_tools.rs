@@ -87,7 +87,7 @@ fn ping_iwarp_both_roles_exchanges_private_data_and_messages() {
         "{out}"
     );
     assert!(
-        out.contains("messages over the iWARP stream matched 6 of 6"),
+        out.contains("messages over the iWARP stream received 6 of 6 (6 checked byte for byte, 0 from a peer not in rcm's format)"),
         "{out}"
     );
 }
@@ -182,7 +182,7 @@ fn ping_iwarp_split_server_and_client() {
         "{cout}"
     );
     assert!(
-        cout.contains("messages over the iWARP stream matched 2 of 2"),
+        cout.contains("messages over the iWARP stream received 2 of 2 (2 checked byte for byte, 0 from a peer not in rcm's format)"),
         "{cout}"
     );
     assert!(
@@ -190,7 +190,7 @@ fn ping_iwarp_split_server_and_client() {
         "{sout}"
     );
     assert!(
-        sout.contains("messages over the iWARP stream matched 2 of 2"),
+        sout.contains("messages over the iWARP stream received 2 of 2 (2 checked byte for byte, 0 from a peer not in rcm's format)"),
         "{sout}"
     );
 }
@@ -287,4 +287,102 @@ fn ping_iwarp_mpa_revision_1_and_its_usage_error() {
     let (code, _, err) = rcm(&["ping", "--transport", "iwarp", "--mpa-version", "3"]);
     assert_eq!(code, 2);
     assert!(err.contains("mpa-version"), "{err}");
+}
+
+/// `rcm ping --transport iwarp --listen -C 2` against a client that behaves as rdma-core's
+/// `ucmatose` does: it takes all of the server's messages before it sends its own, and its
+/// messages are its buffer (100 bytes, not rcm's format; it sends no private data, so the
+/// server expects none, as in the interop run). The server sends both of its
+/// messages before waiting (a server that sent one and waited for an answer waited 10 s for
+/// each, then failed with "no message from the peer"), counts the client's as not in rcm's
+/// format, and exits 0.
+#[test]
+fn ping_iwarp_server_serves_a_ucmatose_like_client() {
+    use rcm::{ConnectOptions, EventChannel, Fabric, FabricConfig, PortSpace};
+    use std::time::{Duration, Instant};
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "ping",
+            "--transport",
+            "iwarp",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "-c",
+            "1",
+            "-C",
+            "2",
+            "-p",
+            "28025",
+            "--private-data",
+            "",
+            "--timeout",
+            "30",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start server");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        server.stdout.take().expect("server stdout"),
+    ));
+    let mut sout = String::new();
+    for line in lines.by_ref() {
+        let line = line.expect("server output");
+        sout.push_str(&line);
+        sout.push('\n');
+        if line.contains("listening on") {
+            break;
+        }
+    }
+    let f = Fabric::new(FabricConfig::default());
+    f.add_iwarp_device("127.0.0.2".parse().unwrap()).unwrap();
+    let ch = EventChannel::new();
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    id.resolve_addr(None, "127.0.0.1:28025".parse().unwrap())
+        .unwrap();
+    let t = Duration::from_secs(10);
+    let next = |what: &str| {
+        let e = ch.get_event(Some(t)).unwrap_or_else(|| panic!("no {what}"));
+        e.event().name().to_string()
+    };
+    assert_eq!(next("ADDR_RESOLVED"), "ADDR_RESOLVED");
+    id.resolve_route().unwrap();
+    assert_eq!(next("ROUTE_RESOLVED"), "ROUTE_RESOLVED");
+    id.connect(&ConnectOptions::default()).unwrap();
+    assert_eq!(next("ESTABLISHED"), "ESTABLISHED");
+    // ucmatose's client: receive everything first (5 s each is plenty on loopback), then
+    // answer with its buffer.
+    let t0 = Instant::now();
+    for k in 0..2 {
+        let m = id.recv_message(Duration::from_secs(5));
+        assert_eq!(
+            m.as_deref(),
+            Some(b"pong ".as_slice()),
+            "server message {k}"
+        );
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    for _ in 0..2 {
+        id.send(&[0xA5; 100]).unwrap();
+    }
+    assert_eq!(next("DISCONNECTED"), "DISCONNECTED");
+    id.destroy().unwrap();
+    for line in lines {
+        sout.push_str(&line.expect("server output"));
+        sout.push('\n');
+    }
+    let s = server.wait_with_output().expect("server exits");
+    assert_eq!(
+        s.status.code(),
+        Some(0),
+        "{sout}{}",
+        String::from_utf8_lossy(&s.stderr)
+    );
+    assert!(
+        sout.contains(
+            "messages over the iWARP stream received 2 of 2 (0 checked byte for byte, 2 from a peer not in rcm's format)"
+        ),
+        "{sout}"
+    );
 }
