@@ -150,6 +150,29 @@ k=$(grep -cE "\[$A6\]:[0-9]+ +> +\[$B6\]:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s9.txt)
 echo "IPv6: rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
 [ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire-v6 $?
 
+step "10: an MRA from the kernel: its ucmatose server stopped while rcm's REQ arrives"
+# ib_cm answers rcm's repeated REQ with an MRA (service timeout 24, ~69 s); rcm must wait
+# that long instead of giving up at its own deadline, and complete once the server runs.
+cap_start s10 veth0
+bg srv ucmatose -b $INIT_IP -p 7474 -c 1 -C 0
+sleep 1
+SP=$(cat /tmp/srv.pid); kill -STOP $SP
+bg_peer cli rcm ping --connect $INIT_IP --bind $PEER_IP -p 7474 -c 1 --private-data "" --timeout 120
+sleep 12
+kill -CONT $SP
+wait_job cli 100; verdict rcm-active-after-mra $?
+stop cli
+wait_job srv 20; verdict ucmatose-server-after-mra $?
+stop srv
+cap_stop s10
+rcm decode $HARNESS_OUT/s10.pcap > /tmp/s10.txt
+grep -q " MRA .*mraed=Req service_timeout=24" /tmp/s10.txt; verdict kernel-sent-mra $?
+
+step "11: SIDR to a port with no kernel listener: SIDR_REP status 1, rcm reports UNREACHABLE"
+in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -p 7999 -c 1 --messages 0 --timeout 20 > /tmp/sidr1.log 2>&1; r=$?
+cat /tmp/sidr1.log
+[ "$r" = 1 ] && grep -q "UNREACHABLE: Unreachable(NoService)" /tmp/sidr1.log; verdict rcm-sees-sidr-no-service $?
+
 step "6: timewait agreement: the kernel never had to retry a DREQ or DREP to rcm"
 r=0
 for f in /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/dreq /sys/class/infiniband/rxe0/ports/1/cm_tx_retries/drep; do
