@@ -114,7 +114,7 @@ sleep 1
 [ -e /tmp/rcm-vm.sock ]; [ $? != 0 ]; verdict daemon-removed-its-socket $?
 cap_stop s8
 
-step "9: IPv6 (2001:2::/48, RFC 5180): RC both ways, then SIDR and 5 UD SENDs each way"
+step "9: IPv6 (2001:2::/48, RFC 5180): RC both ways, SIDR and 5 UD SENDs each way, cmtime -c 50 each way"
 # rxe sends RoCEv2 over IPv6 with UDP checksum 0; rcm's IPv6 devices take such datagrams
 # (UDP_NO_CHECK6_RX), without which they never heard the kernel. The kernel checks rcm's ICRC
 # over the IPv6 header (rxe drops a bad one): udaddy exits 0 only after 5 of rcm's UD SENDs.
@@ -149,6 +149,22 @@ n=$(grep -cE "\[$B6\]:[0-9]+ +> +\[$A6\]:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" /tmp
 k=$(grep -cE "\[$A6\]:[0-9]+ +> +\[$B6\]:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s9.txt)
 echo "IPv6: rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
 [ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire-v6 $?
+# 50 connections in flight each way over IPv6: rcm's REPs and DREQs to one peer leave in
+# segmented sends, whose every datagram's ICRC rxe checks.
+cap_start s9b veth0
+bg_peer bsrv rcm bench --listen --bind $B6
+sleep 1
+timeout 60 cmtime -s $B6 -b $A6 -c 50 > /tmp/cmtime6.log 2>&1; verdict cmtime-client-50-v6 $?
+cat /tmp/cmtime6.log
+stop bsrv
+for p in $(pidof rcm); do kill -9 $p; done
+sleep 0.5
+bg csrv cmtime -b $A6
+sleep 1
+in_peer rcm bench --server $A6 --bind $B6 -c 50 --timeout 60 > /tmp/rbench6.log 2>&1; verdict rcm-bench-vs-cmtime-server-v6 $?
+cat /tmp/rbench6.log
+stop csrv
+cap_stop s9b
 
 step "10: an MRA from the kernel: its ucmatose server stopped while rcm's REQ arrives"
 # ib_cm answers rcm's repeated REQ with an MRA (service timeout 24, ~69 s); rcm must wait

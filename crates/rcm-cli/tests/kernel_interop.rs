@@ -115,7 +115,7 @@ fn run_scenario(
 #[test]
 fn rcm_tools_interoperate_with_the_linux_kernel() {
     let Some(top) = preflight() else { return };
-    run_scenario(&top, "rcm", "rcm-roce.sh", "rxe", 37);
+    run_scenario(&top, "rcm", "rcm-roce.sh", "rxe", 39);
 }
 
 /// rcm's iWARP devices (plain TCP) against the kernel's siw0: `rcm ping --transport iwarp`
