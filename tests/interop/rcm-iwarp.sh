@@ -79,6 +79,20 @@ sleep 1
 timeout 30 ucmatose -f ip -s $B6 -b $A6 -p 7471 -c 1 -C 0; verdict ucmatose-siw-client-v6 $?
 wait_job app 30; verdict rcm-iwarp-passive-v6 $?
 stop app; cap_stop w6
+step "7: MPA CRC: the kernel's ucmatose client asks for CRC (siw mpa_crc_required=1), rcm ping --listen agrees"
+# rcm answers the C flag with C and then frames every FPDU with CRC32c; siw checks them.
+siw_param mpa_crc_required 1
+cap_start w7 veth0 tcp
+bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p 7474 -c 1 -C 2 --private-data "" --timeout 40
+sleep 1
+timeout 40 ucmatose -s $PEER_IP -p 7474 -c 1 -C 2 -S 100; verdict ucmatose-siw-client-crc $?
+wait_job app 40; verdict rcm-iwarp-passive-crc $?
+stop app; cap_stop w7
+siw_param mpa_crc_required 0
+rcm decode $HARNESS_OUT/w7.pcap > /tmp/w7.txt
+n=$(grep -cE "$PEER_IP:7474 +> +$INIT_IP:[0-9]+ +FPDU_SEND .*crc=ok" /tmp/w7.txt)
+echo "rcm FPDUs with a correct CRC: $n"; grep -E "MPA_RE|FPDU" /tmp/w7.txt
+grep -q "MPA_REP rev=2 flags=CE" /tmp/w7.txt && [ "$n" = 2 ]; verdict rcm-fpdus-carry-crc $?
 if [ "$FAIL" != 0 ]; then
   echo "--- siw parameters and counters"
   for f in /sys/module/siw/parameters/* /sys/class/infiniband/siw0/ports/1/counters/* \
