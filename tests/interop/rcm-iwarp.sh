@@ -93,6 +93,20 @@ rcm decode $HARNESS_OUT/w7.pcap > /tmp/w7.txt
 n=$(grep -cE "$PEER_IP:7474 +> +$INIT_IP:[0-9]+ +FPDU_SEND .*crc=ok" /tmp/w7.txt)
 echo "rcm FPDUs with a correct CRC: $n"; grep -E "MPA_RE|FPDU" /tmp/w7.txt
 grep -q "MPA_REP rev=2 flags=CE" /tmp/w7.txt && [ "$n" = 2 ]; verdict rcm-fpdus-carry-crc $?
+step "8: MPA v2 peer-to-peer: the kernel's ucmatose client (siw peer_to_peer=1) offers RTR, rcm ping --listen picks one"
+# The client's ready-to-receive message (a zero-length RDMA WRITE, the type rcm chose) must
+# come before rcm takes the stream as up; then messages both ways.
+siw_param peer_to_peer 1
+cap_start w8 veth0 tcp
+bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p 7475 -c 1 -C 2 --private-data "" --timeout 40
+sleep 1
+timeout 40 ucmatose -s $PEER_IP -p 7475 -c 1 -C 2 -S 100; verdict ucmatose-siw-client-p2p $?
+wait_job app 40; verdict rcm-iwarp-passive-p2p $?
+stop app; cap_stop w8
+siw_param peer_to_peer 0
+rcm decode $HARNESS_OUT/w8.pcap > /tmp/w8.txt
+grep -E "MPA_RE|FPDU" /tmp/w8.txt
+grep -q "MPA_REP rev=2 .*p2p=write " /tmp/w8.txt && grep -q "FPDU_RDMA_WRITE .*len=0" /tmp/w8.txt; verdict p2p-rtr-on-the-wire $?
 if [ "$FAIL" != 0 ]; then
   echo "--- siw parameters and counters"
   for f in /sys/module/siw/parameters/* /sys/class/infiniband/siw0/ports/1/counters/* \
