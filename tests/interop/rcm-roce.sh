@@ -184,10 +184,18 @@ cap_stop s10
 rcm decode $HARNESS_OUT/s10.pcap > /tmp/s10.txt
 grep -q " MRA .*mraed=Req service_timeout=24" /tmp/s10.txt; verdict kernel-sent-mra $?
 
-step "11: SIDR to a port with no kernel listener: SIDR_REP status 1, rcm reports UNREACHABLE"
+step "11: SIDR to a port with no kernel listener (status 1), and rcm rejecting the kernel's SIDR_REQ (status 2)"
 in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -p 7999 -c 1 --messages 0 --timeout 20 > /tmp/sidr1.log 2>&1; r=$?
 cat /tmp/sidr1.log
 [ "$r" = 1 ] && grep -q "UNREACHABLE: Unreachable(NoService)" /tmp/sidr1.log; verdict rcm-sees-sidr-no-service $?
+# And the other way: rcm rejects the kernel's SIDR_REQ (status 2), udaddy sees UNREACHABLE 2.
+bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --reject --messages 0 --private-data "" --timeout 30
+sleep 1
+udaddy -s $PEER_IP -c 1 -C 0 > /tmp/sidrrej.log 2>&1
+cat /tmp/sidrrej.log
+grep -q "RDMA_CM_EVENT_UNREACHABLE, error: 2" /tmp/sidrrej.log; verdict udaddy-sees-sidr-reject $?
+wait_job uapp 30; verdict rcm-sidr-rejected-as-asked $?
+stop uapp
 
 step "6: timewait agreement: the kernel never had to retry a DREQ or DREP to rcm"
 r=0

@@ -81,7 +81,7 @@ fn engine_connects_and_disconnects_with_the_linux_kernel_both_ways() {
 /// The `rcm` binary itself against the kernel: `rcm ping` both ways, rejects both ways
 /// (reasons 8 and 28), the kernel's cmtime client with 50 connections in flight against
 /// `rcm bench --listen`, SIDR and UD SENDs, the daemon, RC, SIDR and UD over IPv6, an MRA
-/// from the kernel, and SIDR to no listener (tests/interop/rcm-roce.sh).
+/// from the kernel, and SIDR rejects both ways (tests/interop/rcm-roce.sh).
 /// Runs one rcm scenario in the VM; returns its verdict lines after checking they all passed.
 fn run_scenario(
     top: &std::path::Path,
@@ -115,7 +115,7 @@ fn run_scenario(
 #[test]
 fn rcm_tools_interoperate_with_the_linux_kernel() {
     let Some(top) = preflight() else { return };
-    run_scenario(&top, "rcm", "rcm-roce.sh", "rxe", 39);
+    run_scenario(&top, "rcm", "rcm-roce.sh", "rxe", 41);
 }
 
 /// rcm's iWARP devices (plain TCP) against the kernel's siw0: `rcm ping --transport iwarp`
