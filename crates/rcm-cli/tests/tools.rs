@@ -288,6 +288,19 @@ fn a_taken_device_port_is_explained() {
             "{args:?}: {err}"
         );
     }
+    // The wildcard is no device's address (it listened "on 0.0.0.0" with a device there).
+    for args in [
+        vec!["ping", "--listen", "--bind", "0.0.0.0"],
+        vec!["bench", "--listen", "--bind", "0.0.0.0"],
+        vec!["daemon", "--socket", sock, "--bind", "0.0.0.0"],
+    ] {
+        let (code, _, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains("a device needs a unicast address of this host; 0.0.0.0 is the wildcard"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// The contract's command lines as they are written, no `--bind`: `rcm bench --listen -c N`

@@ -534,7 +534,9 @@ impl Fabric {
     /// Adds a RoCEv2 device on a local address (it binds UDP `udp_port` there). Wildcard
     /// listeners start listening on it at once. [`crate::Error::AddrInUse`] (`ip:udp_port`)
     /// when another socket holds that port (one process owns a device's port);
-    /// [`crate::Error::AddrNotAvailable`] when `ip` is not an address of this host.
+    /// [`crate::Error::AddrNotAvailable`] when `ip` is not an address of this host;
+    /// [`crate::Error::InvalidArgument`] for an address that is not unicast (the wildcard:
+    /// bind a listener to it instead, to listen on every device).
     pub fn add_device(&self, ip: IpAddr) -> crate::Result<Device> {
         self.add(ip, None)
     }
@@ -576,6 +578,11 @@ impl Fabric {
         if self.0.provider.is_some() {
             return Err(crate::Error::InvalidArgument(
                 "the devices of a provider-backed fabric are the provider's".into(),
+            ));
+        }
+        if let Some(why) = not_a_device_address(ip) {
+            return Err(crate::Error::InvalidArgument(
+                format!("a device needs a unicast address of this host; {ip} is {why}").into(),
             ));
         }
         if self.0.device(ip).is_some() {
@@ -855,4 +862,23 @@ impl Removal {
             );
         }
     }
+}
+
+/// Why `ip` cannot be a device's address, if it cannot: a device sends from its address
+/// (the RoCEv2 ICRC covers it, and rdma_cm's header carries it), so it must be one unicast
+/// address. A socket bound to the wildcard would take every local address's traffic and
+/// send from whichever the kernel picks, with an ICRC computed for 0.0.0.0.
+fn not_a_device_address(ip: IpAddr) -> Option<&'static str> {
+    if ip.is_unspecified() {
+        return Some("the wildcard (a listener bound to it listens on every device)");
+    }
+    if ip.is_multicast() {
+        return Some("a multicast address");
+    }
+    if let IpAddr::V4(v4) = ip {
+        if v4.is_broadcast() {
+            return Some("the broadcast address");
+        }
+    }
+    None
 }

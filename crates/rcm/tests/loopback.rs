@@ -672,6 +672,31 @@ fn a_device_port_held_elsewhere_is_addr_in_use() {
     assert_eq!(f.device_addrs(), vec![at.ip()]);
 }
 
+/// A device needs one unicast address: the wildcard (which a listener uses to take every
+/// device), a multicast or the broadcast address is refused before any socket is opened,
+/// for RoCEv2 and iWARP devices alike (a RoCEv2 device "on 0.0.0.0" took every address's
+/// traffic and computed its ICRCs for source 0.0.0.0).
+#[test]
+fn a_device_address_must_be_unicast() {
+    let f = Fabric::new(FabricConfig {
+        udp_port: 24809,
+        ..FabricConfig::default()
+    });
+    for ip in ["0.0.0.0", "::", "224.0.0.1", "ff02::1", "255.255.255.255"] {
+        let ip: IpAddr = ip.parse().unwrap();
+        for r in [f.add_device(ip), f.add_iwarp_device(ip)] {
+            match r {
+                Err(Error::InvalidArgument(why)) => {
+                    assert!(why.contains("unicast address"), "{ip}: {why}");
+                }
+                other => panic!("{ip}: {:?}", other.map(|_| ())),
+            }
+        }
+    }
+    assert!(f.device_addrs().is_empty());
+    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+}
+
 /// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
 /// on 127.0.0.2 that plays the other side. A REQ's or REP's starting PSN is the PSN its
 /// sender receives from (cm.c keeps it as the sender's rq_psn and the receiver's sq_psn), so
