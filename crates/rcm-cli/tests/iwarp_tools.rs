@@ -116,43 +116,83 @@ fn ping_iwarp_more_connections_than_the_default_backlog() {
     );
 }
 
-#[test]
-fn ping_iwarp_split_server_and_client() {
-    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args([
-            "ping",
-            "--transport",
-            "iwarp",
-            "--listen",
-            "--bind",
-            "127.0.0.1",
-            "-c",
-            "2",
-            "-p",
-            "28016",
-            "--udp-port",
-            "28017",
-            "--timeout",
-            "30",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start server");
-    // The client starts once the server listens: a client started earlier could have one
-    // connection refused and the other served, and the server would count one too many.
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
-        server.stdout.take().expect("server stdout"),
-    ));
-    let mut sout = String::new();
-    for line in lines.by_ref() {
-        let line = line.expect("server output");
-        sout.push_str(&line);
-        sout.push('\n');
-        if line.contains("listening on") {
-            break;
+/// An `rcm ping --listen` process, started and read up to its "listening on" line: a client
+/// started earlier could have a connection refused. Killed if the test ends before `finish`.
+struct PingServer {
+    child: Option<std::process::Child>,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    out: String,
+}
+
+impl PingServer {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rcm"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start server");
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+            child.stdout.take().expect("server stdout"),
+        ));
+        let mut out = String::new();
+        for line in lines.by_ref() {
+            let line = line.expect("server output");
+            out.push_str(&line);
+            out.push('\n');
+            if line.contains("listening on") {
+                break;
+            }
+        }
+        PingServer {
+            child: Some(child),
+            lines,
+            out,
         }
     }
+
+    /// Waits for the server to exit: its status, all it printed, its stderr.
+    fn finish(mut self) -> (Option<i32>, String, String) {
+        for line in self.lines.by_ref() {
+            self.out.push_str(&line.expect("server output"));
+            self.out.push('\n');
+        }
+        let child = self.child.take().expect("running");
+        let s = child.wait_with_output().expect("server exits");
+        let err = String::from_utf8_lossy(&s.stderr).into_owned();
+        (s.status.code(), std::mem::take(&mut self.out), err)
+    }
+}
+
+impl Drop for PingServer {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn ping_iwarp_split_server_and_client() {
+    // The client starts once the server listens: a client started earlier could have one
+    // connection refused and the other served, and the server would count one too many.
+    let server = PingServer::start(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-c",
+        "2",
+        "-p",
+        "28016",
+        "--udp-port",
+        "28017",
+        "--timeout",
+        "30",
+    ]);
     let (code, cout, cerr) = rcm(&[
         "ping",
         "--transport",
@@ -171,12 +211,8 @@ fn ping_iwarp_split_server_and_client() {
         "30",
     ]);
     assert_eq!(code, 0, "{cout}\n{cerr}");
-    for line in lines {
-        sout.push_str(&line.expect("server output"));
-        sout.push('\n');
-    }
-    let s = server.wait_with_output().expect("server exits");
-    assert_eq!(s.status.code(), Some(0), "{sout}");
+    let (status, sout, _) = server.finish();
+    assert_eq!(status, Some(0), "{sout}");
     assert!(
         cout.contains("client: 2 of 2 established, 2 disconnected"),
         "{cout}"
@@ -300,41 +336,24 @@ fn ping_iwarp_mpa_revision_1_and_its_usage_error() {
 fn ping_iwarp_server_serves_a_ucmatose_like_client() {
     use rcm::{ConnectOptions, EventChannel, Fabric, FabricConfig, PortSpace};
     use std::time::{Duration, Instant};
-    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args([
-            "ping",
-            "--transport",
-            "iwarp",
-            "--listen",
-            "--bind",
-            "127.0.0.1",
-            "-c",
-            "1",
-            "-C",
-            "2",
-            "-p",
-            "28025",
-            "--private-data",
-            "",
-            "--timeout",
-            "30",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start server");
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
-        server.stdout.take().expect("server stdout"),
-    ));
-    let mut sout = String::new();
-    for line in lines.by_ref() {
-        let line = line.expect("server output");
-        sout.push_str(&line);
-        sout.push('\n');
-        if line.contains("listening on") {
-            break;
-        }
-    }
+    let server = PingServer::start(&[
+        "ping",
+        "--transport",
+        "iwarp",
+        "--listen",
+        "--bind",
+        "127.0.0.1",
+        "-c",
+        "1",
+        "-C",
+        "2",
+        "-p",
+        "28025",
+        "--private-data",
+        "",
+        "--timeout",
+        "30",
+    ]);
     let f = Fabric::new(FabricConfig::default());
     f.add_iwarp_device("127.0.0.2".parse().unwrap()).unwrap();
     let ch = EventChannel::new();
@@ -368,17 +387,8 @@ fn ping_iwarp_server_serves_a_ucmatose_like_client() {
     }
     assert_eq!(next("DISCONNECTED"), "DISCONNECTED");
     id.destroy().unwrap();
-    for line in lines {
-        sout.push_str(&line.expect("server output"));
-        sout.push('\n');
-    }
-    let s = server.wait_with_output().expect("server exits");
-    assert_eq!(
-        s.status.code(),
-        Some(0),
-        "{sout}{}",
-        String::from_utf8_lossy(&s.stderr)
-    );
+    let (status, sout, serr) = server.finish();
+    assert_eq!(status, Some(0), "{sout}{serr}");
     assert!(
         sout.contains(
             "messages over the iWARP stream received 2 of 2 (0 checked byte for byte, 2 from a peer not in rcm's format)"
