@@ -31,10 +31,10 @@ pub fn raise_fd_limit() -> Option<u64> {
     getrlimit(Resource::Nofile).current
 }
 
-/// What a tool says when it cannot open the RoCEv2 device `what`: the error, and for a UDP
-/// port another socket holds (one process owns a device's port, as the kernel owns QP1)
-/// what usually holds it and the ways past it; for an address this host does not have,
-/// that.
+/// What a tool says when it cannot open the device `what` (RoCEv2 or iWARP): the error, and
+/// for a RoCEv2 device's UDP port another socket holds (one process owns a device's port, as
+/// the kernel owns QP1) what usually holds it and the ways past it; for an address this host
+/// does not have, that.
 pub fn device_error(what: &str, e: &rcm::Error) -> String {
     match e {
         rcm::Error::AddrInUse(a) => {
