@@ -2218,3 +2218,63 @@ fn bytes_held_for_the_application_are_bounded_too() {
         (term_layer::DDP, term_etype::DDP_UNTAGGED_BUFFER, 0x02),
     );
 }
+
+/// RFC 5044 has the initiator send the first FPDU, and siw as initiator fails a connection
+/// whose first FPDU comes with the Reply (it reads 4 bytes past the Reply's private data).
+/// The responder's FPDUs therefore wait for the initiator's first, or for
+/// `CepConfig::responder_hold` when the initiator waits to receive first (ucmatose's client
+/// does); a disconnect sends what waited before its FIN.
+#[test]
+fn responder_fpdus_wait_for_the_initiators_first() {
+    // The initiator sends first: the responder's message follows it at once.
+    let mut n = Net::new(Frag::Whole, 31);
+    n.establish(&ConnectParams::default(), &AcceptParams::default());
+    let reply_len = n.sides[B].sent.len();
+    n.send(B, b"early pong");
+    assert_eq!(
+        n.sides[B].sent.len(),
+        reply_len,
+        "held until the initiator speaks"
+    );
+    assert!(n.messages(A).is_empty());
+    n.send(A, b"ping");
+    assert_eq!(n.messages(A), vec![b"early pong".to_vec()]);
+    assert_eq!(n.messages(B), vec![b"ping".to_vec()]);
+
+    // The initiator waits to receive: the responder's messages go after the hold, in order.
+    let mut n = Net::new(Frag::Whole, 32);
+    n.establish(&ConnectParams::default(), &AcceptParams::default());
+    let t = n.now;
+    n.send(B, b"one");
+    n.send(B, b"two");
+    assert!(n.messages(A).is_empty());
+    n.advance(
+        CepConfig::default()
+            .responder_hold
+            .saturating_sub(Duration::from_millis(1)),
+    );
+    assert!(n.messages(A).is_empty(), "sent before the hold ended");
+    n.advance(Duration::from_millis(1));
+    assert_eq!(n.messages(A), vec![b"one".to_vec(), b"two".to_vec()]);
+    assert!(n.now >= t + CepConfig::default().responder_hold);
+
+    // A disconnect during the hold: the data, then the FIN.
+    let mut n = Net::new(Frag::Whole, 33);
+    n.establish(&ConnectParams::default(), &AcceptParams::default());
+    n.send(B, b"bye");
+    let now = n.now;
+    n.b().disconnect(now).unwrap();
+    n.pump();
+    assert_eq!(n.messages(A), vec![b"bye".to_vec()]);
+    assert!(n.events(A).contains(&Event::Disconnect));
+
+    // Zero hold: the responder sends at once (siw's own behaviour).
+    let cb = CepConfig {
+        responder_hold: Duration::ZERO,
+        ..CepConfig::default()
+    };
+    let mut n = Net::with_configs(Frag::Whole, 34, CepConfig::default(), cb);
+    n.establish(&ConnectParams::default(), &AcceptParams::default());
+    n.send(B, b"now");
+    assert_eq!(n.messages(A), vec![b"now".to_vec()]);
+}

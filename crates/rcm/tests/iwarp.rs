@@ -865,7 +865,13 @@ fn raw_passive_peer(lst: &std::net::TcpListener) -> (std::net::TcpStream, rcm_pr
     use rcm_proto::iw::{AcceptParams, Cep, CepConfig};
     use std::io::{Read, Write};
     let (mut s, _) = lst.accept().expect("accept");
-    let mut cep = Cep::passive(Instant::now(), CepConfig::default());
+    // Driven by hand, with no timers: its FPDUs go out at once rather than wait for ours
+    // (`responder_hold`).
+    let cfg = CepConfig {
+        responder_hold: std::time::Duration::ZERO,
+        ..CepConfig::default()
+    };
+    let mut cep = Cep::passive(Instant::now(), cfg);
     let mut buf = [0u8; 4096];
     while cep.state() != rcm_proto::iw::State::Established {
         let n = s.read(&mut buf).expect("read");

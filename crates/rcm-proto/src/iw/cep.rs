@@ -125,6 +125,10 @@ pub struct Cep {
     unwritten_read_responses: VecDeque<u64>,
     actions: VecDeque<TcpAction>,
     events: VecDeque<Event>,
+    /// Passive, without peer-to-peer mode: until when our FPDUs wait for the initiator's
+    /// first ([`CepConfig::responder_hold`]); `held` keeps them meanwhile, in order.
+    hold: Option<Instant>,
+    held: Vec<Vec<u8>>,
 }
 
 impl Cep {
@@ -161,6 +165,8 @@ impl Cep {
             unwritten_read_responses: VecDeque::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),
+            hold: None,
+            held: Vec::new(),
         }
     }
 
@@ -233,7 +239,10 @@ impl Cep {
 
     /// When [`Cep::on_timer`] must next be called, if a timer runs.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.timer.map(|(at, _)| at)
+        match (self.timer.map(|(at, _)| at), self.hold) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     // ----- commands --------------------------------------------------------------------------
@@ -353,6 +362,9 @@ impl Cep {
         } else {
             self.state = State::Established;
             self.timer = None;
+            if !self.cfg.responder_hold.is_zero() {
+                self.hold = Some(now + self.cfg.responder_hold);
+            }
             self.events.push_back(Event::Established(neg));
         }
         Ok(())
@@ -386,6 +398,8 @@ impl Cep {
     pub fn disconnect(&mut self, now: Instant) -> Result<(), CepError> {
         match self.state {
             State::Established => {
+                // What waited for the initiator goes out before our FIN.
+                self.release_held();
                 self.state = State::Closing;
                 self.write_shut = true;
                 self.actions.push_back(TcpAction::Shutdown);
@@ -447,7 +461,18 @@ impl Cep {
 
     fn push_tx(&mut self, bytes: Vec<u8>) {
         self.tx_queued = self.tx_queued.saturating_add(bytes.len() as u64);
-        self.transmits.push_back(bytes);
+        if self.hold.is_some() {
+            self.held.push(bytes);
+        } else {
+            self.transmits.push_back(bytes);
+        }
+    }
+
+    /// Ends the responder's wait for the initiator's first FPDU: what waited goes out.
+    fn release_held(&mut self) {
+        if self.hold.take().is_some() {
+            self.transmits.extend(self.held.drain(..));
+        }
     }
 
     /// The application took `n` of the messages reported ([`Event::Message`]): their receive
@@ -582,6 +607,9 @@ impl Cep {
 
     /// Time passed; run whatever timer is due at `now`.
     pub fn on_timer(&mut self, now: Instant) {
+        if self.hold.is_some_and(|at| now >= at) && !self.closed {
+            self.release_held();
+        }
         let Some((at, kind)) = self.timer else {
             return;
         };
@@ -631,7 +659,12 @@ impl Cep {
             self.events.push_back(e);
         }
         if action == TcpAction::Reset {
+            self.hold = None;
+            self.held.clear();
             self.transmits.clear();
+        } else {
+            // A closing stream still carries what waited for the initiator, in order.
+            self.release_held();
         }
         self.actions.push_back(action);
     }
@@ -991,6 +1024,9 @@ impl Cep {
             );
             return false;
         }
+        // The initiator's first FPDU: a responder's may follow (RFC 5044, see
+        // `CepConfig::responder_hold`).
+        self.release_held();
         let (hdr, hlen) = match DdpRdmapHeader::parse(&ulpdu) {
             Ok(x) => x,
             Err(e) => {

@@ -95,6 +95,16 @@ pub struct CepConfig {
     /// them past it ends the stream like a Send without a buffer. Default 4 MiB: with
     /// `recv_queue` alone a peer could make one connection hold 1,024 messages of 1 MiB.
     pub recv_bytes: usize,
+    /// Passive, without peer-to-peer mode: how long our FPDUs wait for the initiator's
+    /// first FPDU. RFC 5044 has the initiator send first (rdma_connect(3): "the active side
+    /// must send the first message" on iWARP), and siw as initiator holds to it: it reads
+    /// the Reply's private data and 4 bytes more, and bytes there fail the connection
+    /// (`siw_recv_mpa_rr` -EPROTO, the application sees CONNECT_ERROR -EINVAL; seen in the
+    /// interop VM when our first FPDU followed the Reply within ms). Our FPDUs go out when
+    /// the initiator's first arrives, or after this long for initiators that wait to
+    /// receive first (ucmatose's client does, relying on siw's own responder not holding).
+    /// Default 50 ms; zero sends at once.
+    pub responder_hold: Duration,
 }
 
 impl Default for CepConfig {
@@ -112,6 +122,7 @@ impl Default for CepConfig {
             max_recv_message: 1 << 20,
             recv_queue: 1024,
             recv_bytes: 4 << 20,
+            responder_hold: Duration::from_millis(50),
         }
     }
 }
