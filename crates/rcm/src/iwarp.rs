@@ -603,8 +603,10 @@ impl DeviceInner {
         msg: &[u8],
     ) -> Option<Result<Result<(), iw::CepError>, SendBufferFull>> {
         self.with_iw(|e, iw, now| {
-            // A message longer than the bound is taken when nothing waits.
-            let unsent = e.conns.get(&key)?.out.len();
+            // A message longer than the bound is taken when nothing waits. What the engine
+            // holds for the initiator's first FPDU (`responder_hold`) waits too.
+            let conn = e.conns.get(&key)?;
+            let unsent = conn.out.len() + conn.cep.held_bytes();
             if unsent > 0 && unsent + msg.len() > IW_SEND_BUFFER {
                 return Some(Err(SendBufferFull));
             }

@@ -468,6 +468,13 @@ impl Cep {
         }
     }
 
+    /// Bytes queued but not yet handed out by [`Cep::poll_transmit`] because a responder's
+    /// FPDUs wait for the initiator's first ([`CepConfig::responder_hold`]): a driver bounding
+    /// what waits for the socket counts them too.
+    pub fn held_bytes(&self) -> usize {
+        self.held.iter().map(Vec::len).sum()
+    }
+
     /// Ends the responder's wait for the initiator's first FPDU: what waited goes out.
     fn release_held(&mut self) {
         if self.hold.take().is_some() {
