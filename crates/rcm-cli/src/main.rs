@@ -175,6 +175,12 @@ struct DaemonArgs {
     #[arg(long, value_name = "US", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(0..=100_000))]
     spin_us: u64,
+    /// Send a device's datagrams to its own address through the kernel's UDP, as to any
+    /// other address. By default they go straight to its engine (two clients connecting
+    /// through one device, as rxe loops back a packet to its own address; see
+    /// rcm::FabricConfig::loopback): no wake-up of the device's receive thread.
+    #[arg(long)]
+    no_loopback: bool,
     /// Socket file permissions, octal.
     #[arg(long, default_value = "660", value_parser = parse_mode)]
     mode: u32,
@@ -232,6 +238,7 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
     cfg.fabric.dispatcher_threads = a.threads as usize;
     cfg.fabric.callbacks = callback_mode(&a.callbacks);
     cfg.fabric.spin = std::time::Duration::from_micros(a.spin_us);
+    cfg.fabric.loopback = !a.no_loopback;
     cfg.mode = a.mode;
     cfg.limits = rcm_ucm::proto::Limits {
         max_ids: a.max_ids,

@@ -219,7 +219,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                         } else {
                             primary
                         };
-                        let _ = id.resolve_addr(None, SocketAddr::new(dst, 7471));
+                        // Some from the server's own device: two ids of one device talk
+                        // through its loopback (rcm::FabricConfig::loopback), in the
+                        // calling threads, not the receive loop.
+                        let src = rng.gen_bool(0.3).then_some(dst);
+                        let _ = id.resolve_addr(src, SocketAddr::new(dst, 7471));
                         live.push((id, flag));
                     }
                     5..=7 if !live.is_empty() => {

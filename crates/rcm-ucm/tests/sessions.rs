@@ -996,6 +996,12 @@ fn two_clients_connect_through_one_device() {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
     }
     wait_ids(&d, 0, 0);
+    // The device talked to itself: its datagrams went straight to its engine, none
+    // through UDP (rcm::FabricConfig::loopback).
+    let dev = d.fabric().device(ip(1)).expect("the daemon's device");
+    let (_, sent) = dev.traffic();
+    assert!(dev.looped() >= 5, "{} looped", dev.looped());
+    assert_eq!(dev.looped(), sent);
 }
 
 /// Dropping a client's last `Fabric` handle ends its session, as exiting does: the ids it

@@ -54,6 +54,8 @@ pub struct DeviceStats {
     pub tx_segmented: AtomicU64,
     /// Receives that brought several datagrams at once (`UDP_GRO`).
     pub rx_coalesced: AtomicU64,
+    /// Datagrams to the device's own address handed to its engine (`FabricConfig::loopback`).
+    pub looped: AtomicU64,
 }
 
 pub(crate) struct DeviceInner {
@@ -85,6 +87,8 @@ pub(crate) struct DeviceInner {
     gso: AtomicBool,
     /// `CallbackMode::Inline`: callbacks of received events run on the receive loop.
     inline_callbacks: bool,
+    /// `FabricConfig::loopback`: datagrams to `ip` go to the engine, not to the socket.
+    loopback: bool,
     pub stats: DeviceStats,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
@@ -99,6 +103,7 @@ impl DeviceInner {
         verify_icrc: bool,
         spin: Duration,
         inline_callbacks: bool,
+        loopback: bool,
     ) -> crate::Result<Arc<Self>> {
         let raw = if verify_icrc {
             Some(raw_receiver(ip)?)
@@ -141,6 +146,7 @@ impl DeviceInner {
             psn: AtomicU32::new(0),
             gso: AtomicBool::new(gso),
             inline_callbacks,
+            loopback,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: None,
@@ -187,6 +193,7 @@ impl DeviceInner {
             psn: AtomicU32::new(0),
             gso: AtomicBool::new(false),
             inline_callbacks: false,
+            loopback: false,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
@@ -217,7 +224,7 @@ impl DeviceInner {
         let mut tx = TX_LIST
             .try_with(|l| std::mem::take(&mut *l.borrow_mut()))
             .unwrap_or_default();
-        let (r, next) = {
+        let (r, mut next) = {
             let mut ep = sync::lock(&self.engine);
             let r = f(&mut ep, now);
             tx.extend(std::iter::from_fn(|| ep.poll_transmit()));
@@ -226,10 +233,22 @@ impl DeviceInner {
             drop(p);
             (r, ep.poll_timeout())
         };
-        if !hold(self, &mut tx) {
-            self.send_all(&tx);
+        let mut local = Vec::new();
+        for round in 0.. {
+            // Bounded, so that two ids answering each other forever cannot hold this thread:
+            // past it the rest goes through the socket, and the receive loop takes it.
+            if round < LOOPBACK_ROUNDS {
+                self.take_own(&mut tx, &mut local);
+            }
+            if !hold(self, &mut tx) {
+                self.send_all(&tx);
+            }
+            tx.clear();
+            if local.is_empty() {
+                break;
+            }
+            next = self.deliver_own(&mut local, &mut tx);
         }
-        tx.clear();
         let _ = TX_LIST.try_with(|l| {
             let mut l = l.borrow_mut();
             if l.capacity() < tx.capacity() {
@@ -239,6 +258,42 @@ impl DeviceInner {
         self.maybe_wake(next);
         self.route_pending();
         r
+    }
+
+    /// Moves the datagrams of `tx` addressed to this device into `local` when they are to
+    /// be looped back (`FabricConfig::loopback`, the device still open).
+    fn take_own(&self, tx: &mut Vec<Transmit>, local: &mut Vec<Transmit>) {
+        if !self.loopback || !tx.iter().any(|t| t.dst == self.ip) || self.socket().is_none() {
+            return;
+        }
+        let mut i = 0;
+        while i < tx.len() {
+            if tx[i].dst == self.ip {
+                local.push(tx.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Hands `local` (emptied) to the engine as received from this device's own address;
+    /// what that makes the engine send goes to `tx`, what it reports to the routing queue.
+    /// Returns the engine's next deadline.
+    fn deliver_own(&self, local: &mut Vec<Transmit>, tx: &mut Vec<Transmit>) -> Option<Instant> {
+        let n = local.len() as u64;
+        let mut ep = sync::lock(&self.engine);
+        let now = Instant::now();
+        for t in local.drain(..) {
+            ep.handle_datagram(now, self.ip, &t.mad);
+        }
+        tx.extend(std::iter::from_fn(|| ep.poll_transmit()));
+        let mut p = sync::lock(&self.pending);
+        p.events.extend(std::iter::from_fn(|| ep.poll_event()));
+        drop(p);
+        for c in [&self.stats.looped, &self.stats.tx, &self.stats.rx] {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+        ep.poll_timeout()
     }
 
     fn route_pending(self: &Arc<Self>) {
@@ -963,6 +1018,10 @@ pub(crate) fn flush_held() {
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
 
+/// Rounds of datagrams to the device's own address that one engine call hands back to its
+/// engine before the rest go through the socket (a CM exchange takes at most a few).
+const LOOPBACK_ROUNDS: usize = 16;
+
 std::thread_local! {
     /// What the thread's send batch holds (see [`crate::SendBatch`]).
     static HELD: std::cell::RefCell<Held> = std::cell::RefCell::new(Held::default());
@@ -1034,8 +1093,16 @@ mod tests {
 
     fn device(ip: IpAddr, port: u16) -> Arc<DeviceInner> {
         let cfg = EndpointConfig::new(ip, 0x0200_00FF_FE00_0001, 1);
-        DeviceInner::open(ip, port, Endpoint::new(cfg), false, Duration::ZERO, false)
-            .expect("device")
+        DeviceInner::open(
+            ip,
+            port,
+            Endpoint::new(cfg),
+            false,
+            Duration::ZERO,
+            false,
+            true,
+        )
+        .expect("device")
     }
 
     fn transmits(dst: IpAddr, n: u8) -> Vec<Transmit> {

@@ -53,6 +53,13 @@ pub struct FabricConfig {
     /// Where callbacks run, and whether what they send is batched (default: on the
     /// callback threads, unbatched, so a callback may block).
     pub callbacks: CallbackMode,
+    /// A CM datagram a RoCEv2 device sends to its own address (two ids of one device
+    /// talking, as two clients of one `rcm daemon` do) goes straight to its engine, in the
+    /// sending thread, instead of through the kernel's UDP and a wake-up of the device's
+    /// receive thread: what rxe does for a packet to its own address (`rxe_loopback`), so
+    /// such traffic is not on the wire in either (on by default; [`Device::looped`] counts
+    /// it). Datagrams to another device, even one of this fabric, always go through UDP.
+    pub loopback: bool,
 }
 
 /// Where a fabric's callbacks run ([`FabricConfig::callbacks`]). Every mode keeps every
@@ -96,6 +103,7 @@ impl Default for FabricConfig {
             ud_receive: true,
             spin: DEFAULT_SPIN,
             callbacks: CallbackMode::Threads,
+            loopback: true,
         }
     }
 }
@@ -609,6 +617,7 @@ impl Fabric {
                 self.0.cfg.verify_icrc,
                 self.0.cfg.spin,
                 self.0.cfg.callbacks == CallbackMode::Inline,
+                self.0.cfg.loopback,
             )?,
         };
         {
@@ -648,6 +657,16 @@ impl Fabric {
             return p.device_addrs();
         }
         self.0.devices().iter().map(|d| d.ip).collect()
+    }
+
+    /// This process's device on `ip` (`None` for a fabric served by a daemon, whose
+    /// devices are the daemon's).
+    pub fn device(&self, ip: IpAddr) -> Option<Device> {
+        self.0
+            .devices()
+            .into_iter()
+            .find(|d| d.ip == ip)
+            .map(Device)
     }
 
     /// Ids alive (created and not yet torn down), for leak checks.
@@ -728,6 +747,12 @@ impl Device {
             self.0.stats.rx.load(Ordering::Relaxed),
             self.0.stats.tx.load(Ordering::Relaxed),
         )
+    }
+
+    /// CM datagrams it sent to its own address and handed to its engine directly
+    /// ([`FabricConfig::loopback`]); they are also in both counts of [`Device::traffic`].
+    pub fn looped(&self) -> u64 {
+        self.0.stats.looped.load(Ordering::Relaxed)
     }
 
     /// (sent, received) system calls that each carried several datagrams: sends of a

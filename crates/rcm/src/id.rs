@@ -1142,6 +1142,7 @@ impl CmId {
         if let Some(dev) = iw_dev {
             return self.iw_connect(&dev, opts);
         }
+        let psn = rand::random::<u32>() & 0xFF_FFFF;
         let (dst, dev, qpn, path, pd) = {
             let mut g = self.usable()?;
             if g.state != State::RouteResolved {
@@ -1171,9 +1172,16 @@ impl CmId {
             // between would otherwise be overwritten, and the endpoint made below, which
             // its teardown never saw, kept (and its REQ retried) for good.
             g.state = State::Connect;
-            if is_ud(self.0.ps) {
-                g.conn.local_qpn = qpn;
-            }
+            // What the REQ announces, recorded before it can leave: its REP may be handled
+            // (and the QP moved along with these values) before the engine call returns,
+            // at once when the peer is an id of this device (`FabricConfig::loopback`), and
+            // the REP's own values (the ACK timeout from its ACK delay) must not be
+            // overwritten afterwards.
+            g.conn.local_qpn = qpn;
+            g.conn.local_psn = psn;
+            g.conn.retry_count = opts.retry_count.min(7);
+            g.conn.rnr_retry_count = opts.rnr_retry_count.min(7);
+            g.conn.ack_timeout = ib::cm_ack_timeout(15, g.path.packet_life_time);
             (dst, dev, qpn, g.path, pd)
         };
         if is_ud(self.0.ps) {
@@ -1189,7 +1197,6 @@ impl CmId {
         }
         let sid = cma::service_id(self.0.ps, dst.port());
         let weak = Arc::downgrade(&self.0);
-        let psn = rand::random::<u32>() & 0xFF_FFFF;
         let mut p = ConnectParams::new(dst.ip(), sid, qpn);
         p.responder_resources = opts.responder_resources;
         p.initiator_depth = opts.initiator_depth;
@@ -1232,11 +1239,6 @@ impl CmId {
             }
             Ok(h) => {
                 g.cep = Some(h);
-                g.conn.local_qpn = qpn;
-                g.conn.local_psn = psn;
-                g.conn.retry_count = p.retry_count;
-                g.conn.rnr_retry_count = p.rnr_retry_count;
-                g.conn.ack_timeout = ib::cm_ack_timeout(15, p.path.packet_life_time);
                 Ok(())
             }
             Err(e) => {
@@ -1274,11 +1276,17 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             };
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
+            // What the REP announces is what the QP gets (cm.c's ib_send_cm_rep keeps the
+            // accept's values for the RTR and RTS attributes). Recorded before the REP can
+            // leave: its RTU may be handled, and the ESTABLISHED delivered, before the
+            // engine call returns (at once for a peer on this device, `FabricConfig::loopback`).
+            g.conn.local_qpn = qpn;
+            g.conn.responder_resources = opts.responder_resources;
+            g.conn.initiator_depth = opts.initiator_depth;
             (dev, cep, qpn, g.conn.local_psn)
         };
         if is_ud(self.0.ps) {
             // Receive on the QPN before the SIDR_REP announces it: the peer may send at once.
-            sync::lock(&self.0.st).conn.local_qpn = qpn;
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
                 let mut g = sync::lock(&self.0.st);
                 g.conn.local_qpn = 0;
@@ -1309,11 +1317,6 @@ impl CmId {
         let mut g = sync::lock(&self.0.st);
         match r {
             Ok(()) => {
-                g.conn.local_qpn = qpn;
-                // What the REP announced is what the QP gets (cm.c's ib_send_cm_rep keeps
-                // the accept's values for the RTR and RTS attributes).
-                g.conn.responder_resources = opts.responder_resources;
-                g.conn.initiator_depth = opts.initiator_depth;
                 g.conn.accepted = true;
                 if is_ud(self.0.ps) && g.state == State::Connect {
                     g.state = State::Established;
@@ -1322,8 +1325,8 @@ impl CmId {
             }
             Err(e) => {
                 Self::unclaim_qp(&mut g);
+                g.conn.local_qpn = 0;
                 if is_ud(self.0.ps) {
-                    g.conn.local_qpn = 0;
                     drop(g);
                     unregister_ud(&dev, qpn, &self.0);
                 }

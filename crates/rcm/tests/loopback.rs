@@ -647,6 +647,68 @@ fn one_device(port: u16) -> Fabric {
     f
 }
 
+/// Two ids of one device talk without the kernel's UDP (`FabricConfig::loopback`, as rxe
+/// loops back a packet to its own address): every datagram of a connect, establish and
+/// disconnect goes straight to the device's engine. With it off they all go through the
+/// socket, and the connection is the same.
+#[test]
+fn a_device_talking_to_itself_loops_back() {
+    for (port, loopback) in [(24810, true), (24811, false)] {
+        let f = Fabric::new(FabricConfig {
+            udp_port: port,
+            loopback,
+            ..FabricConfig::default()
+        });
+        let dev = f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let srv = server(&f, 7471, false, tx.clone());
+        let cli = client(&f, addr(1, 7471), tx);
+        expect(&rx, "request hello");
+        expect(&rx, "response welcome");
+        expect_all(&rx, &["client established", "server established"]);
+        assert_eq!(cli.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 1]));
+        cli.disconnect().unwrap();
+        expect_all(&rx, &["server disconnected", "client disconnected"]);
+        // REQ, REP, RTU, DREQ, DREP: each counted once sent and once received.
+        let (received, sent) = dev.traffic();
+        assert!(
+            sent >= 5 && received >= 5,
+            "{received} received, {sent} sent"
+        );
+        if loopback {
+            // Nothing through the socket: every datagram sent was looped back (the device's
+            // own one-byte wake-ups, if any, are received but never counted as sent).
+            assert_eq!(dev.looped(), sent, "loopback {loopback}");
+        } else {
+            assert_eq!(dev.looped(), 0, "loopback {loopback}");
+        }
+        assert_eq!(dev.engine_stats().rx_malformed, 0);
+        assert_eq!(cli.destroy(), Ok(DestroyOutcome::Done));
+        assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
+        f.shutdown();
+        assert_eq!(f.live_ids(), 0);
+    }
+}
+
+/// A connection between two devices of one fabric is not looped back: it crosses UDP.
+#[test]
+fn two_devices_of_one_fabric_talk_through_udp() {
+    let f = fabric(24812);
+    let (tx, rx) = mpsc::channel();
+    let srv = server(&f, 7471, false, tx.clone());
+    let cli = client(&f, addr(1, 7471), tx);
+    expect_all(&rx, &["client established", "server established"]);
+    for last in [1, 2] {
+        let d = f.device(IpAddr::from([127, 0, 0, last])).expect("device");
+        assert_eq!(d.looped(), 0);
+        assert!(d.traffic().1 > 0);
+    }
+    assert!(f.device(IpAddr::from([127, 0, 0, 3])).is_none());
+    assert_eq!(cli.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
+}
+
 /// A device's UDP port held by another socket (another process's device, say) is a typed
 /// `AddrInUse` naming the address and port, and nothing is left half-open: once the port is
 /// free the same fabric opens the device. An address the host lacks is `AddrNotAvailable`.
