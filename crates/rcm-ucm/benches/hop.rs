@@ -27,11 +27,12 @@ fn wait(ch: &EventChannel) -> Event {
     e.take().expect("event")
 }
 
-/// One connect → accept → establish → disconnect cycle between a server and a client id.
-fn cycle(client: &Fabric, sch: &EventChannel, port: u16) {
+/// One connect → accept → establish → disconnect cycle between a server and a client id
+/// (the client on device `src`, or on the other device when `None`).
+fn cycle(client: &Fabric, sch: &EventChannel, port: u16, src: Option<IpAddr>) {
     let cch = EventChannel::new();
     let c = client.create_id_on(PortSpace::Tcp, &cch);
-    c.resolve_addr(None, SocketAddr::new(ip(1), port)).unwrap();
+    c.resolve_addr(src, SocketAddr::new(ip(1), port)).unwrap();
     assert!(matches!(wait(&cch), Event::AddrResolved));
     c.resolve_route().unwrap();
     assert!(matches!(wait(&cch), Event::RouteResolved));
@@ -94,15 +95,24 @@ fn bench(c: &mut Criterion) {
         });
     }
 
-    for (name, s, cl, port) in [
-        ("cycle in-process", &local, &local, 7801u16),
-        ("cycle through daemon", &remote_s, &remote_c, 7802),
+    // Two devices cross UDP; on one device the daemon's loopback carries the CM messages
+    // (rcm::FabricConfig::loopback).
+    for (name, s, cl, port, src) in [
+        ("cycle in-process", &local, &local, 7801u16, None),
+        ("cycle through daemon", &remote_s, &remote_c, 7802, None),
+        (
+            "cycle through daemon, one device",
+            &remote_s,
+            &remote_c,
+            7803,
+            Some(ip(1)),
+        ),
     ] {
         let sch = EventChannel::new();
         let l = s.create_id_on(PortSpace::Tcp, &sch);
         l.bind(SocketAddr::new(ip(1), port)).unwrap();
         l.listen(64).unwrap();
-        g.bench_function(name, |b| b.iter(|| cycle(cl, &sch, port)));
+        g.bench_function(name, |b| b.iter(|| cycle(cl, &sch, port, src)));
         l.destroy().unwrap();
     }
     g.finish();
