@@ -266,14 +266,17 @@ impl DeviceInner {
         if !self.loopback || !tx.iter().any(|t| t.dst == self.ip) || self.socket().is_none() {
             return;
         }
-        let mut i = 0;
-        while i < tx.len() {
+        // One pass, the others keeping their order.
+        let mut kept = 0;
+        for i in 0..tx.len() {
             if tx[i].dst == self.ip {
-                local.push(tx.remove(i));
+                local.push(tx[i].clone());
             } else {
-                i += 1;
+                tx.swap(kept, i);
+                kept += 1;
             }
         }
+        tx.truncate(kept);
     }
 
     /// Hands `local` (emptied) to the engine as received from this device's own address;
@@ -1119,6 +1122,34 @@ mod tests {
             got.push(buf[..n].to_vec());
         }
         got
+    }
+
+    /// The datagrams to the device's own address are taken for its engine, in order, and the
+    /// others keep theirs; a device that is shut takes none (they go to its closed socket).
+    #[test]
+    fn own_address_datagrams_are_taken_in_order() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        let other = IpAddr::from([127, 0, 0, 5]);
+        let dev = device(me, 28423);
+        let list = || -> Vec<Transmit> {
+            (0..7u8)
+                .map(|k| Transmit {
+                    dst: if k % 3 == 1 { me } else { other },
+                    mad: [k; 256],
+                })
+                .collect()
+        };
+        let tags = |l: &[Transmit]| l.iter().map(|t| t.mad[0]).collect::<Vec<_>>();
+        let (mut tx, mut local) = (list(), Vec::new());
+        dev.take_own(&mut tx, &mut local);
+        assert_eq!(tags(&local), [1, 4]);
+        assert_eq!(tags(&tx), [0, 2, 3, 5, 6]);
+        assert!(tx.iter().all(|t| t.dst == other));
+        dev.shutdown();
+        let (mut tx, mut local) = (list(), Vec::new());
+        dev.take_own(&mut tx, &mut local);
+        assert!(local.is_empty());
+        assert_eq!(tx.len(), 7);
     }
 
     /// Datagrams to one peer leave in one segmented send and arrive one by one at a plain
