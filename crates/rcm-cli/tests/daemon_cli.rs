@@ -520,3 +520,26 @@ fn daemon_callback_modes_serve_ping_and_bench() {
     assert_eq!(code, 2);
     assert!(err.contains("--callbacks"), "{err}");
 }
+
+/// A daemon of one address serves ping and bench whose both ends are its clients, on its
+/// one device: by default the device's loopback carries their CM messages, with
+/// `--no-loopback` UDP does; the same connections either way.
+#[test]
+fn one_address_daemon_serves_both_ends_with_and_without_loopback() {
+    for (extra, udp) in [(&[][..], 27833), (&["--no-loopback"][..], 27834)] {
+        let path = sock(&format!("oneaddr{udp}"));
+        let mut d = start_with(&path, udp, &["127.0.0.1"], extra);
+        let p = path.to_str().unwrap();
+        let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "10", "--json"]);
+        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 10, "{extra:?}");
+        let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "--json"]);
+        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 200, "{extra:?}");
+        assert_eq!(v["errors"], 0, "{extra:?}");
+        sigterm(&d);
+        assert_eq!(wait_exit(&mut d), 0, "{extra:?}");
+    }
+}
