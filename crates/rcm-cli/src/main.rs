@@ -275,6 +275,16 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
         d.sessions(),
         d.held_ids()
     );
+    for ip in d.fabric().device_addrs() {
+        if let Some(dev) = d.fabric().device(ip).filter(|d| !d.is_iwarp()) {
+            let (rx, tx) = dev.traffic();
+            eprintln!(
+                "rcm daemon: device {ip}: {tx} CM datagrams sent, {rx} received; {} of them \
+                 to itself, handed to its engine without UDP (see --no-loopback)",
+                dev.looped()
+            );
+        }
+    }
     d.shutdown();
     ExitCode::SUCCESS
 }

@@ -16,13 +16,28 @@ fn sock(name: &str) -> PathBuf {
 }
 
 /// A daemon this test started: killed (by its PID) if the test fails before stopping it.
-struct Started(Child);
+struct Started {
+    child: Child,
+    /// Its standard error after the "serving" line, read on as it comes.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+    drain: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Started {
+    /// What it wrote to standard error after it began serving, once it has exited.
+    fn log(&mut self) -> String {
+        if let Some(h) = self.drain.take() {
+            let _ = h.join();
+        }
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
 
 impl Drop for Started {
     fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
     }
 }
@@ -30,13 +45,13 @@ impl Drop for Started {
 impl std::ops::Deref for Started {
     type Target = Child;
     fn deref(&self) -> &Child {
-        &self.0
+        &self.child
     }
 }
 
 impl std::ops::DerefMut for Started {
     fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
+        &mut self.child
     }
 }
 
@@ -83,8 +98,21 @@ fn start_with(path: &Path, udp: u16, binds: &[&str], extra: &[&str]) -> Started 
         }
     }
     // Keep draining its log so it never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Started(c)
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let kept = log.clone();
+    let drain = std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            if let Ok(mut k) = kept.lock() {
+                k.push_str(&l);
+                k.push('\n');
+            }
+        }
+    });
+    Started {
+        child: c,
+        log,
+        drain: Some(drain),
+    }
 }
 
 /// `rcm ping --listen -c 0` through the daemon at `p` on `port`, once it listens; with the
@@ -541,5 +569,22 @@ fn one_address_daemon_serves_both_ends_with_and_without_loopback() {
         assert_eq!(v["errors"], 0, "{extra:?}");
         sigterm(&d);
         assert_eq!(wait_exit(&mut d), 0, "{extra:?}");
+        let log = d.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("device 127.0.0.1:") && l.contains("to itself"))
+            .unwrap_or_else(|| panic!("{extra:?}: no traffic line in\n{log}"));
+        let looped: u64 = line
+            .split("; ")
+            .nth(1)
+            .and_then(|w| w.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        if extra.is_empty() {
+            // 210 connections, each REQ, REP, RTU, DREQ, DREP at least.
+            assert!(looped >= 5 * 210, "{line}");
+        } else {
+            assert_eq!(looped, 0, "{line}");
+        }
     }
 }

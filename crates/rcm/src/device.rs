@@ -501,11 +501,13 @@ impl DeviceInner {
         batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
     ) {
         let mut bad = 0;
+        let mut wakeups = 0;
         let mut ud = Vec::new();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
                 if buf.len() == 1 && from.ip() == self.ip {
-                    continue; // our own wake-up
+                    wakeups += 1; // our own wake-up: not traffic
+                    continue;
                 }
                 // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
                 match classify(buf) {
@@ -515,7 +517,9 @@ impl DeviceInner {
                 }
             }
         });
-        self.stats.rx.fetch_add(n as u64, Ordering::Relaxed);
+        self.stats
+            .rx
+            .fetch_add((n - wakeups) as u64, Ordering::Relaxed);
         self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
         for (src, d) in ud {
             self.deliver_ud(src, d);
