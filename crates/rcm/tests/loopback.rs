@@ -140,20 +140,30 @@ fn expect(rx: &mpsc::Receiver<String>, want: &str) {
     }
 }
 
-#[test]
-fn connect_accept_disconnect_with_callbacks() {
-    let f = fabric(24791);
+/// A server on 127.0.0.1:7471 and a client from 127.0.0.`src` connect with private data
+/// both ways, establish and disconnect (the client asks); both ids are returned.
+fn connect_and_disconnect(f: &Fabric, src: u8) -> (CmId, CmId) {
     let (tx, rx) = mpsc::channel();
-    let srv = server(&f, 7471, false, tx.clone());
-    let cli = client(&f, addr(1, 7471), tx);
+    let srv = server(f, 7471, false, tx.clone());
+    let cli = client(f, addr(1, 7471), tx);
     expect(&rx, "request hello");
     expect(&rx, "response welcome");
     expect_all(&rx, &["client established", "server established"]);
     assert_eq!(cli.state(), State::Established);
-    assert_eq!(cli.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 2]));
+    assert_eq!(
+        cli.local_addr().unwrap().ip(),
+        IpAddr::from([127, 0, 0, src])
+    );
     assert_eq!(cli.peer_addr(), Some(addr(1, 7471)));
     cli.disconnect().unwrap();
     expect_all(&rx, &["server disconnected", "client disconnected"]);
+    (srv, cli)
+}
+
+#[test]
+fn connect_accept_disconnect_with_callbacks() {
+    let f = fabric(24791);
+    let (srv, cli) = connect_and_disconnect(&f, 2);
     assert_eq!(cli.destroy(), Ok(DestroyOutcome::Done));
     assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
     // The child id (accepted connection) is still alive until destroyed; shutdown cleans up.
@@ -660,15 +670,7 @@ fn a_device_talking_to_itself_loops_back() {
             ..FabricConfig::default()
         });
         let dev = f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
-        let (tx, rx) = mpsc::channel();
-        let srv = server(&f, 7471, false, tx.clone());
-        let cli = client(&f, addr(1, 7471), tx);
-        expect(&rx, "request hello");
-        expect(&rx, "response welcome");
-        expect_all(&rx, &["client established", "server established"]);
-        assert_eq!(cli.local_addr().unwrap().ip(), IpAddr::from([127, 0, 0, 1]));
-        cli.disconnect().unwrap();
-        expect_all(&rx, &["server disconnected", "client disconnected"]);
+        let (srv, cli) = connect_and_disconnect(&f, 1);
         // REQ, REP, RTU, DREQ, DREP: each counted once sent and once received (the DREP
         // may still be on its way: the disconnecting side reports at once).
         let t0 = std::time::Instant::now();
