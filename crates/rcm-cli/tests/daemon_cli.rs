@@ -521,6 +521,21 @@ fn iwarp_daemon_serves_ping_and_bench() {
 /// `--callbacks inline` and `batched`: the daemon's callbacks run on its device threads, or
 /// on its callback threads with their datagrams batched, and it serves as before; a mode
 /// it does not know is a usage error.
+/// `rcm ping -c 10` and `rcm bench -c 200` through the daemon at `path`: every connection
+/// established, no error (`what` names the case in a failure).
+fn ping_and_bench_through(path: &Path, what: &str) {
+    let p = path.to_str().unwrap();
+    let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "10", "--json"]);
+    assert_eq!(code, 0, "{what}: {out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 10, "{what}");
+    let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "--json"]);
+    assert_eq!(code, 0, "{what}: {out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 200, "{what}");
+    assert_eq!(v["errors"], 0, "{what}");
+}
+
 #[test]
 fn daemon_callback_modes_serve_ping_and_bench() {
     for (mode, udp) in [("inline", 27831), ("batched", 27832)] {
@@ -531,16 +546,7 @@ fn daemon_callback_modes_serve_ping_and_bench() {
             &["127.0.0.1", "127.0.0.2"],
             &["--callbacks", mode],
         );
-        let p = path.to_str().unwrap();
-        let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "10", "--json"]);
-        assert_eq!(code, 0, "{mode}: {out}\n{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["established"], 10, "{mode}");
-        let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "--json"]);
-        assert_eq!(code, 0, "{mode}: {out}\n{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["established"], 200, "{mode}");
-        assert_eq!(v["errors"], 0, "{mode}");
+        ping_and_bench_through(&path, mode);
         sigterm(&d);
         assert_eq!(wait_exit(&mut d), 0, "{mode}");
     }
@@ -557,16 +563,7 @@ fn one_address_daemon_serves_both_ends_with_and_without_loopback() {
     for (extra, udp) in [(&[][..], 27833), (&["--no-loopback"][..], 27834)] {
         let path = sock(&format!("oneaddr{udp}"));
         let mut d = start_with(&path, udp, &["127.0.0.1"], extra);
-        let p = path.to_str().unwrap();
-        let (code, out, err) = rcm(&["ping", "--daemon", p, "-c", "10", "--json"]);
-        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["established"], 10, "{extra:?}");
-        let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "--json"]);
-        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["established"], 200, "{extra:?}");
-        assert_eq!(v["errors"], 0, "{extra:?}");
+        ping_and_bench_through(&path, &format!("{extra:?}"));
         sigterm(&d);
         assert_eq!(wait_exit(&mut d), 0, "{extra:?}");
         let log = d.log();
