@@ -99,6 +99,13 @@ fn bench(c: &mut Criterion) {
     // (rcm::FabricConfig::loopback).
     for (name, s, cl, port, src) in [
         ("cycle in-process", &local, &local, 7801u16, None),
+        (
+            "cycle in-process, one device",
+            &local,
+            &local,
+            7804,
+            Some(ip(1)),
+        ),
         ("cycle through daemon", &remote_s, &remote_c, 7802, None),
         (
             "cycle through daemon, one device",
