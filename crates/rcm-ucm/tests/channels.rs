@@ -357,7 +357,11 @@ fn inline_accepts_under_load(
     use rcm::{AcceptOptions, Flow};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
-    let mut cfg = config(name, port, &[1, 2]);
+    // Patient retries: the callbacks wait for the application's lock, which a caller takes
+    // over and over (std's Mutex is not fair: a callback starved for over a second and a
+    // REQ given up after 1 s failed the test, 2 runs in 10; it tests for deadlock, not for
+    // latency).
+    let mut cfg = config_patient(name, port, &[1, 2]);
     cfg.max_channels = max_channels;
     let d = Daemon::start(cfg).expect("daemon");
     let server = rcm_ucm::fabric_with(
@@ -394,12 +398,18 @@ fn inline_accepts_under_load(
     // Three calls on the server's session, over and over, holding `lock` if given.
     let churn = |lock: Option<&Mutex<()>>| {
         while !stop.load(Ordering::SeqCst) {
-            let _app = lock.map(|m| m.lock().expect("app lock"));
-            let id = server
-                .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
-                .expect("create");
-            id.bind(sa(1, 0)).expect("bind");
-            id.destroy().expect("destroy");
+            {
+                let _app = lock.map(|m| m.lock().expect("app lock"));
+                let id = server
+                    .try_create_id_on(PortSpace::Tcp, &EventChannel::new())
+                    .expect("create");
+                id.bind(sa(1, 0)).expect("bind");
+                id.destroy().expect("destroy");
+            }
+            if lock.is_some() {
+                // A moment without the lock: re-taken at once, it is never the callback's.
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
     };
     std::thread::scope(|s| {
