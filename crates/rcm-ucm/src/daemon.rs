@@ -880,9 +880,12 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                 continue;
             }
         };
-        // The events an operation produces (ADDR_RESOLVED from resolve_addr, say) are
-        // queued for the client by this thread after the reply, not by a woken callback
-        // thread: the daemon's callbacks never block.
+        // The events an operation produces (ADDR_RESOLVED from resolve_addr, say; a peer's
+        // CONNECT_REQUEST from connect on the same device) are queued, and sent as far as
+        // credit allows, by this thread before the reply, not by a woken callback thread
+        // (the daemon's callbacks never block): they are what the next step waits for, the
+        // reply only unblocks the caller (serial connects through a one-address daemon,
+        // 18 interleaved rounds: p50 median 53.5 µs against 60.5 with the reply first).
         let here = matches!(cmd, Command::Call(..)).then(rcm::CallbacksHere::begin);
         let reply = match (&cmd, hello) {
             (Command::Hello { min, max }, false) => match check_version(*min, *max) {
@@ -935,10 +938,10 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
             ))),
             (_, true) => serve(sh, target.as_ref().map_or(s, |c| &c.target), cmd),
         };
+        drop(here);
         if let Some(m) = reply {
             push_reply(s, &m.encode(h.seq));
         }
-        drop(here);
     }
 }
 

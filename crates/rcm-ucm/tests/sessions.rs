@@ -1004,6 +1004,47 @@ fn two_clients_connect_through_one_device() {
     assert_eq!(dev.looped(), sent);
 }
 
+/// The events a call produces at once are queued, and written as far as credit allows,
+/// before its answer: a peer waits for them, the answer only unblocks the caller
+/// (docs/ucm-protocol.md, credit). On the session's own connection a RESOLVE_ADDR's
+/// ADDR_RESOLVED comes before its OK; with no credit the OK comes alone and the event waits
+/// for credit.
+#[test]
+fn a_calls_own_event_is_written_before_its_answer() {
+    let d = daemon("evfirst", 47230, &[1]);
+    let (mut s, _) = raw(&d);
+    let resolve = |h| {
+        Command::Call(
+            h,
+            Op::ResolveAddr {
+                src: None,
+                dst: sa(1, 7000),
+            },
+        )
+    };
+    let h = create(&mut s);
+    s.send(&Command::GetEvent(1)).expect("credit");
+    let seq = s.send(&resolve(h)).expect("send");
+    let (_, first) = s.recv().expect("a frame");
+    assert!(
+        matches!(first, Message::Event { handle, event: WireEvent::AddrResolved, .. } if handle == h),
+        "first {first:?}"
+    );
+    assert!(matches!(s.recv().expect("a frame"), (n, Message::Ok(_)) if n == seq));
+    // No credit left: the answer, then nothing until credit comes.
+    let h2 = create(&mut s);
+    let seq = s.send(&resolve(h2)).expect("send");
+    assert!(matches!(s.recv().expect("a frame"), (n, Message::Ok(_)) if n == seq));
+    assert_silent(&mut s, Duration::from_millis(200));
+    s.send(&Command::GetEvent(1)).expect("credit");
+    assert!(matches!(
+        s.next_event().expect("event"),
+        Message::Event { handle, event: WireEvent::AddrResolved, .. } if handle == h2
+    ));
+    drop(s);
+    wait_ids(&d, 0, 0);
+}
+
 /// Dropping a client's last `Fabric` handle ends its session, as exiting does: the ids it
 /// held (a `CmId` handle still in hand included) are destroyed at the daemon and the peer
 /// sees DISCONNECTED.
