@@ -627,8 +627,16 @@ fn work(w: &Arc<World>, slot: usize) {
                         }
                     }
                 };
-                w.set_doing(slot, format!("resolve_addr id {} to {dst}", id.key()));
-                if !w.typed(id.resolve_addr(None, dst)) {
+                // A third from the destination's own device, when it has one: the two ids
+                // then talk through its loopback (`FabricConfig::loopback`), in the calling
+                // threads rather than the receive loops.
+                let src =
+                    (rng.below(3) == 0 && live_devices(w).contains(&dst.ip())).then_some(dst.ip());
+                w.set_doing(
+                    slot,
+                    format!("resolve_addr id {} to {dst} from {src:?}", id.key()),
+                );
+                if !w.typed(id.resolve_addr(src, dst)) {
                     w.destroy_blocking(&rec);
                 }
             }
@@ -869,7 +877,7 @@ fn counts(w: &World) -> String {
         "callbacks {}, channel events {}, listeners {}, clients {}, connects {}, accepts {}, \
          rejects {}, established {}, disconnects {}, destroys {}, begin_destroys {}, \
          Flow::Destroy {}, destroys in callbacks {}, EventsOutstanding {}, device removals {}, \
-         DeviceRemoval events {}, typed errors {}",
+         DeviceRemoval events {}, typed errors {}, looped back by the live devices {}",
         l(&c.callbacks),
         l(&c.channel_events),
         l(&c.listeners),
@@ -886,7 +894,12 @@ fn counts(w: &World) -> String {
         l(&c.events_outstanding),
         l(&c.device_removals),
         l(&c.removal_events),
-        l(&c.typed_errors)
+        l(&c.typed_errors),
+        live_devices(w)
+            .iter()
+            .filter_map(|ip| w.f.device(*ip))
+            .map(|d| d.looped())
+            .sum::<u64>()
     )
 }
 
