@@ -4,6 +4,21 @@
 FAIL=0
 command -v rcm >/dev/null || { echo "run with --extra-bin .../rcm"; exit 2; }
 verdict() { echo "verdict $1 $2"; [ "$2" = 0 ] || FAIL=1; }
+# with_siw_param PARAM PORT CAPTURE TAG: with siw's PARAM set to 1, the kernel's ucmatose
+# client sends 2 messages of 100 bytes to rcm ping --listen on PORT and takes rcm's 2
+# (verdicts ucmatose-siw-client-TAG, rcm-iwarp-passive-TAG); PARAM back to 0, the capture
+# decoded into /tmp/CAPTURE.txt.
+with_siw_param() {
+    siw_param "$1" 1
+    cap_start "$3" veth0 tcp
+    bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p "$2" -c 1 -C 2 --private-data "" --timeout 40
+    sleep 1
+    timeout 40 ucmatose -s $PEER_IP -p "$2" -c 1 -C 2 -S 100; verdict "ucmatose-siw-client-$4" $?
+    wait_job app 40; verdict "rcm-iwarp-passive-$4" $?
+    stop app; cap_stop "$3"
+    siw_param "$1" 0
+    rcm decode "$HARNESS_OUT/$3.pcap" > "/tmp/$3.txt"
+}
 
 step "1: rcm ping --transport iwarp connects 3 times to the kernel's ucmatose server on siw0"
 cap_start w1 veth0 tcp
@@ -81,30 +96,14 @@ wait_job app 30; verdict rcm-iwarp-passive-v6 $?
 stop app; cap_stop w6
 step "7: MPA CRC: the kernel's ucmatose client asks for CRC (siw mpa_crc_required=1), rcm ping --listen agrees"
 # rcm answers the C flag with C and then frames every FPDU with CRC32c; siw checks them.
-siw_param mpa_crc_required 1
-cap_start w7 veth0 tcp
-bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p 7474 -c 1 -C 2 --private-data "" --timeout 40
-sleep 1
-timeout 40 ucmatose -s $PEER_IP -p 7474 -c 1 -C 2 -S 100; verdict ucmatose-siw-client-crc $?
-wait_job app 40; verdict rcm-iwarp-passive-crc $?
-stop app; cap_stop w7
-siw_param mpa_crc_required 0
-rcm decode $HARNESS_OUT/w7.pcap > /tmp/w7.txt
+with_siw_param mpa_crc_required 7474 w7 crc
 n=$(grep -cE "$PEER_IP:7474 +> +$INIT_IP:[0-9]+ +FPDU_SEND .*crc=ok" /tmp/w7.txt)
 echo "rcm FPDUs with a correct CRC: $n"; grep -E "MPA_RE|FPDU" /tmp/w7.txt
 grep -q "MPA_REP rev=2 flags=CE" /tmp/w7.txt && [ "$n" = 2 ]; verdict rcm-fpdus-carry-crc $?
 step "8: MPA v2 peer-to-peer: the kernel's ucmatose client (siw peer_to_peer=1) offers RTR, rcm ping --listen picks one"
 # The client's ready-to-receive message (a zero-length RDMA WRITE, the type rcm chose) must
 # come before rcm takes the stream as up; then messages both ways.
-siw_param peer_to_peer 1
-cap_start w8 veth0 tcp
-bg_peer app rcm ping --transport iwarp --listen --bind $PEER_IP -p 7475 -c 1 -C 2 --private-data "" --timeout 40
-sleep 1
-timeout 40 ucmatose -s $PEER_IP -p 7475 -c 1 -C 2 -S 100; verdict ucmatose-siw-client-p2p $?
-wait_job app 40; verdict rcm-iwarp-passive-p2p $?
-stop app; cap_stop w8
-siw_param peer_to_peer 0
-rcm decode $HARNESS_OUT/w8.pcap > /tmp/w8.txt
+with_siw_param peer_to_peer 7475 w8 p2p
 grep -E "MPA_RE|FPDU" /tmp/w8.txt
 grep -q "MPA_REP rev=2 .*p2p=write " /tmp/w8.txt && grep -q "FPDU_RDMA_WRITE .*len=0" /tmp/w8.txt; verdict p2p-rtr-on-the-wire $?
 if [ "$FAIL" != 0 ]; then

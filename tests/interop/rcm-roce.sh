@@ -4,6 +4,17 @@
 FAIL=0
 command -v rcm >/dev/null || { echo "run with --extra-bin .../rcm"; exit 2; }
 verdict() { echo "verdict $1 $2"; [ "$2" = 0 ] || FAIL=1; }
+# ud_sends_on_the_wire CAPTURE RCM KERNEL VERDICT: in the capture, 10 UD SENDs from rcm's
+# address (a grep pattern) to the kernel's, each ICRC correct, and 10 the other way.
+ud_sends_on_the_wire() {
+    rcm decode "$HARNESS_OUT/$1.pcap" > "/tmp/$1.txt"; local r=$?
+    local n k
+    n=$(grep -cE "$2:[0-9]+ +> +$3:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" "/tmp/$1.txt")
+    k=$(grep -cE "$3:[0-9]+ +> +$2:[0-9]+ +UD_SEND_ONLY_IMM" "/tmp/$1.txt")
+    echo "$4: rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
+    grep UD_SEND "/tmp/$1.txt" | head -4
+    [ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict "$4" $?
+}
 
 step "1: rcm ping connects 3 times to the kernel's ucmatose server (-C 0)"
 cap_start s1 veth0
@@ -92,12 +103,7 @@ wait_job uapp 30; verdict rcm-ud-passive $?
 stop uapp
 cap_stop s7b
 # rcm's UD SENDs on the wire: 10 (5 per run), every ICRC correct over the real IP header.
-rcm decode $HARNESS_OUT/s7b.pcap > /tmp/s7b.txt; r=$?
-n=$(grep -cE "$PEER_IP:[0-9]+ +> +$INIT_IP:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" /tmp/s7b.txt)
-k=$(grep -cE "$INIT_IP:[0-9]+ +> +$PEER_IP:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s7b.txt)
-echo "rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
-grep UD_SEND /tmp/s7b.txt | head -4
-[ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire $?
+ud_sends_on_the_wire s7b "$PEER_IP" "$INIT_IP" ud-sends-on-the-wire
 
 step "8: rcm daemon owns the peer's CM port; rcm ping --daemon connects to the kernel's ucmatose"
 cap_start s8 veth0
@@ -144,11 +150,7 @@ timeout 30 udaddy -s $B6 -b $A6 -c 1 -C 5 -S 100; verdict udaddy-client-ud-v6 $?
 wait_job uapp 30; verdict rcm-ud-passive-v6 $?
 stop uapp
 cap_stop s9
-rcm decode $HARNESS_OUT/s9.pcap > /tmp/s9.txt; r=$?
-n=$(grep -cE "\[$B6\]:[0-9]+ +> +\[$A6\]:[0-9]+ +UD_SEND_ONLY_IMM .*crc=ok" /tmp/s9.txt)
-k=$(grep -cE "\[$A6\]:[0-9]+ +> +\[$B6\]:[0-9]+ +UD_SEND_ONLY_IMM" /tmp/s9.txt)
-echo "IPv6: rcm UD SENDs with a good ICRC: $n; the kernel's UD SENDs to rcm: $k; decode rc=$r"
-[ "$r" = 0 ] && [ "$n" = 10 ] && [ "$k" = 10 ]; verdict ud-sends-on-the-wire-v6 $?
+ud_sends_on_the_wire s9 "\[$B6\]" "\[$A6\]" ud-sends-on-the-wire-v6
 # 50 connections in flight each way over IPv6: rcm's REPs and DREQs to one peer leave in
 # segmented sends, whose every datagram's ICRC rxe checks.
 cap_start s9b veth0

@@ -305,7 +305,7 @@ struct PingArgs {
     /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
     #[arg(short = 'p', long)]
     port: Option<u16>,
-    /// Connections (server: 0 = serve forever; a client makes at least one).
+    /// Connections (server: 0 = serve forever; a client needs at least 1).
     #[arg(short = 'c', long, default_value_t = 1)]
     count: usize,
     /// Transport.

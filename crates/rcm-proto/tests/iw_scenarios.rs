@@ -2268,6 +2268,19 @@ fn responder_fpdus_wait_for_the_initiators_first() {
     assert_eq!(n.messages(A), vec![b"bye".to_vec()]);
     assert!(n.events(A).contains(&Event::Disconnect));
 
+    // An abort during the hold: nothing that waited goes out, not even after the hold.
+    let mut n = Net::new(Frag::Whole, 35);
+    n.establish(&ConnectParams::default(), &AcceptParams::default());
+    let reply_len = n.sides[B].sent.len();
+    n.send(B, b"never");
+    let now = n.now;
+    n.b().abort(now).unwrap();
+    n.pump();
+    n.advance(CepConfig::default().responder_hold);
+    assert_eq!(n.sides[B].sent.len(), reply_len, "sent after the abort");
+    assert!(n.messages(A).is_empty());
+    assert_eq!(last_close(n.events(A)), Some(CloseReason::Reset));
+
     // Zero hold: the responder sends at once (siw's own behaviour).
     let cb = CepConfig {
         responder_hold: Duration::ZERO,

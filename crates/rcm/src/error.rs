@@ -17,7 +17,7 @@ pub enum Error {
     #[error("the device of this id was removed; only destroy is valid")]
     DeviceRemoved,
     /// No local device has this address, or none reaches the destination; or, opening a
-    /// RoCEv2 device, the host has no such address.
+    /// device (RoCEv2 or iWARP), the host has no such address.
     #[error("address not available: {0}")]
     AddrNotAvailable(std::net::IpAddr),
     /// The port is already bound in this port space; or, opening a RoCEv2 device, its UDP

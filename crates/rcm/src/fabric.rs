@@ -662,11 +662,7 @@ impl Fabric {
     /// This process's device on `ip` (`None` for a fabric served by a daemon, whose
     /// devices are the daemon's).
     pub fn device(&self, ip: IpAddr) -> Option<Device> {
-        self.0
-            .devices()
-            .into_iter()
-            .find(|d| d.ip == ip)
-            .map(Device)
+        self.0.device(ip).map(Device)
     }
 
     /// Ids alive (created and not yet torn down), for leak checks.
