@@ -5,6 +5,7 @@
 //! no user code and no other id's teardown ever runs under it.
 
 use crate::id::IdInner;
+use crate::rxgate::{RxGate, RxTurn};
 use crate::sync;
 use rcm_proto::ib::{CepHandle, CmEvent, Endpoint, Transmit};
 use rcm_wire::roce::{self, Bth, Deth, GsiDatagram, IpForIcrc, Opcode, RocePacket};
@@ -56,6 +57,8 @@ pub struct DeviceStats {
     pub rx_coalesced: AtomicU64,
     /// Datagrams to the device's own address handed to its engine (`FabricConfig::loopback`).
     pub looped: AtomicU64,
+    /// Datagrams received by a thread waiting for an event (see `rxgate`).
+    pub rx_polled: AtomicU64,
 }
 
 pub(crate) struct DeviceInner {
@@ -93,6 +96,9 @@ pub(crate) struct DeviceInner {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
     pub iw: Option<crate::iwarp::IwDev>,
+    /// Who receives from the socket (see `rxgate`): on a device whose I/O thread reads it
+    /// (not one verifying ICRCs on a raw socket, not iWARP).
+    gate: Option<Arc<RxGate>>,
 }
 
 impl DeviceInner {
@@ -130,6 +136,8 @@ impl DeviceInner {
         let gso = raw.is_none() && crate::sys::enable_gro(&sock).is_ok();
         let sock = Arc::new(sock);
         let io_sock = sock.clone();
+        let gate = raw.is_none().then(|| Arc::new(RxGate::new()));
+        let io_gate = gate.clone();
         let dev = Arc::new(DeviceInner {
             ip,
             port,
@@ -150,6 +158,7 @@ impl DeviceInner {
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: None,
+            gate,
         });
         let weak = Arc::downgrade(&dev);
         // Made here, not on the thread: the device's memory is all taken when it opens.
@@ -158,10 +167,10 @@ impl DeviceInner {
             .name(format!("rcm-dev-{ip}"))
             .spawn(move || {
                 crate::fabric::mark_own_thread();
-                match (raw, rx) {
-                    (Some(raw), _) => raw_io_loop(&weak, &io_sock, &raw),
-                    (None, Some(rx)) => io_loop(&weak, &io_sock, spin, rx),
-                    (None, None) => {}
+                match (raw, rx, io_gate) {
+                    (Some(raw), _, _) => raw_io_loop(&weak, &io_sock, &raw),
+                    (None, Some(rx), Some(gate)) => io_loop(&weak, &io_sock, &gate, spin, rx),
+                    _ => {}
                 }
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
@@ -197,6 +206,7 @@ impl DeviceInner {
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
+            gate: None,
         });
         crate::iwarp::IwDev::start(&dev)?;
         Ok(dev)
@@ -217,6 +227,9 @@ impl DeviceInner {
         self: &Arc<Self>,
         f: impl FnOnce(&mut Endpoint, Instant) -> R,
     ) -> R {
+        if self.gate.is_some() && !crate::fabric::own_thread() {
+            set_busy_poll_hint(self);
+        }
         let now = Instant::now();
         // The thread's transmit list is reused (a nested call, from a callback this one
         // routes, finds it taken and uses a fresh one; so does a call made while the thread's
@@ -494,12 +507,13 @@ impl DeviceInner {
     }
 
     /// Feeds a batch of received datagrams to the engine under one lock; then queues the UD
-    /// SENDs among them to their ids (outside the engine lock).
+    /// SENDs among them to their ids (outside the engine lock). Returns how many were
+    /// traffic (not the device's own wake-ups).
     fn handle_batch<'a>(
         self: &Arc<Self>,
         n: usize,
         batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
-    ) {
+    ) -> usize {
         let mut bad = 0;
         let mut wakeups = 0;
         let mut ud = Vec::new();
@@ -524,6 +538,7 @@ impl DeviceInner {
         for (src, d) in ud {
             self.deliver_ud(src, d);
         }
+        n - wakeups
     }
 
     /// Queues one UD SEND to the id receiving on its destination QPN, or counts why not.
@@ -588,6 +603,8 @@ impl DeviceInner {
         }
         let h = sync::lock(&self.thread).take();
         if let Some(h) = h {
+            // It may stand aside for a waiter's poll (see `rxgate`).
+            h.thread().unpark();
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
@@ -674,7 +691,6 @@ struct RxBatch {
     /// Sender, start in `area`, length, and the size of the datagrams it holds.
     got: Vec<(SocketAddr, usize, usize, usize)>,
     used: usize,
-    cmsg: Vec<u8>,
 }
 
 /// The receive area of a device. A receive needs room for the largest coalesced run
@@ -690,7 +706,6 @@ impl RxBatch {
             area: vec![0u8; RX_AREA].into_boxed_slice(),
             got: Vec::with_capacity(BATCH),
             used: 0,
-            cmsg: crate::sys::gro_cmsg_space(),
         }
     }
 
@@ -703,19 +718,43 @@ impl RxBatch {
         self.used = 0;
     }
 
-    /// Takes what `sock` has queued, without waiting, until the batch is full.
+    /// Takes what `sock` has queued, without waiting, until the batch is full. Each system
+    /// call may bring [`crate::sys::RECV_MANY`] datagrams: the first into the free part of
+    /// the area, the others into the area's end (the datagrams are moved down from there);
+    /// a call that brings fewer found the socket empty, and ends the filling.
     fn fill(&mut self, sock: &UdpSocket) {
-        while self.got.len() < BATCH {
-            let Some(room) = self.area.get_mut(self.used..self.used + RX_MAX) else {
+        use crate::sys::RECV_MANY;
+        let spare = (RECV_MANY - 1) * RX_MAX;
+        while self.got.len() + RECV_MANY <= BATCH {
+            let first_end = self.area.len() - spare;
+            if first_end < self.used + RX_MAX {
+                return;
+            }
+            let (head, tail) = self.area.split_at_mut(first_end);
+            let Some(first) = head.get_mut(self.used..) else {
                 return;
             };
-            let Some((from, n, stride)) = crate::sys::recv_segments(sock, room, &mut self.cmsg)
-            else {
+            let mut first = Some(first);
+            let mut rest = tail.chunks_mut(RX_MAX);
+            let bufs: [&mut [u8]; RECV_MANY] =
+                std::array::from_fn(|_| first.take().or_else(|| rest.next()).unwrap_or_default());
+            let mut out = [None; RECV_MANY];
+            let n = crate::sys::recv_many(sock, bufs, &mut out);
+            for (i, r) in out.iter().enumerate().take(n) {
+                let Some((from, len, stride)) = *r else {
+                    continue;
+                };
+                if i > 0 {
+                    let at = first_end + (i - 1) * RX_MAX;
+                    self.area.copy_within(at..at + len, self.used);
+                }
+                self.got.push((from, self.used, len, stride.max(1)));
+                // The next datagram starts on a fresh cache line.
+                self.used += len.next_multiple_of(64);
+            }
+            if n < RECV_MANY {
                 return;
-            };
-            self.got.push((from, self.used, n, stride.max(1)));
-            // The next receive starts on a fresh cache line.
-            self.used += n.next_multiple_of(64);
+            }
         }
     }
 
@@ -746,7 +785,13 @@ impl RxBatch {
     }
 }
 
-fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration, mut batch: RxBatch) {
+fn io_loop(
+    dev: &Weak<DeviceInner>,
+    sock: &UdpSocket,
+    gate: &RxGate,
+    spin: Duration,
+    mut batch: RxBatch,
+) {
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -754,22 +799,38 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration, mut batch:
         }
         let wait = run_timers(&d);
         drop(d);
+        // A thread waiting for its answer polls the socket (see `rxgate`): stand aside until
+        // its poll's deadline, keeping to the timers.
+        let aside = gate.polled_left();
+        if !aside.is_zero() {
+            std::thread::park_timeout(aside.min(wait));
+            continue;
+        }
         // Take what is queued, up to a batch, and feed it to the engine under one lock.
-        batch.fill(sock);
-        if batch.is_empty() {
+        let mut turn = take_batch(gate, &mut batch, sock);
+        if turn.is_none() {
             // Poll a while (`FabricConfig::spin`), then sleep in poll(2) up to the next timer.
             let until = Instant::now() + wait;
             let polled = crate::slot::spin_until(spin.min(wait), || {
-                batch.fill(sock);
-                !batch.is_empty()
+                if !gate.polled_left().is_zero() {
+                    return true;
+                }
+                turn = take_batch(gate, &mut batch, sock);
+                turn.is_some()
             });
             if !polled {
                 let left = until.saturating_duration_since(Instant::now());
+                // Woken by a datagram a waiter that began polling meanwhile is there for.
                 if !left.is_zero() {
                     wait_readable(sock, left);
-                    batch.fill(sock);
+                    if gate.polled_left().is_zero() {
+                        turn = take_batch(gate, &mut batch, sock);
+                    }
                 }
             }
+        }
+        if turn.is_none() {
+            continue;
         }
         let coalesced = batch.coalesced();
         if coalesced > 0 {
@@ -781,6 +842,111 @@ fn io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, spin: Duration, mut batch:
             return;
         }
         batch.clear();
+    }
+}
+
+/// Receives into `batch` if this thread gets the turn and something is queued; the turn is
+/// then kept until the batch has been handed to the engine.
+fn take_batch<'g>(gate: &'g RxGate, batch: &mut RxBatch, sock: &UdpSocket) -> Option<RxTurn<'g>> {
+    let turn = gate.enter()?;
+    batch.fill(sock);
+    (!batch.is_empty()).then_some(turn)
+}
+
+std::thread_local! {
+    /// The RoCEv2 device this (non-rcm) thread last called into: the one whose answer it
+    /// most likely waits for when it then waits for an event (see `rxgate`).
+    static BUSY_POLL_HINT: std::cell::RefCell<Weak<DeviceInner>> =
+        const { std::cell::RefCell::new(Weak::new()) };
+    /// The receive area of a waiter polling a device (allocated on its first poll; the
+    /// pages no receive reached cost no memory).
+    static POLL_BATCH: std::cell::RefCell<Option<RxBatch>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn set_busy_poll_hint(d: &Arc<DeviceInner>) {
+    let _ = BUSY_POLL_HINT.try_with(|h| {
+        if let Ok(mut h) = h.try_borrow_mut() {
+            if !std::ptr::eq(h.as_ptr(), Arc::as_ptr(d)) {
+                *h = Arc::downgrade(d);
+            }
+        }
+    });
+}
+
+/// The device a thread about to wait for an event polls meanwhile, if any: the one it last
+/// called into, if that one is still open. Never for rcm's own threads, nor inside a
+/// callback or with a [`crate::CallbacksHere`] open (events it received would run
+/// callbacks in a place their owner did not choose).
+pub(crate) fn busy_poll_hint() -> Option<BusyDevice> {
+    if crate::fabric::own_thread()
+        || crate::slot::in_callback()
+        || crate::fabric::callbacks_here_open()
+    {
+        return None;
+    }
+    let d = BUSY_POLL_HINT
+        .try_with(|h| h.try_borrow().ok().and_then(|h| h.upgrade()))
+        .ok()
+        .flatten()?;
+    (d.gate.is_some() && !d.stop.load(Ordering::Relaxed)).then_some(BusyDevice(d))
+}
+
+/// A device polled by a thread waiting in `get_event` (see `rxgate`).
+pub(crate) struct BusyDevice(Arc<DeviceInner>);
+
+impl crate::slot::BusyPoll for BusyDevice {
+    fn begin(&self, spin: Duration) {
+        if let Some(g) = &self.0.gate {
+            g.polled_for(spin);
+        }
+    }
+
+    fn poll(&self) -> bool {
+        self.0.poll_once()
+    }
+}
+
+impl DeviceInner {
+    /// Receives what the socket holds and hands it to the engine, as the I/O thread does,
+    /// unless another thread has the turn. What it makes the engine send goes out at once
+    /// (held, if this thread holds a `SendBatch`, then sent together here); callbacks of
+    /// its events run where the fabric's mode puts events from elsewhere (the callback
+    /// threads), never on this thread.
+    fn poll_once(self: &Arc<Self>) -> bool {
+        let Some(gate) = &self.gate else { return false };
+        if self.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        let Some(sock) = self.socket() else {
+            return false;
+        };
+        POLL_BATCH
+            .try_with(|b| {
+                // Taken by a poll further up this thread's stack: nothing to do twice.
+                let Ok(mut b) = b.try_borrow_mut() else {
+                    return false;
+                };
+                let batch = b.get_or_insert_with(RxBatch::new);
+                let Some(turn) = take_batch(gate, batch, &sock) else {
+                    return false;
+                };
+                let coalesced = batch.coalesced();
+                if coalesced > 0 {
+                    self.stats
+                        .rx_coalesced
+                        .fetch_add(coalesced, Ordering::Relaxed);
+                }
+                let n = self.handle_batch(batch.count(), batch.datagrams());
+                self.stats.rx_polled.fetch_add(n as u64, Ordering::Relaxed);
+                batch.clear();
+                drop(turn);
+                if holding() {
+                    flush_held();
+                }
+                true
+            })
+            .unwrap_or(false)
     }
 }
 
@@ -1193,6 +1359,111 @@ mod tests {
         assert_eq!(dev.stats.tx.load(Ordering::Relaxed), 5);
         assert_eq!(dev.stats.tx_errors.load(Ordering::Relaxed), 0);
         dev.shutdown();
+    }
+
+    /// Waits up to 5 s for `f` to hold.
+    fn eventually(f: impl Fn() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !f() {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+
+    /// While a waiter polls the device (its deadline not passed), the device's thread
+    /// leaves the socket to it, even when woken by the datagram; the waiter's poll then
+    /// receives and handles it.
+    #[test]
+    fn a_polled_device_leaves_its_datagrams_to_the_waiter() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        let dev = device(me, 28424);
+        let gate = dev.gate.clone().expect("a UDP device has a gate");
+        gate.polled_for(Duration::from_secs(60));
+        // The thread finishes what it was doing, then stands aside.
+        std::thread::sleep(Duration::from_millis(20));
+        let peer = UdpSocket::bind("127.0.0.5:0").expect("peer");
+        peer.send_to(b"not a MAD", SocketAddr::new(me, 28424))
+            .expect("send");
+        std::thread::sleep(Duration::from_millis(100));
+        let rx = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(rx(&dev.stats.rx), 0, "the device's thread received it");
+        assert!(dev.poll_once(), "the waiter found nothing");
+        assert_eq!(rx(&dev.stats.rx), 1);
+        assert_eq!(rx(&dev.stats.rx_polled), 1);
+        assert_eq!(rx(&dev.stats.rx_bad), 1, "handled (judged) by the waiter");
+        assert!(!dev.poll_once(), "nothing more was queued");
+        dev.shutdown();
+        assert!(!dev.poll_once(), "a shut device is not polled");
+    }
+
+    /// The device's thread stands aside only until the waiter's deadline: a waiter that
+    /// stops polling without a word (it got its event and went) leaves nothing stranded.
+    #[test]
+    fn a_device_takes_its_socket_back_after_the_waiters_deadline() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        let dev = device(me, 28425);
+        let gate = dev.gate.clone().expect("a UDP device has a gate");
+        gate.polled_for(Duration::from_millis(50));
+        let peer = UdpSocket::bind("127.0.0.5:0").expect("peer");
+        peer.send_to(b"not a MAD", SocketAddr::new(me, 28425))
+            .expect("send");
+        assert!(
+            eventually(|| dev.stats.rx.load(Ordering::Relaxed) == 1),
+            "the datagram stayed in the socket"
+        );
+        assert_eq!(dev.stats.rx_polled.load(Ordering::Relaxed), 0);
+        dev.shutdown();
+    }
+
+    /// One receive call may bring two datagrams (the second is moved down beside the
+    /// first) and a coalesced run comes whole with its segment size; a batch stops at
+    /// `BATCH` receives; nothing is lost, cut or reordered.
+    #[test]
+    fn a_batch_takes_what_is_queued_whole_and_in_order() {
+        let rx = UdpSocket::bind("127.0.0.1:0").expect("receiver");
+        crate::sys::enable_gro(&rx).expect("UDP_GRO");
+        let to = rx.local_addr().expect("addr");
+        let tx = UdpSocket::bind("127.0.0.5:0").expect("sender");
+        let mut b = RxBatch::new();
+        let take = |b: &mut RxBatch| -> Vec<Vec<u8>> {
+            b.clear();
+            b.fill(&rx);
+            b.datagrams().map(|(_, d)| d.to_vec()).collect()
+        };
+        // Singles of different sizes (loopback queues them before `send_to` returns).
+        let singles: Vec<Vec<u8>> = (1..=5u8).map(|k| vec![k; 100 * k as usize]).collect();
+        for d in &singles {
+            tx.send_to(d, to).expect("send");
+        }
+        assert_eq!(take(&mut b), singles);
+        // A run of three in one segmented send, then a single.
+        let run: Vec<u8> = (0..3u8).flat_map(|k| [10 + k; 296]).collect();
+        crate::sys::send_segments(&tx, to, &run, 296).expect("segmented send");
+        tx.send_to(&[20; 50], to).expect("send");
+        let got = take(&mut b);
+        let mut want: Vec<Vec<u8>> = run.chunks(296).map(<[u8]>::to_vec).collect();
+        want.push(vec![20; 50]);
+        assert_eq!(got, want);
+        assert_eq!(b.coalesced(), 1, "the run came in one receive");
+        // More than a batch: the rest comes with the next.
+        let many: Vec<Vec<u8>> = (0..BATCH as u16 + 6)
+            .map(|k| k.to_be_bytes().repeat(40))
+            .collect();
+        for d in &many {
+            tx.send_to(d, to).expect("send");
+        }
+        let first = take(&mut b);
+        assert!(
+            first.len() <= BATCH && first.len() >= BATCH - 1,
+            "{}",
+            first.len()
+        );
+        let second = take(&mut b);
+        assert_eq!([first, second].concat(), many);
+        assert!(take(&mut b).is_empty());
     }
 
     /// An IPv6 device takes datagrams whose UDP checksum is 0, which is how Linux's rxe sends

@@ -49,6 +49,8 @@ pub struct FabricConfig {
     /// the 2-core test VM, most of a loopback round trip), and a connect crosses several
     /// threads; polling briefly after activity keeps those hand-offs at a few µs. The poll
     /// yields the CPU to runnable threads, and an idle fabric sleeps. Zero never polls.
+    /// A device's thread does not poll while a thread waiting for an event polls the device
+    /// itself (see [`EventChannel::set_spin`](crate::EventChannel::set_spin)).
     pub spin: Duration,
     /// Where callbacks run, and whether what they send is batched (default: on the
     /// callback threads, unbatched, so a callback may block).
@@ -155,6 +157,12 @@ std::thread_local! {
 pub struct CallbacksHere {
     outermost: bool,
     _thread_bound: std::marker::PhantomData<*const ()>,
+}
+
+/// Whether this thread has a [`CallbacksHere`] open.
+pub(crate) fn callbacks_here_open() -> bool {
+    HERE.try_with(|h| h.try_borrow().map_or(true, |h| h.is_some()))
+        .unwrap_or(true)
 }
 
 impl CallbacksHere {
@@ -481,6 +489,11 @@ pub(crate) fn mark_own_thread() {
     OWN_THREAD.with(|c| c.set(true));
 }
 
+/// Whether the calling thread is one of rcm's own.
+pub(crate) fn own_thread() -> bool {
+    OWN_THREAD.try_with(std::cell::Cell::get).unwrap_or(true)
+}
+
 impl Fabric {
     /// An empty fabric.
     pub fn new(cfg: FabricConfig) -> Self {
@@ -749,6 +762,17 @@ impl Device {
     /// ([`FabricConfig::loopback`]); they are also in both counts of [`Device::traffic`].
     pub fn looped(&self) -> u64 {
         self.0.stats.looped.load(Ordering::Relaxed)
+    }
+
+    /// Datagrams received by threads waiting in [`EventChannel::get_event`] rather than by
+    /// the device's own thread: a waiter polls the device it last called for as long as
+    /// the channel polls ([`EventChannel::set_spin`]), and handles what arrives itself, its
+    /// own event included (busy polling). They are also in [`Device::traffic`].
+    ///
+    /// [`EventChannel::get_event`]: crate::EventChannel::get_event
+    /// [`EventChannel::set_spin`]: crate::EventChannel::set_spin
+    pub fn busy_polled(&self) -> u64 {
+        self.0.stats.rx_polled.load(Ordering::Relaxed)
     }
 
     /// (sent, received) system calls that each carried several datagrams: sends of a

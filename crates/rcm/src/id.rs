@@ -356,6 +356,13 @@ impl EventChannel {
 
     /// Sets how long [`EventChannel::get_event`] polls for an event before it sleeps
     /// (default [`crate::DEFAULT_SPIN`]; zero sleeps at once). See [`crate::FabricConfig::spin`].
+    ///
+    /// While it polls, a waiting thread also receives for the RoCEv2 device it last called
+    /// (busy polling, as `SO_BUSY_POLL` has an application poll the NIC): the answer to its
+    /// `connect`, say, is received, handled and taken by this one thread, and the device's
+    /// own thread stands aside until the poll's deadline. Events for callback ids among
+    /// what it receives go to the fabric's callback threads, never to this one.
+    /// [`Device::busy_polled`](crate::Device::busy_polled) counts what waiters received.
     pub fn set_spin(&self, d: std::time::Duration) {
         self.0.set_spin(d);
     }
@@ -369,7 +376,7 @@ impl EventChannel {
             let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
             let ready = if crate::device::holding() {
                 // Held datagrams go out before this thread waits (see `SendBatch`).
-                let r = self.0.take(Some(std::time::Duration::ZERO));
+                let r = self.0.take(Some(std::time::Duration::ZERO), None);
                 if r.is_none() {
                     crate::fabric::before_wait();
                 }
@@ -377,9 +384,11 @@ impl EventChannel {
             } else {
                 None
             };
-            let (slot, event) = match ready {
-                Some(r) => r,
-                None => self.0.take(left)?,
+            let (slot, event) = if let Some(r) = ready {
+                r
+            } else {
+                let busy = crate::device::busy_poll_hint();
+                self.0.take(left, busy.as_ref().map(|b| b as _))?
             };
             let Some(id) = owner_of(&slot) else {
                 slot.ack();

@@ -59,6 +59,8 @@ mod iwarp;
 mod ports;
 #[cfg(not(loom))]
 pub mod remote;
+#[cfg(not(loom))]
+mod rxgate;
 // Under loom the core's users are not built, so some of its crate-private API is unused.
 #[cfg_attr(loom, allow(dead_code))]
 mod slot;

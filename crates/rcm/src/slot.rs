@@ -764,6 +764,18 @@ impl<E> ChannelQueue<E> {
     }
 }
 
+/// What a thread waiting for a channel's event polls besides the channel (busy polling):
+/// the receive side of the device whose answer it most likely waits for, so that the answer
+/// is received, handled and taken by this one thread instead of being handed from the
+/// device's thread to this one.
+#[cfg(not(loom))]
+pub(crate) trait BusyPoll {
+    /// The waiter starts polling for up to `spin`.
+    fn begin(&self, spin: std::time::Duration);
+    /// Receives and handles what is waiting, if anything; true when something was.
+    fn poll(&self) -> bool;
+}
+
 /// The queue behind an event channel.
 pub(crate) struct ChannelCore<E> {
     q: Mutex<ChannelQueue<E>>,
@@ -817,9 +829,14 @@ impl<E: Send + 'static> ChannelCore<E> {
     }
 
     /// Takes the next event of a live slot, marking it held; waits up to `timeout` (forever
-    /// with `None`; not at all with zero).
+    /// with `None`; not at all with zero). While it polls before sleeping, `busy` (if any)
+    /// is polled too: the device that will most likely bring the event (see `BusyPoll`).
     #[cfg(not(loom))]
-    pub(crate) fn take(&self, timeout: Option<std::time::Duration>) -> Option<(Arc<Slot<E>>, E)> {
+    pub(crate) fn take(
+        &self,
+        timeout: Option<std::time::Duration>,
+        busy: Option<&dyn BusyPoll>,
+    ) -> Option<(Arc<Slot<E>>, E)> {
         use std::sync::atomic::Ordering::Relaxed;
         let end = timeout.map(|t| std::time::Instant::now() + t);
         let mut q = sync::lock(&self.q);
@@ -843,7 +860,16 @@ impl<E: Send + 'static> ChannelCore<E> {
                 }
                 if !spin.is_zero() {
                     drop(q);
-                    spin_until(spin, || self.queued.load(Relaxed) > 0);
+                    let queued = || self.queued.load(Relaxed) > 0;
+                    match busy {
+                        Some(b) => {
+                            b.begin(spin);
+                            spin_until(spin, || queued() || (b.poll() && queued()));
+                        }
+                        None => {
+                            spin_until(spin, queued);
+                        }
+                    }
                     q = sync::lock(&self.q);
                     continue;
                 }

@@ -1,0 +1,166 @@
+//! A thread waiting in `get_event` receives the answers of the device it last called
+//! (busy polling): the answer is received, handled and taken by that one thread.
+#![cfg(not(loom))]
+
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, Flow, PortSpace,
+};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+/// Two loopback devices whose own threads sleep at once when idle (no spinning), so that a
+/// datagram a waiter polls for is not raced for by a polling device thread.
+fn fabric(port: u16) -> Fabric {
+    let cfg = FabricConfig {
+        udp_port: port,
+        spin: Duration::ZERO,
+        ..FabricConfig::default()
+    };
+    Fabric::loopback_with(2, cfg).expect("loopback devices")
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::from([127, 0, 0, last]), port)
+}
+
+/// A server on 127.0.0.1:7471 that accepts each request when `go` says so (after the
+/// client has begun to wait).
+fn server(f: &Fabric, go: mpsc::Receiver<()>) -> CmId {
+    let go = std::sync::Mutex::new(go);
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            let _ = go.lock().map(|g| g.recv_timeout(T));
+            id.accept(&AcceptOptions::default()).expect("accept");
+        }
+        Flow::Continue
+    });
+    id.bind(addr(1, 7471)).expect("bind");
+    id.listen(0).expect("listen");
+    id
+}
+
+fn next(ch: &EventChannel) -> Event {
+    let mut e = ch.get_event(Some(T)).expect("an event in time");
+    e.take().expect("the event")
+}
+
+/// Connects a client on `ch` from 127.0.0.2 and waits for its connect response; the server
+/// is told to answer 200 ms after the client began waiting. Returns the client.
+fn connect(f: &Fabric, ch: &EventChannel, go: &mpsc::Sender<()>) -> CmId {
+    let cli = f.create_id_on(PortSpace::Tcp, ch);
+    cli.resolve_addr(None, addr(1, 7471)).expect("resolve");
+    assert!(matches!(next(ch), Event::AddrResolved));
+    cli.resolve_route().expect("route");
+    assert!(matches!(next(ch), Event::RouteResolved));
+    cli.connect(&ConnectOptions::default()).expect("connect");
+    let go = go.clone();
+    let answer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = go.send(());
+    });
+    let ev = next(ch);
+    assert!(
+        matches!(ev, Event::ConnectResponse { .. }),
+        "unexpected {ev:?}"
+    );
+    answer.join().expect("answer thread");
+    cli
+}
+
+/// The waiter polls the client's device for as long as its channel polls: the REP (and the
+/// AddrResolved path before it, which sends nothing) reaches the engine through it.
+#[test]
+fn a_waiter_receives_the_answer_to_its_call() {
+    let f = fabric(24813);
+    let (go, went) = mpsc::channel();
+    let _srv = server(&f, went);
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(5));
+    let cli = connect(&f, &ch, &go);
+    let dev = f
+        .device(IpAddr::from([127, 0, 0, 2]))
+        .expect("client device");
+    assert_eq!(
+        dev.busy_polled(),
+        1,
+        "the REP was not received by the waiter"
+    );
+    let (rx, _) = dev.traffic();
+    assert_eq!(rx, 1, "the REP is the client device's one datagram");
+    cli.establish().expect("establish");
+    f.shutdown();
+}
+
+/// A channel that does not poll (spin 0) sleeps at once: the device's thread receives.
+#[test]
+fn a_waiter_that_does_not_poll_leaves_the_device_alone() {
+    let f = fabric(24814);
+    let (go, went) = mpsc::channel();
+    let _srv = server(&f, went);
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::ZERO);
+    let cli = connect(&f, &ch, &go);
+    let dev = f
+        .device(IpAddr::from([127, 0, 0, 2]))
+        .expect("client device");
+    assert_eq!(dev.busy_polled(), 0);
+    assert_eq!(dev.traffic().0, 1, "the REP arrived");
+    cli.establish().expect("establish");
+    f.shutdown();
+}
+
+/// A waiter that got its event and stopped waiting leaves nothing stranded: the peer's
+/// DREQ, sent while nobody waits on the channel, is received by the device's thread once
+/// the waiter's poll is over, and its DISCONNECTED event waits in the channel.
+#[test]
+fn what_arrives_after_the_waiter_left_is_received_all_the_same() {
+    let f = fabric(24815);
+    let (go, went) = mpsc::channel();
+    let srv_events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = srv_events.clone();
+    let go_rx = std::sync::Mutex::new(went);
+    let srv = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                let _ = go_rx.lock().map(|g| g.recv_timeout(T));
+                id.accept(&AcceptOptions::default()).expect("accept");
+            }
+            Event::Established { .. } => {
+                seen.lock().expect("lock").push(id.clone());
+            }
+            _ => {}
+        }
+        Flow::Continue
+    });
+    srv.bind(addr(1, 7471)).expect("bind");
+    srv.listen(0).expect("listen");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_millis(50));
+    let cli = connect(&f, &ch, &go);
+    cli.establish().expect("establish");
+    assert!(matches!(next(&ch), Event::Established { .. }));
+    let child = {
+        let until = std::time::Instant::now() + T;
+        loop {
+            if let Some(c) = srv_events.lock().expect("lock").first().cloned() {
+                break c;
+            }
+            assert!(std::time::Instant::now() < until, "server not established");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    child.disconnect().expect("server disconnects");
+    let until = std::time::Instant::now() + T;
+    while ch.pending() == 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the DREQ was not handled while nobody waited"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(matches!(next(&ch), Event::Disconnected));
+    f.shutdown();
+}
