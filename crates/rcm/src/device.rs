@@ -7,9 +7,9 @@
 use crate::id::IdInner;
 use crate::rxgate::{RxGate, RxTurn};
 use crate::sync;
+use foldhash::HashMap as LocalMap;
 use rcm_proto::ib::{CepHandle, CmEvent, Endpoint, Transmit};
 use rcm_wire::roce::{self, Bth, Deth, GsiDatagram, IpForIcrc, Opcode, RocePacket};
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -69,12 +69,13 @@ pub(crate) struct DeviceInner {
     engine: Mutex<Endpoint>,
     /// Engine handles of published ids (reserve → publish → unpublish discipline: an id is
     /// inserted only once fully built, removed before its teardown).
-    pub ceps: Mutex<HashMap<CepHandle, Weak<IdInner>>>,
+    /// (This and the other id tables are keyed by what this side chose: a fast hash.)
+    pub ceps: Mutex<LocalMap<CepHandle, Weak<IdInner>>>,
     /// Engine listeners by service ID.
-    pub listens: Mutex<HashMap<u64, ServiceListen>>,
+    pub listens: Mutex<LocalMap<u64, ServiceListen>>,
     /// UD ids receiving datagrams, by their QPN (registered by a UD `connect`/`accept`,
     /// removed at teardown).
-    pub ud_qps: Mutex<HashMap<u32, Weak<IdInner>>>,
+    pub ud_qps: Mutex<LocalMap<u32, Weak<IdInner>>>,
     pub removed: AtomicBool,
     /// Children published after a removal's walk of the id table had passed them by: they
     /// got their `DeviceRemoval` on publication, and the removal waits for them too.
@@ -143,9 +144,9 @@ impl DeviceInner {
             port,
             sock: Mutex::new(Some(sock)),
             engine: Mutex::new(engine),
-            ceps: Mutex::new(HashMap::new()),
-            listens: Mutex::new(HashMap::new()),
-            ud_qps: Mutex::new(HashMap::new()),
+            ceps: Mutex::new(LocalMap::default()),
+            listens: Mutex::new(LocalMap::default()),
+            ud_qps: Mutex::new(LocalMap::default()),
             removed: AtomicBool::new(false),
             late_holders: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
@@ -191,9 +192,9 @@ impl DeviceInner {
             port: 0,
             sock: Mutex::new(None),
             engine: Mutex::new(engine),
-            ceps: Mutex::new(HashMap::new()),
-            listens: Mutex::new(HashMap::new()),
-            ud_qps: Mutex::new(HashMap::new()),
+            ceps: Mutex::new(LocalMap::default()),
+            listens: Mutex::new(LocalMap::default()),
+            ud_qps: Mutex::new(LocalMap::default()),
             removed: AtomicBool::new(false),
             late_holders: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
@@ -460,6 +461,18 @@ impl DeviceInner {
         if sleeping_until.is_none_or(|w| next < w) {
             if let Some(sock) = self.socket() {
                 let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+            }
+            // Standing aside for a waiter's poll it sleeps in `park`, which no datagram
+            // ends (the waiter takes this one): without this, the timer would wait for the
+            // end of the poll (as long as the channel's spin, which may be long).
+            if self
+                .gate
+                .as_ref()
+                .is_some_and(|g| !g.polled_left().is_zero())
+            {
+                if let Some(h) = sync::lock(&self.thread).as_ref() {
+                    h.thread().unpark();
+                }
             }
         }
     }
@@ -1397,6 +1410,44 @@ mod tests {
         assert!(!dev.poll_once(), "nothing more was queued");
         dev.shutdown();
         assert!(!dev.poll_once(), "a shut device is not polled");
+    }
+
+    /// A timer armed while the device's thread stands aside for a waiter runs on time, not
+    /// at the end of the waiter's poll: here a REQ to a silent address is retransmitted
+    /// every 20-40 ms while a waiter's poll lasts a minute.
+    #[test]
+    fn timers_run_while_a_waiter_polls() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        let mut cfg = EndpointConfig::new(me, 0x0200_00FF_FE00_0001, 1);
+        cfg.retry = rcm_proto::ib::RetryPolicy::Backoff {
+            initial: Duration::from_millis(20),
+            max_wait: Duration::from_millis(40),
+            deadline: Duration::from_secs(30),
+        };
+        let dev = DeviceInner::open(
+            me,
+            28426,
+            Endpoint::new(cfg),
+            false,
+            Duration::ZERO,
+            false,
+            true,
+        )
+        .expect("device");
+        let gate = dev.gate.clone().expect("a UDP device has a gate");
+        gate.polled_for(Duration::from_secs(60));
+        // Parked with no timer: until the waiter's deadline, or 500 ms (its longest sleep).
+        std::thread::sleep(Duration::from_millis(20));
+        let p = rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
+        dev.with_engine(|ep, now| ep.connect(now, &p))
+            .expect("connect");
+        std::thread::sleep(Duration::from_millis(300));
+        let sent = dev.stats.tx.load(Ordering::Relaxed);
+        assert!(
+            sent >= 3,
+            "{sent} REQ(s) in 300 ms: the retransmission timer waited"
+        );
+        dev.shutdown();
     }
 
     /// The device's thread stands aside only until the waiter's deadline: a waiter that

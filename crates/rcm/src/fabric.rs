@@ -8,7 +8,7 @@ use crate::ports::Ports;
 use crate::slot::{Scheduler, Slot};
 use crate::sync;
 use rcm_proto::ib::{Endpoint, EndpointConfig, RetryPolicy};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -388,7 +388,7 @@ pub(crate) struct FabricInner {
     pub devices: Mutex<Vec<Arc<DeviceInner>>>,
     pub ports: Mutex<Ports>,
     pub dispatcher: Arc<Dispatcher>,
-    pub ids: Mutex<HashMap<u64, Weak<IdInner>>>,
+    pub ids: Mutex<foldhash::HashMap<u64, Weak<IdInner>>>,
     pub wildcard_listeners: Mutex<Vec<Weak<IdInner>>>,
     /// Serialises wildcard listens with device additions (Linux `cma_listen_on_all` vs
     /// `cma_add_one` under one lock).
@@ -524,7 +524,7 @@ impl Fabric {
             devices: Mutex::new(Vec::new()),
             ports: Mutex::new(Ports::new(seed as u16)),
             dispatcher,
-            ids: Mutex::new(HashMap::new()),
+            ids: Mutex::new(foldhash::HashMap::default()),
             wildcard_listeners: Mutex::new(Vec::new()),
             listen_lock: Mutex::new(()),
             shutting: Mutex::new(()),

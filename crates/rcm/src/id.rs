@@ -269,7 +269,7 @@ struct Listening {
     /// RoCE engine keeps its own backlog).
     undelivered: usize,
     /// Its children (each leaves when destroyed).
-    children: std::collections::HashMap<u64, Weak<IdInner>>,
+    children: foldhash::HashMap<u64, Weak<IdInner>>,
 }
 
 /// What few ids have.

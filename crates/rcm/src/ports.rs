@@ -3,7 +3,8 @@
 //! addresses; a wildcard conflicts with everything on that port.
 
 use rcm_wire::cma::PortSpace;
-use std::collections::HashMap;
+// Keyed by local ports and addresses: a fast hash.
+use foldhash::HashMap;
 use std::net::{IpAddr, SocketAddr};
 
 /// First and last ephemeral port (Linux `ip_local_port_range` default).
@@ -95,10 +96,10 @@ impl Ports {
     pub(crate) fn new(seed: u16) -> Self {
         let span = EPHEMERAL.1 - EPHEMERAL.0 + 1;
         Ports {
-            taken: HashMap::new(),
+            taken: HashMap::default(),
             next: EPHEMERAL.0 + seed % span,
-            held: HashMap::new(),
-            any: HashMap::new(),
+            held: HashMap::default(),
+            any: HashMap::default(),
         }
     }
 

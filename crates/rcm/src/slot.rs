@@ -12,7 +12,7 @@
 //!    `Deferred` at once and the teardown happens when the running callback returns.
 
 use crate::sync::{self, Arc, Condvar, Mutex};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::task::Waker;
 
 /// What a callback asks for when it returns.
@@ -673,7 +673,7 @@ struct ChannelQueue<E> {
     live: usize,
     /// By slot address: an entry holds its slot, so no other slot has that address while
     /// the slot has places here.
-    places: HashMap<usize, Places>,
+    places: foldhash::HashMap<usize, Places>,
 }
 
 impl<E> ChannelQueue<E> {
@@ -682,7 +682,7 @@ impl<E> ChannelQueue<E> {
             items: VecDeque::new(),
             head: 0,
             live: 0,
-            places: HashMap::new(),
+            places: foldhash::HashMap::default(),
         }
     }
 
