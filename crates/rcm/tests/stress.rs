@@ -877,7 +877,8 @@ fn counts(w: &World) -> String {
         "callbacks {}, channel events {}, listeners {}, clients {}, connects {}, accepts {}, \
          rejects {}, established {}, disconnects {}, destroys {}, begin_destroys {}, \
          Flow::Destroy {}, destroys in callbacks {}, EventsOutstanding {}, device removals {}, \
-         DeviceRemoval events {}, typed errors {}, looped back by the live devices {}",
+         DeviceRemoval events {}, typed errors {}, looped back by the live devices {}, \
+         received by a waiting consumer on them (busy polling) {}",
         l(&c.callbacks),
         l(&c.channel_events),
         l(&c.listeners),
@@ -899,6 +900,11 @@ fn counts(w: &World) -> String {
             .iter()
             .filter_map(|ip| w.f.device(*ip))
             .map(|d| d.looped())
+            .sum::<u64>(),
+        live_devices(w)
+            .iter()
+            .filter_map(|ip| w.f.device(*ip))
+            .map(|d| d.busy_polled())
             .sum::<u64>()
     )
 }
