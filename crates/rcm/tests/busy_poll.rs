@@ -70,46 +70,39 @@ fn connect(f: &Fabric, ch: &EventChannel, go: &mpsc::Sender<()>) -> CmId {
     cli
 }
 
-/// The waiter polls the client's device for as long as its channel polls: the REP (and the
-/// AddrResolved path before it, which sends nothing) reaches the engine through it.
-#[test]
-fn a_waiter_receives_the_answer_to_its_call() {
-    let f = fabric(24813);
+/// Connects once with the client's channel polling for `spin`; returns how many datagrams
+/// the client's device received, and how many of them the waiting thread received itself.
+fn connect_polling_for(port: u16, spin: Duration) -> (u64, u64) {
+    let f = fabric(port);
     let (go, went) = mpsc::channel();
     let _srv = server(&f, went);
     let ch = EventChannel::new();
-    ch.set_spin(Duration::from_secs(5));
+    ch.set_spin(spin);
     let cli = connect(&f, &ch, &go);
     let dev = f
         .device(IpAddr::from([127, 0, 0, 2]))
         .expect("client device");
-    assert_eq!(
-        dev.busy_polled(),
-        1,
-        "the REP was not received by the waiter"
-    );
-    let (rx, _) = dev.traffic();
-    assert_eq!(rx, 1, "the REP is the client device's one datagram");
+    let counts = (dev.traffic().0, dev.busy_polled());
     cli.establish().expect("establish");
     f.shutdown();
+    counts
+}
+
+/// The waiter polls the client's device for as long as its channel polls: the REP, the
+/// client device's one datagram, reaches the engine through it.
+#[test]
+fn a_waiter_receives_the_answer_to_its_call() {
+    let (rx, polled) = connect_polling_for(24813, Duration::from_secs(5));
+    assert_eq!(rx, 1, "the REP is the client device's one datagram");
+    assert_eq!(polled, 1, "the REP was not received by the waiter");
 }
 
 /// A channel that does not poll (spin 0) sleeps at once: the device's thread receives.
 #[test]
 fn a_waiter_that_does_not_poll_leaves_the_device_alone() {
-    let f = fabric(24814);
-    let (go, went) = mpsc::channel();
-    let _srv = server(&f, went);
-    let ch = EventChannel::new();
-    ch.set_spin(Duration::ZERO);
-    let cli = connect(&f, &ch, &go);
-    let dev = f
-        .device(IpAddr::from([127, 0, 0, 2]))
-        .expect("client device");
-    assert_eq!(dev.busy_polled(), 0);
-    assert_eq!(dev.traffic().0, 1, "the REP arrived");
-    cli.establish().expect("establish");
-    f.shutdown();
+    let (rx, polled) = connect_polling_for(24814, Duration::ZERO);
+    assert_eq!(rx, 1, "the REP arrived");
+    assert_eq!(polled, 0);
 }
 
 /// A waiter that got its event and stopped waiting leaves nothing stranded: the peer's
