@@ -459,21 +459,21 @@ impl DeviceInner {
         let Some(next) = next else { return };
         let sleeping_until = *sync::lock(&self.wake_at);
         if sleeping_until.is_none_or(|w| next < w) {
-            if let Some(sock) = self.socket() {
-                let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
-            }
-            // Standing aside for a waiter's poll it sleeps in `park`, which no datagram
-            // ends (the waiter takes this one): without this, the timer would wait for the
-            // end of the poll (as long as the channel's spin, which may be long).
-            if self
-                .gate
-                .as_ref()
-                .is_some_and(|g| !g.polled_left().is_zero())
-            {
-                if let Some(h) = sync::lock(&self.thread).as_ref() {
-                    h.thread().unpark();
-                }
-            }
+            self.wake_io_thread();
+        }
+    }
+
+    /// Ends the I/O thread's sleep, whichever it is: in poll(2) on the socket (a one-byte
+    /// datagram to itself) or in `park`, where it stands aside for a waiter's poll and no
+    /// datagram reaches it (without the unpark a timer would wait for the end of the poll,
+    /// as long as the channel's spin). An unpark that finds it awake only makes its next
+    /// park return at once.
+    fn wake_io_thread(&self) {
+        if let Some(sock) = self.socket() {
+            let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        }
+        if let Some(h) = sync::lock(&self.thread).as_ref() {
+            h.thread().unpark();
         }
     }
 
@@ -554,6 +554,18 @@ impl DeviceInner {
         n - wakeups
     }
 
+    /// Handles what a receive batch brought (see `handle_batch`), counting the coalesced
+    /// receives among it.
+    fn handle_rx(self: &Arc<Self>, batch: &RxBatch) -> usize {
+        let coalesced = batch.coalesced();
+        if coalesced > 0 {
+            self.stats
+                .rx_coalesced
+                .fetch_add(coalesced, Ordering::Relaxed);
+        }
+        self.handle_batch(batch.count(), batch.datagrams())
+    }
+
     /// Queues one UD SEND to the id receiving on its destination QPN, or counts why not.
     fn deliver_ud(&self, src: IpAddr, d: UdDatagram) {
         let id = sync::lock(&self.ud_qps)
@@ -611,13 +623,9 @@ impl DeviceInner {
             return;
         }
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(sock) = self.socket() {
-            let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
-        }
+        self.wake_io_thread();
         let h = sync::lock(&self.thread).take();
         if let Some(h) = h {
-            // It may stand aside for a waiter's poll (see `rxgate`).
-            h.thread().unpark();
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
@@ -845,13 +853,9 @@ fn io_loop(
         if turn.is_none() {
             continue;
         }
-        let coalesced = batch.coalesced();
-        if coalesced > 0 {
-            if let Some(d) = dev.upgrade() {
-                d.stats.rx_coalesced.fetch_add(coalesced, Ordering::Relaxed);
-            }
-        }
-        if !feed(dev, batch.count(), batch.datagrams()) {
+        if !feed(dev, batch.count(), |d| {
+            d.handle_rx(&batch);
+        }) {
             return;
         }
         batch.clear();
@@ -944,19 +948,13 @@ impl DeviceInner {
                 let Some(turn) = take_batch(gate, batch, &sock) else {
                     return false;
                 };
-                let coalesced = batch.coalesced();
-                if coalesced > 0 {
-                    self.stats
-                        .rx_coalesced
-                        .fetch_add(coalesced, Ordering::Relaxed);
-                }
-                let n = self.handle_batch(batch.count(), batch.datagrams());
+                let n = self.handle_rx(batch);
                 self.stats.rx_polled.fetch_add(n as u64, Ordering::Relaxed);
                 batch.clear();
                 drop(turn);
-                if holding() {
-                    flush_held();
-                }
+                // What the engine sent is held if this thread holds a batch: out now, as
+                // before any wait.
+                crate::fabric::before_wait();
                 true
             })
             .unwrap_or(false)
@@ -965,11 +963,7 @@ impl DeviceInner {
 
 /// Hands a received batch to the device's engine; false once the device is gone or
 /// stopping (the receive loop then ends).
-fn feed<'a>(
-    dev: &Weak<DeviceInner>,
-    n: usize,
-    batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
-) -> bool {
+fn feed(dev: &Weak<DeviceInner>, n: usize, handle: impl FnOnce(&Arc<DeviceInner>)) -> bool {
     if n == 0 {
         return true;
     }
@@ -981,7 +975,7 @@ fn feed<'a>(
     // they and the engine send goes out together when `_b` drops, after them.
     let _b = d.inline_callbacks.then(crate::SendBatch::begin);
     let _here = d.inline_callbacks.then(crate::CallbacksHere::begin);
-    d.handle_batch(n, batch);
+    handle(&d);
     true
 }
 
@@ -1085,11 +1079,9 @@ fn raw_io_loop(dev: &Weak<DeviceInner>, sock: &UdpSocket, raw: &socket2::Socket)
         }
         // The UDP socket's copies of the same datagrams.
         while recv_nowait(sock, &mut sink).is_some() {}
-        if !feed(
-            dev,
-            batch.len(),
-            batch.iter().map(|(a, d)| (*a, d.as_slice())),
-        ) {
+        if !feed(dev, batch.len(), |d| {
+            d.handle_batch(batch.len(), batch.iter().map(|(a, d)| (*a, d.as_slice())));
+        }) {
             return;
         }
     }

@@ -88,8 +88,9 @@ pub enum CallbackMode {
     /// together at the end: one thread hop less per event (on a 2-core VM, serial connect
     /// p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's, iWARP's,
     /// and those of datagrams a thread waiting in `get_event` received itself, see
-    /// [`EventChannel::set_spin`](crate::EventChannel::set_spin)) run as in `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the
-    /// callbacks run on the session's reader thread after each batch of events it read.
+    /// [`EventChannel::set_spin`](crate::EventChannel::set_spin)) run as in
+    /// `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the callbacks
+    /// run on the session's reader thread after each batch of events it read.
     Inline,
 }
 

@@ -67,10 +67,21 @@ impl RxGate {
         self.polled_until.fetch_max(until, Ordering::Release);
     }
 
-    /// How long a waiter still polls (zero when none does).
+    /// How long a waiter still polls (zero when none does). Asked on every look of the
+    /// device's polling loop: without a waiter it reads no clock (a passed deadline is
+    /// cleared, unless a waiter set a new one meanwhile).
     pub(crate) fn polled_left(&self) -> Duration {
         let until = self.polled_until.load(Ordering::Acquire);
-        Duration::from_nanos(until.saturating_sub(self.nanos(Instant::now())))
+        if until == 0 {
+            return Duration::ZERO;
+        }
+        let left = until.saturating_sub(self.nanos(Instant::now()));
+        if left == 0 {
+            let _ =
+                self.polled_until
+                    .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+        Duration::from_nanos(left)
     }
 }
 

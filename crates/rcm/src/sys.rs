@@ -118,11 +118,11 @@ pub(crate) const RECV_MANY: usize = 2;
 pub(crate) type Received = (std::net::SocketAddr, usize, usize);
 
 /// Up to one datagram into each of `bufs`, in one system call (`recvmmsg`), never waiting;
-/// what came is written to `out` and counted in the result. Fewer than `bufs.len()` means
-/// the socket had no more queued: the caller need not ask again, which saves the receive
-/// that would find nothing (half a µs, on the path of every answer). With `UDP_GRO` a
-/// datagram may be a coalesced run of one sender's datagrams, so each buffer should hold
-/// 64 KiB.
+/// `out[i]` says what `bufs[i]` got, and the result how many were filled. Fewer than
+/// `bufs.len()` means the socket had no more queued: the caller need not ask again, which
+/// saves the receive that would find nothing (half a µs, on the path of every answer).
+/// With `UDP_GRO` a datagram may be a coalesced run of one sender's datagrams, so each
+/// buffer should hold 64 KiB.
 pub(crate) fn recv_many(
     sock: &UdpSocket,
     bufs: [&mut [u8]; RECV_MANY],
@@ -163,19 +163,16 @@ pub(crate) fn recv_many(
     let Ok(n) = usize::try_from(n) else {
         return 0;
     };
-    let mut got = 0;
-    for (h, name) in hdrs.iter().zip(&names).take(n.min(RECV_MANY)) {
-        let len = (h.msg_len as usize).min(iovs[got].iov_len);
+    let n = n.min(RECV_MANY);
+    for (i, (h, name)) in hdrs.iter().zip(&names).enumerate().take(n) {
+        let len = (h.msg_len as usize).min(iovs[i].iov_len);
         // SAFETY: the kernel filled `name` (of the length it reports) for this datagram.
         let from = unsafe { socket2::SockAddr::new(*name, h.msg_hdr.msg_namelen) }.as_socket();
-        let Some(from) = from else {
-            // Not an IP sender (cannot happen on a UDP socket): nothing to answer.
-            continue;
-        };
-        out[got] = Some((from, len, gro_size(&h.msg_hdr).unwrap_or(len)));
-        got += 1;
+        // `None` for a sender that is not IP (cannot happen on a UDP socket): nothing to
+        // answer. Kept in its place: `out[i]` is what `bufs[i]` holds.
+        out[i] = from.map(|from| (from, len, gro_size(&h.msg_hdr).unwrap_or(len)));
     }
-    got
+    n
 }
 
 /// The segment size of a coalesced receive, from its `UDP_GRO` control message.
@@ -215,6 +212,41 @@ pub(crate) fn send_zero_checksum6(sock: &UdpSocket) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// Each buffer gets one datagram and `out[i]` describes `bufs[i]`; a call bringing fewer
+    /// than it could means the socket is empty.
+    #[test]
+    fn recv_many_fills_the_buffers_in_order_and_says_when_the_socket_is_empty() {
+        use super::{recv_many, RECV_MANY};
+        let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("receiver");
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("sender");
+        let (to, from) = (
+            rx.local_addr().expect("addr"),
+            tx.local_addr().expect("addr"),
+        );
+        for k in 1..=3u8 {
+            tx.send_to(&vec![k; usize::from(k) * 10], to).expect("send");
+        }
+        let mut areas = [[0u8; 64]; RECV_MANY];
+        let take = |areas: &mut [[u8; 64]; RECV_MANY]| {
+            let mut out = [None; RECV_MANY];
+            let [a, b] = areas;
+            let n = recv_many(&rx, [&mut a[..], &mut b[..]], &mut out);
+            (n, out)
+        };
+        let (n, out) = take(&mut areas);
+        assert_eq!(n, 2);
+        assert_eq!(out, [Some((from, 10, 10)), Some((from, 20, 20))]);
+        assert_eq!(
+            (&areas[0][..10], &areas[1][..20]),
+            (&[1; 10][..], &[2; 20][..])
+        );
+        let (n, out) = take(&mut areas);
+        assert_eq!(n, 1, "one was left");
+        assert_eq!(out[0], Some((from, 30, 30)));
+        assert_eq!(&areas[0][..30], &[3; 30][..]);
+        assert_eq!(take(&mut areas).0, 0, "nothing was left");
+    }
+
     /// With the option, binding to an address and port 0 leaves the port to `connect`
     /// (without it, `bind` takes one at once).
     #[test]
