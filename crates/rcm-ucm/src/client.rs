@@ -15,6 +15,13 @@
 //! Losing the daemon is a device removal for every id; a call waiting for its answer then
 //! fails with `DeviceRemoved`, also when the reader is held by an inline callback (the
 //! caller looks for the hang-up itself, every 100 ms).
+//!
+//! A thread that called one of the session's ids and then waits in
+//! [`rcm::EventChannel::get_event`] reads the session's connection itself while it polls
+//! (busy polling, [`rcm::remote::BusyPoll`]): it handles what came as the reader would, and
+//! takes its own event without a hand-over from the reader, which stands aside until the
+//! poll's deadline (one polling thread fewer on the CPUs). One thread at a time receives and
+//! handles frames, so they are handled in the order they came.
 
 use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
@@ -28,7 +35,7 @@ use std::io::{BufReader, Read};
 use std::net::IpAddr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 
 /// Event credit granted to the daemon at a time.
@@ -85,13 +92,53 @@ struct Inner {
     attach_after: Mutex<Option<std::time::Instant>>,
     /// How long reading threads poll before they sleep.
     spin: std::time::Duration,
+    /// What was read from the session's connection and not handled yet. Whoever holds it
+    /// (the reader, or a thread waiting for an event that polls the session: see
+    /// `BusyPoll for Inner`) receives and handles frames, so they are handled in the order
+    /// they came; nobody waits for it (`try_lock`).
+    rx: Mutex<RxSide>,
+    /// Whether a waiter polls the session: the reader stands aside until its deadline.
+    gate: rcm::remote::RxGate,
+    /// The daemon's end was read by a polling waiter: the reader must not stand aside, it
+    /// ends the session.
+    ended: AtomicBool,
+    /// Frames handled by polling waiters (see [`Client::busy_polled`]).
+    polled: AtomicU64,
+    /// The reader thread, unparked when it must stop standing aside.
+    reader_thread: std::sync::OnceLock<std::thread::Thread>,
+    /// This session, for the handles of the connect requests it delivers.
+    me: Weak<Inner>,
 }
+
+/// The receive side of the session's connection (see `Inner::rx`).
+struct RxSide {
+    /// `buf[..filled]` was received and not handled (the start of a frame).
+    buf: Vec<u8>,
+    filled: usize,
+    /// Events handled since credit was last given back.
+    used: u32,
+}
+
+/// What one look at the session's connection found.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Look {
+    /// Nothing to read, or another thread is reading.
+    Nothing,
+    /// Bytes were received; this many whole frames were handled.
+    Got(usize),
+    /// The daemon's end (or a socket or framing error): the session is over.
+    Ended,
+}
+
+/// Bytes the session's receive buffer starts with (grown for a longer frame).
+const RX_BUF: usize = 16 * 1024;
 
 impl Drop for Inner {
     /// The reader holds its own descriptor of the socket: shutting it down ends the session
     /// (at the daemon too) and the reader with it, as when a fabric shuts down.
     fn drop(&mut self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.end_reader();
     }
 }
 
@@ -143,12 +190,6 @@ fn send_first(s: &UnixStream, frame: &[u8]) -> rcm::Result<()> {
         }
     }
     Err(e.into())
-}
-
-/// Whether `buf` starts with a whole frame (its length word says how long it is).
-fn whole_frame_in(buf: &[u8]) -> bool {
-    buf.first_chunk::<4>()
-        .is_some_and(|l| buf.len() - 4 >= u32::from_le_bytes(*l) as usize)
 }
 
 fn read_frame(s: &mut impl Read, body: &mut Vec<u8>) -> std::io::Result<Header> {
@@ -234,7 +275,8 @@ impl Client {
                     }
                 }
             })?;
-        let inner = Arc::new(Inner {
+        let stream = s.try_clone()?;
+        let inner = Arc::new_cyclic(|me| Inner {
             out,
             pending: Mutex::new(HashMap::new()),
             seq: AtomicU32::new(2),
@@ -242,7 +284,7 @@ impl Client {
             alive: AtomicBool::new(true),
             token,
             limits,
-            stream: s.try_clone()?,
+            stream,
             path: path.to_owned(),
             idle: Mutex::new(Vec::new()),
             channels: AtomicUsize::new(0),
@@ -255,18 +297,26 @@ impl Client {
             no_channels: AtomicBool::new(false),
             attach_after: Mutex::new(None),
             spin,
+            rx: Mutex::new(RxSide {
+                buf: vec![0; RX_BUF],
+                filled: 0,
+                used: 0,
+            }),
+            gate: rcm::remote::RxGate::new(),
+            ended: AtomicBool::new(false),
+            polled: AtomicU64::new(0),
+            reader_thread: std::sync::OnceLock::new(),
+            me: me.clone(),
         });
         let weak = Arc::downgrade(&inner);
         let h = std::thread::Builder::new()
             .name("rcm-ucm-client".into())
             .spawn(move || {
                 rcm::remote::mark_provider_thread();
-                // Polls a while before sleeping, as the fabric's threads do: a sleeping
-                // reader adds a wake-up (tens of µs) to every event.
-                let r = std::io::BufReader::with_capacity(16 * 1024, SpinRead::new(s, spin));
                 ON_READER.with(|f| f.set(Weak::as_ptr(&weak).addr()));
-                reader(&weak, r, inline);
+                reader(&weak, &s, inline);
             })?;
+        let _ = inner.reader_thread.set(h.thread().clone());
         *lock(&inner.reader) = Some(h);
         Ok(Client(inner))
     }
@@ -299,6 +349,13 @@ impl Client {
     /// Whether the session is still up.
     pub fn is_alive(&self) -> bool {
         self.0.alive.load(Ordering::SeqCst)
+    }
+
+    /// Frames from the daemon (events and answers) that threads waiting in
+    /// [`rcm::EventChannel::get_event`] received and handled themselves (busy polling, see
+    /// [`rcm::remote::BusyPoll`]) instead of this session's reader thread.
+    pub fn busy_polled(&self) -> u64 {
+        self.0.polled.load(Ordering::Relaxed)
     }
 }
 
@@ -404,6 +461,15 @@ impl Inner {
         lock(&self.idle).push(ch);
         self.wake_idle_waiter();
         answer
+    }
+
+    /// The session is over: the reader, which may be standing aside for a waiter's poll
+    /// (see `reader`), ends it now instead of at the poll's deadline.
+    fn end_reader(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        if let Some(t) = self.reader_thread.get() {
+            t.unpark();
+        }
     }
 
     fn wake_idle_waiter(&self) {
@@ -578,6 +644,7 @@ impl Provider for Client {
 
     fn shutdown(&self) {
         let _ = self.0.stream.shutdown(std::net::Shutdown::Both);
+        self.0.end_reader();
         // The reader ends with the connection; the callbacks it runs end with it, before the
         // fabric's shutdown returns. (rcm never calls this on the reader: shutdowns started
         // on provider threads move to a thread of their own.)
@@ -694,6 +761,10 @@ impl RemoteId for Handle {
         }
         let _ = c.send(cmd.encode(0));
     }
+
+    fn busy_poll(&self) -> Option<Weak<dyn rcm::remote::BusyPoll>> {
+        Some(self.client.clone())
+    }
 }
 
 std::thread_local! {
@@ -703,64 +774,48 @@ std::thread_local! {
     static ON_READER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// `inline`: run the callbacks of each batch of events here (see [`Client::connect_for`]).
-fn reader(weak: &Weak<Inner>, mut s: BufReader<SpinRead>, inline: bool) {
-    let mut body = Vec::new();
-    let mut used: u32 = 0;
-    let mut here: Option<rcm::CallbacksHere> = None;
+/// The session's reader thread. `inline`: run the callbacks of each batch of events here
+/// (see [`Client::connect_for`]); a batch is what one receive brought.
+///
+/// While a thread waiting for an event polls the session (busy polling), the reader stands
+/// aside until that poll's deadline, so one polling thread fewer shares the CPUs: the
+/// waiter receives, handles, and takes its event itself (see `BusyPoll for Inner`).
+fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
     loop {
-        // The batch is the whole frames read at once: its callbacks run before this thread
-        // reads the socket again, so none waits on it (a read that ends inside a frame must
-        // not hold them until the rest of that frame comes).
-        if here.is_some() && !whole_frame_in(s.buffer()) {
-            here = None;
-        }
-        let Ok(h) = read_frame(&mut s, &mut body) else {
-            break;
-        };
         let Some(c) = weak.upgrade() else { return };
-        if inline && here.is_none() && c.attached.load(Ordering::SeqCst) > 0 {
-            here = Some(rcm::CallbacksHere::begin());
-        }
-        let msg = match decode_message(h.kind, &body) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, kind = h.kind, "undecodable frame from the daemon");
-                if h.kind == proto::kind::EVENT {
-                    // It used a credit like any event: given back, or the window shrinks.
-                    used += 1;
-                } else if let Some(w) = lock(&c.pending).remove(&h.seq) {
-                    // The call it answers fails instead of waiting for ever.
-                    let _ = w.send(Err(WireError::Cm(Error::Remote(format!(
-                        "bad answer from the daemon: {e}"
-                    )))));
-                }
-                if !give_credit(&c, &mut used) {
-                    break;
-                }
+        if !c.ended.load(Ordering::SeqCst) {
+            let left = c.gate.polled_left();
+            if !left.is_zero() {
+                drop(c);
+                std::thread::park_timeout(left);
                 continue;
             }
-        };
-        match msg {
-            Message::Ok(a) => {
-                if let Some(w) = lock(&c.pending).remove(&h.seq) {
-                    let _ = w.send(Ok(a));
-                }
-            }
-            Message::Err(e) => {
-                if let Some(w) = lock(&c.pending).remove(&h.seq) {
-                    let _ = w.send(Err(e));
-                }
-            }
-            Message::HelloOk { .. } => {}
-            Message::Event { handle, event, qp } => {
-                deliver(&c, handle, event, qp);
-                used += 1;
-                if !give_credit(&c, &mut used) {
-                    break;
-                }
-            }
         }
+        // Opened before the receive, so the deliveries of the batch land here and their
+        // callbacks run when it closes, before this thread reads again.
+        let here =
+            (inline && c.attached.load(Ordering::SeqCst) > 0).then(rcm::CallbacksHere::begin);
+        let mut look = Look::Nothing;
+        // Polls a while before sleeping, as the fabric's threads do: a sleeping reader adds
+        // a wake-up (tens of µs) to every event.
+        rcm::spin_until(c.spin, || {
+            look = c.receive();
+            look != Look::Nothing || !c.gate.polled_left().is_zero()
+        });
+        drop(here);
+        match look {
+            Look::Ended => break,
+            Look::Got(_) => continue,
+            Look::Nothing => {}
+        }
+        if !c.gate.polled_left().is_zero() {
+            continue;
+        }
+        // Asleep without a hold on the session, so dropping the client still ends it (its
+        // `Drop` shuts the socket down, which wakes this). Readable or hung up: the next
+        // receive says which (a waiter may have taken it meanwhile).
+        drop(c);
+        wait_readable(s);
     }
     // The daemon is gone: fail the waiting calls (before the last batch's callbacks, whose
     // calls then fail as DeviceRemoved), and it is a device removal for every id.
@@ -771,11 +826,160 @@ fn reader(weak: &Weak<Inner>, mut s: BufReader<SpinRead>, inline: bool) {
         p.clear();
     }
     c.wake_idle_waiter();
-    drop(here);
     // No attribute answer outlives this: a removed id's calls fail in rcm before they get here.
     let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, (s, _))| s).collect();
     for s in sinks {
         s.event(Event::DeviceRemoval);
+    }
+}
+
+/// Sleeps until `s` is readable, hung up or in error (`poll(2)`: a thread asleep in `recv`
+/// would also be woken each time the daemon takes what this side wrote; see `spin`).
+fn wait_readable(s: &UnixStream) {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(s, PollFlags::IN)];
+    let _ = poll(&mut fds, None);
+}
+
+impl Inner {
+    /// Receives what the session's connection holds (without waiting) and handles the whole
+    /// frames, unless another thread is doing so. What the last receive ended inside of
+    /// (the start of a frame) waits for the next.
+    fn receive(&self) -> Look {
+        let Ok(mut rx) = self.rx.try_lock() else {
+            return Look::Nothing;
+        };
+        let rx = &mut *rx;
+        if self.ended.load(Ordering::SeqCst) {
+            return Look::Ended;
+        }
+        let look = match rustix::net::recv(
+            &self.stream,
+            &mut rx.buf[rx.filled..],
+            rustix::net::RecvFlags::DONTWAIT,
+        ) {
+            Ok((0, _)) => Look::Ended,
+            Ok((n, _)) => {
+                rx.filled += n;
+                self.handle_frames(rx).map_or(Look::Ended, Look::Got)
+            }
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => Look::Nothing,
+            Err(_) => Look::Ended,
+        };
+        if look == Look::Ended {
+            self.ended.store(true, Ordering::SeqCst);
+        }
+        look
+    }
+
+    /// Handles the whole frames at the start of `rx.buf` and keeps the rest; returns how
+    /// many, or `None` when the session is over (a frame that cannot be one, or credit that
+    /// cannot be given back).
+    fn handle_frames(&self, rx: &mut RxSide) -> Option<usize> {
+        let mut at = 0;
+        let mut frames = 0;
+        let ok = loop {
+            let rest = &rx.buf[at..rx.filled];
+            let Some(hb) = rest.first_chunk::<12>() else {
+                break true;
+            };
+            let Ok(h) = Header::parse(hb) else {
+                break false;
+            };
+            let total = h.len as usize + 4;
+            if total > MAX_FRAME {
+                break false;
+            }
+            if rest.len() < total {
+                if total > rx.buf.len() {
+                    rx.buf.resize(total, 0);
+                }
+                break true;
+            }
+            if !self.handle_frame(h, &rest[12..total], &mut rx.used) {
+                break false;
+            }
+            at += total;
+            frames += 1;
+        };
+        rx.buf.copy_within(at..rx.filled, 0);
+        rx.filled -= at;
+        ok.then_some(frames)
+    }
+
+    /// Handles one frame from the daemon; false when the session cannot go on.
+    fn handle_frame(&self, h: Header, body: &[u8], used: &mut u32) -> bool {
+        let msg = match decode_message(h.kind, body) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, kind = h.kind, "undecodable frame from the daemon");
+                if h.kind == proto::kind::EVENT {
+                    // It used a credit like any event: given back, or the window shrinks.
+                    *used += 1;
+                } else if let Some(w) = lock(&self.pending).remove(&h.seq) {
+                    // The call it answers fails instead of waiting for ever.
+                    let _ = w.send(Err(WireError::Cm(Error::Remote(format!(
+                        "bad answer from the daemon: {e}"
+                    )))));
+                }
+                return give_credit(self, used);
+            }
+        };
+        match msg {
+            Message::Ok(a) => {
+                if let Some(w) = lock(&self.pending).remove(&h.seq) {
+                    let _ = w.send(Ok(a));
+                }
+            }
+            Message::Err(e) => {
+                if let Some(w) = lock(&self.pending).remove(&h.seq) {
+                    let _ = w.send(Err(e));
+                }
+            }
+            Message::HelloOk { .. } => {}
+            Message::Event { handle, event, qp } => {
+                deliver(self, handle, event, qp);
+                *used += 1;
+                return give_credit(self, used);
+            }
+        }
+        true
+    }
+}
+
+/// A thread waiting in `get_event` after calling one of this session's ids polls the
+/// session's connection: it receives and handles what the daemon sent (its own event, and
+/// whatever else came: other ids' events go where the reader would have put them, answers
+/// to the calls waiting for them), and the reader stands aside meanwhile.
+impl rcm::remote::BusyPoll for Inner {
+    fn begin(&self, spin: std::time::Duration) {
+        if self.alive.load(Ordering::Relaxed) {
+            self.gate.polled_for(spin);
+        }
+    }
+
+    fn poll(&self) -> bool {
+        if !self.alive.load(Ordering::Relaxed) {
+            return false;
+        }
+        // As on the reader: a call that the handling makes (a child's release, when its
+        // listener is gone) must not wait for an answer on this connection, which only the
+        // thread holding `rx` reads.
+        let before = ON_READER.with(|r| r.replace(std::ptr::from_ref(self).addr()));
+        let look = self.receive();
+        ON_READER.with(|r| r.set(before));
+        match look {
+            Look::Got(frames) => {
+                self.polled.fetch_add(frames as u64, Ordering::Relaxed);
+                true
+            }
+            Look::Ended => {
+                // The reader ends the session: it must not go on standing aside.
+                self.end_reader();
+                false
+            }
+            Look::Nothing => false,
+        }
     }
 }
 
@@ -794,7 +998,7 @@ fn give_credit(c: &Inner, used: &mut u32) -> bool {
 
 /// Hands an event to its id. The QP attributes that came with it are in place before the
 /// event can be seen, since seeing it is what makes an application ask for them.
-fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
+fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
     if let WireEvent::ConnectRequest {
         listener,
         private_data,
@@ -805,7 +1009,7 @@ fn deliver(c: &Arc<Inner>, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
         let cache = Arc::new(QpCache::default());
         cache.event(qp);
         let child = Arc::new(Handle {
-            client: Arc::downgrade(c),
+            client: c.me.clone(),
             wire: handle,
             qp: cache.clone(),
             released: AtomicBool::new(false),

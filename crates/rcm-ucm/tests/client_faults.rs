@@ -476,3 +476,62 @@ fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
     assert_eq!(second, Some(rcm::Error::DeviceRemoved), "on the session");
     f.shutdown();
 }
+
+/// The session's frames are put together however the daemon's bytes arrive: here 20 events
+/// behind a 40,000-byte frame (longer than the client's receive buffer; an event that does
+/// not decode, so it is skipped), all written a few bytes at a time.
+#[test]
+fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
+    const EVENTS: usize = 20;
+    let (path, session) = fake_daemon("cut-bytes");
+    let client = Client::connect(&path).expect("session");
+    let f = rcm::Fabric::with_provider(
+        std::sync::Arc::new(client.clone()),
+        rcm::FabricConfig::default(),
+    );
+    let mut s = session.recv_timeout(T).expect("the session");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let ch = rcm::EventChannel::new();
+    let maker = {
+        let (f, ch) = (f.clone(), ch.clone());
+        std::thread::spawn(move || f.try_create_id_on(rcm::PortSpace::Tcp, &ch))
+    };
+    let (seq, cmd) = read_command(&mut s);
+    assert_eq!(cmd, Command::CreateId(rcm::PortSpace::Tcp));
+    s.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+        .expect("reply");
+    let id = maker.join().expect("maker").expect("create");
+    let mut bytes = frame(proto::kind::EVENT, 0, &vec![0xEE; 40_000]);
+    for _ in 0..EVENTS {
+        let ev = Message::Event {
+            handle: 1,
+            event: proto::WireEvent::AddrResolved,
+            qp: None,
+        };
+        bytes.extend_from_slice(&ev.encode(0));
+    }
+    let writer = std::thread::spawn(move || {
+        let mut rest = &bytes[..];
+        let mut n = 0;
+        while !rest.is_empty() {
+            // 1 to 13 bytes at a time; the long frame's body in larger pieces.
+            let len = if rest.len() > 2_000 { 997 } else { 1 + n % 13 };
+            let (now, later) = rest.split_at(len.min(rest.len()));
+            s.write_all(now).expect("write");
+            rest = later;
+            n += 1;
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        s
+    });
+    for k in 0..EVENTS {
+        let e = ch
+            .get_event(Some(T))
+            .unwrap_or_else(|| panic!("{k} of {EVENTS} events came"));
+        assert!(matches!(e.event(), rcm::Event::AddrResolved), "{e:?}");
+        assert_eq!(e.id(), &id);
+    }
+    assert!(client.is_alive());
+    let _s = writer.join().expect("writer");
+    let _ = std::fs::remove_file(&path);
+}

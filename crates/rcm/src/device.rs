@@ -870,11 +870,17 @@ fn take_batch<'g>(gate: &'g RxGate, batch: &mut RxBatch, sock: &UdpSocket) -> Op
     (!batch.is_empty()).then_some(turn)
 }
 
+/// What a (non-rcm) thread last called into: the receive side its answer most likely comes
+/// from when it then waits for an event.
+enum PollHint {
+    None,
+    Device(Weak<DeviceInner>),
+    Remote(Weak<dyn crate::remote::BusyPoll>),
+}
+
 std::thread_local! {
-    /// The RoCEv2 device this (non-rcm) thread last called into: the one whose answer it
-    /// most likely waits for when it then waits for an event (see `rxgate`).
-    static BUSY_POLL_HINT: std::cell::RefCell<Weak<DeviceInner>> =
-        const { std::cell::RefCell::new(Weak::new()) };
+    static BUSY_POLL_HINT: std::cell::RefCell<PollHint> =
+        const { std::cell::RefCell::new(PollHint::None) };
     /// The receive area of a waiter polling a device (allocated on its first poll; the
     /// pages no receive reached cost no memory).
     static POLL_BATCH: std::cell::RefCell<Option<RxBatch>> =
@@ -884,43 +890,73 @@ std::thread_local! {
 fn set_busy_poll_hint(d: &Arc<DeviceInner>) {
     let _ = BUSY_POLL_HINT.try_with(|h| {
         if let Ok(mut h) = h.try_borrow_mut() {
-            if !std::ptr::eq(h.as_ptr(), Arc::as_ptr(d)) {
-                *h = Arc::downgrade(d);
+            if !matches!(&*h, PollHint::Device(w) if std::ptr::eq(w.as_ptr(), Arc::as_ptr(d))) {
+                *h = PollHint::Device(Arc::downgrade(d));
             }
         }
     });
 }
 
-/// The device a thread about to wait for an event polls meanwhile, if any: the one it last
-/// called into, if that one is still open. Never for rcm's own threads, nor inside a
-/// callback or with a [`crate::CallbacksHere`] open (events it received would run
-/// callbacks in a place their owner did not choose).
-pub(crate) fn busy_poll_hint() -> Option<BusyDevice> {
+/// A provider's id was called on this thread: what its waiter polls is the provider's
+/// (none if it offers none).
+pub(crate) fn set_remote_poll_hint(r: &dyn crate::remote::RemoteId) {
+    if crate::fabric::own_thread() {
+        return;
+    }
+    let _ = BUSY_POLL_HINT.try_with(|h| {
+        if let Ok(mut h) = h.try_borrow_mut() {
+            *h = r.busy_poll().map_or(PollHint::None, PollHint::Remote);
+        }
+    });
+}
+
+/// What a thread about to wait for an event polls meanwhile, if anything: the device or
+/// provider it last called into, if that one is still there. Never for rcm's own threads,
+/// nor inside a callback or with a [`crate::CallbacksHere`] open (events it received would
+/// run callbacks in a place their owner did not choose).
+pub(crate) fn busy_poll_hint() -> Option<BusyHint> {
     if crate::fabric::own_thread()
         || crate::slot::in_callback()
         || crate::fabric::callbacks_here_open()
     {
         return None;
     }
-    let d = BUSY_POLL_HINT
-        .try_with(|h| h.try_borrow().ok().and_then(|h| h.upgrade()))
+    BUSY_POLL_HINT
+        .try_with(|h| match &*h.try_borrow().ok()? {
+            PollHint::None => None,
+            PollHint::Device(w) => {
+                let d = w.upgrade()?;
+                (d.gate.is_some() && !d.stop.load(Ordering::Relaxed)).then_some(BusyHint::Device(d))
+            }
+            PollHint::Remote(w) => w.upgrade().map(BusyHint::Remote),
+        })
         .ok()
-        .flatten()?;
-    (d.gate.is_some() && !d.stop.load(Ordering::Relaxed)).then_some(BusyDevice(d))
+        .flatten()
 }
 
-/// A device polled by a thread waiting in `get_event` (see `rxgate`).
-pub(crate) struct BusyDevice(Arc<DeviceInner>);
+/// What a thread waiting in `get_event` polls (see `rxgate`).
+pub(crate) enum BusyHint {
+    Device(Arc<DeviceInner>),
+    Remote(Arc<dyn crate::remote::BusyPoll>),
+}
 
-impl crate::slot::BusyPoll for BusyDevice {
+impl crate::remote::BusyPoll for BusyHint {
     fn begin(&self, spin: Duration) {
-        if let Some(g) = &self.0.gate {
-            g.polled_for(spin);
+        match self {
+            BusyHint::Device(d) => {
+                if let Some(g) = &d.gate {
+                    g.polled_for(spin);
+                }
+            }
+            BusyHint::Remote(r) => r.begin(spin),
         }
     }
 
     fn poll(&self) -> bool {
-        self.0.poll_once()
+        match self {
+            BusyHint::Device(d) => d.poll_once(),
+            BusyHint::Remote(r) => r.poll(),
+        }
     }
 }
 

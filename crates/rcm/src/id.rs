@@ -363,6 +363,8 @@ impl EventChannel {
     /// own thread stands aside until the poll's deadline. Events for callback ids among
     /// what it receives go to the fabric's callback threads, never to this one.
     /// [`Device::busy_polled`](crate::Device::busy_polled) counts what waiters received.
+    /// For ids a provider holds (a daemon's), the thread polls what the provider offers
+    /// ([`crate::remote::RemoteId::busy_poll`]; the daemon client's session connection).
     pub fn set_spin(&self, d: std::time::Duration) {
         self.0.set_spin(d);
     }
@@ -754,6 +756,7 @@ impl CmId {
         if sync::lock(&self.0.st).removed {
             return Some(Err(Error::DeviceRemoved));
         }
+        crate::device::set_remote_poll_hint(&**r);
         Some(r.call(op()))
     }
 

@@ -137,7 +137,33 @@ pub trait RemoteId: Send + Sync + 'static {
     /// The id was destroyed locally (exactly once, after its last callback): destroy it at the
     /// provider. Must not wait for anything an event callback could be holding.
     fn release(&self);
+    /// What a thread that called this id polls when it then waits in
+    /// [`crate::EventChannel::get_event`] (busy polling: the provider's receive side, which
+    /// most likely brings the answer). `None` (the default): the waiter polls only its channel.
+    fn busy_poll(&self) -> Option<Weak<dyn BusyPoll>> {
+        None
+    }
 }
+
+/// What a thread waiting for a channel's event polls besides the channel (busy polling, as
+/// `SO_BUSY_POLL` has an application poll the NIC): the receive side that will most likely
+/// bring its answer, so that the answer is received, handled and taken by this one thread
+/// instead of being handed over from a receiving thread. rcm's RoCEv2 devices implement it
+/// (see [`RxGate`]); a provider offers one through [`RemoteId::busy_poll`].
+///
+/// Only threads of the application poll, never inside a callback or with a
+/// [`crate::CallbacksHere`] open: events a poll delivers run their callbacks where the
+/// fabric's mode puts events from elsewhere.
+pub trait BusyPoll: Send + Sync {
+    /// The waiter starts polling for up to `spin` (a receiving thread may stand aside until
+    /// then, see [`RxGate::polled_for`]).
+    fn begin(&self, spin: std::time::Duration);
+    /// Receives and handles what is waiting, if anything, without blocking; true when
+    /// something was.
+    fn poll(&self) -> bool;
+}
+
+pub use crate::rxgate::{RxGate, RxTurn};
 
 /// Where a provider delivers the events of one id. Cheap to clone; does nothing once the id
 /// is destroyed.

@@ -20,8 +20,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The receive side of one device (see the module doc).
-pub(crate) struct RxGate {
+/// Who receives from one socket: the thread that serves it, or a thread waiting for its own
+/// answer that polls it (see [`crate::remote::BusyPoll`]). Used by rcm's RoCEv2 devices; a
+/// provider whose ids offer busy polling can use it the same way: its receiving thread
+/// stands aside while [`RxGate::polled_left`] is not zero, and whoever receives holds the
+/// turn ([`RxGate::enter`]) from the receive until what it received has been handled, so
+/// that what came in is handled in the order it came.
+pub struct RxGate {
     /// A thread is receiving and handling a batch.
     busy: AtomicBool,
     /// Until when (ns since `base`) a waiter polls the socket; 0: none has.
@@ -30,7 +35,7 @@ pub(crate) struct RxGate {
 }
 
 /// The turn of the thread that entered the gate; ends when dropped.
-pub(crate) struct RxTurn<'a>(&'a RxGate);
+pub struct RxTurn<'a>(&'a RxGate);
 
 impl Drop for RxTurn<'_> {
     fn drop(&mut self) {
@@ -38,8 +43,15 @@ impl Drop for RxTurn<'_> {
     }
 }
 
+impl Default for RxGate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl RxGate {
-    pub(crate) fn new() -> Self {
+    /// A gate nobody has entered or polled.
+    pub fn new() -> Self {
         RxGate {
             busy: AtomicBool::new(false),
             polled_until: AtomicU64::new(0),
@@ -50,7 +62,7 @@ impl RxGate {
     /// The turn to receive and hand a batch to the engine, unless another thread has it
     /// (never waits: a thread without the turn has nothing to do that the other is not
     /// doing).
-    pub(crate) fn enter(&self) -> Option<RxTurn<'_>> {
+    pub fn enter(&self) -> Option<RxTurn<'_>> {
         self.busy
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .ok()
@@ -61,16 +73,16 @@ impl RxGate {
         u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// A waiter polls for up to `spin` from now: the device's thread stands aside until then.
-    pub(crate) fn polled_for(&self, spin: Duration) {
+    /// A waiter polls for up to `spin` from now: the receiving thread stands aside until then.
+    pub fn polled_for(&self, spin: Duration) {
         let until = self.nanos(Instant::now() + spin).max(1);
         self.polled_until.fetch_max(until, Ordering::Release);
     }
 
-    /// How long a waiter still polls (zero when none does). Asked on every look of the
-    /// device's polling loop: without a waiter it reads no clock (a passed deadline is
-    /// cleared, unless a waiter set a new one meanwhile).
-    pub(crate) fn polled_left(&self) -> Duration {
+    /// How long a waiter still polls (zero when none does). Meant to be asked on every look
+    /// of a receiving thread's polling loop: without a waiter it reads no clock (a passed
+    /// deadline is cleared, unless a waiter set a new one meanwhile).
+    pub fn polled_left(&self) -> Duration {
         let until = self.polled_until.load(Ordering::Acquire);
         if until == 0 {
             return Duration::ZERO;

@@ -764,17 +764,8 @@ impl<E> ChannelQueue<E> {
     }
 }
 
-/// What a thread waiting for a channel's event polls besides the channel (busy polling):
-/// the receive side of the device whose answer it most likely waits for, so that the answer
-/// is received, handled and taken by this one thread instead of being handed from the
-/// device's thread to this one.
 #[cfg(not(loom))]
-pub(crate) trait BusyPoll {
-    /// The waiter starts polling for up to `spin`.
-    fn begin(&self, spin: std::time::Duration);
-    /// Receives and handles what is waiting, if anything; true when something was.
-    fn poll(&self) -> bool;
-}
+use crate::remote::BusyPoll;
 
 /// The queue behind an event channel.
 pub(crate) struct ChannelCore<E> {

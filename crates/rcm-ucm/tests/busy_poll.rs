@@ -1,0 +1,148 @@
+//! Busy polling through the daemon: a thread waiting in `get_event` after calling one of
+//! its session's ids receives and handles the session's frames itself, and the session's
+//! reader thread stands aside meanwhile, never for longer than the poll's deadline.
+//!
+//! Each test has a waiting thread `W` that starts polling before the event it waits for is
+//! made (by the test's main thread, 200 ms later), so which thread receives it does not
+//! depend on timing.
+
+mod common;
+
+use common::*;
+use rcm::{Event, EventChannel, Fabric, FabricConfig, PortSpace};
+use rcm_ucm::Client;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A session and a fabric on it (the session kept, for its counters).
+fn session(d: &rcm_ucm::Daemon) -> (Client, Fabric) {
+    let c = Client::connect(d.socket()).expect("session");
+    let f = Fabric::with_provider(Arc::new(c.clone()), FabricConfig::default());
+    (c, f)
+}
+
+/// An id on a channel that polls for `spin`, bound on the daemon's device: the calling
+/// thread's last call was to this session.
+fn bound_id(f: &Fabric, spin: Duration) -> (rcm::CmId, EventChannel) {
+    let ch = EventChannel::new();
+    ch.set_spin(spin);
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    id.bind(sa(1, 0)).expect("bind");
+    (id, ch)
+}
+
+/// On a thread of its own: binds an id (its channel polling for `spin`), then waits for
+/// its event up to `wait`. Returns the id, the event's name (if one came) and the wait.
+fn waiter(
+    f: &Fabric,
+    spin: Duration,
+    wait: Duration,
+) -> (
+    std::sync::mpsc::Receiver<rcm::CmId>,
+    std::thread::JoinHandle<(Option<&'static str>, Duration)>,
+) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let f = f.clone();
+    let w = std::thread::spawn(move || {
+        let (id, ch) = bound_id(&f, spin);
+        tx.send(id.clone()).expect("id");
+        let t0 = Instant::now();
+        let ev = ch.get_event(Some(wait));
+        (ev.map(|e| e.event().name()), t0.elapsed())
+    });
+    (rx, w)
+}
+
+#[test]
+fn a_waiter_receives_its_event_from_the_session_itself() {
+    let d = daemon("bp-own", 47500, &[1]);
+    let (c, f) = session(&d);
+    let (ids, w) = waiter(&f, T, T);
+    let id = ids.recv().expect("id");
+    std::thread::sleep(Duration::from_millis(200));
+    id.resolve_addr(None, nowhere()).expect("resolve_addr");
+    let (ev, _) = w.join().expect("waiter");
+    assert_eq!(ev, Some("ADDR_ERROR"));
+    assert!(
+        c.busy_polled() >= 1,
+        "the waiter did not receive its event itself"
+    );
+    f.shutdown();
+}
+
+#[test]
+fn a_waiter_that_does_not_poll_leaves_the_session_to_its_reader() {
+    let d = daemon("bp-nopoll", 47501, &[1]);
+    let (c, f) = session(&d);
+    let (ids, w) = waiter(&f, Duration::ZERO, T);
+    let id = ids.recv().expect("id");
+    std::thread::sleep(Duration::from_millis(200));
+    id.resolve_addr(None, nowhere()).expect("resolve_addr");
+    let (ev, _) = w.join().expect("waiter");
+    assert_eq!(ev, Some("ADDR_ERROR"));
+    assert_eq!(c.busy_polled(), 0);
+    f.shutdown();
+}
+
+/// The waiter gets its event early in a poll of a second and goes; what comes for another
+/// thread (one that does not poll) within that second wakes the reader, which stands aside
+/// until the poll's deadline and then receives it.
+#[test]
+fn the_reader_takes_the_session_back_after_the_waiters_deadline() {
+    let d = daemon("bp-back", 47502, &[1]);
+    let (c, f) = session(&d);
+    let (ids, w) = waiter(&f, Duration::from_secs(1), T);
+    let id = ids.recv().expect("id");
+    std::thread::sleep(Duration::from_millis(200));
+    id.resolve_addr(None, nowhere()).expect("resolve_addr");
+    let (ev, _) = w.join().expect("waiter");
+    assert_eq!(ev, Some("ADDR_ERROR"));
+    let polled = c.busy_polled();
+    let (id, ch) = bound_id(&f, Duration::ZERO);
+    id.resolve_addr(None, nowhere()).expect("resolve_addr");
+    let ev = ch.get_event(Some(T)).expect("the event, from the reader");
+    assert!(matches!(ev.event(), Event::AddrError(_)), "{ev:?}");
+    assert_eq!(c.busy_polled(), polled, "nobody polled for this event");
+    drop(ev);
+    f.shutdown();
+}
+
+/// The daemon goes away while a waiter polls (for up to a minute): the waiter finds the end
+/// and hands it to the reader, which ends the session at once (its ids get
+/// `DeviceRemoval`) instead of standing aside until the poll's deadline.
+#[test]
+fn the_daemons_end_found_by_a_waiter_ends_the_session_at_once() {
+    let d = daemon("bp-end", 47503, &[1]);
+    let (c, f) = session(&d);
+    let minute = Duration::from_secs(60);
+    let (_ids, w) = waiter(&f, minute, minute);
+    std::thread::sleep(Duration::from_millis(200));
+    d.shutdown();
+    let (ev, waited) = w.join().expect("waiter");
+    assert_eq!(ev, Some("DEVICE_REMOVAL"));
+    assert!(
+        waited < T,
+        "the session ended {waited:?} after the daemon, at the poll's deadline"
+    );
+    assert!(!c.is_alive());
+    f.shutdown();
+}
+
+/// After a waiter got its event from a long poll, the reader stands aside until that poll's
+/// deadline (a minute here): shutting the fabric down ends it all the same, at once.
+#[test]
+fn a_shutdown_does_not_wait_for_the_polls_deadline() {
+    let d = daemon("bp-shut", 47504, &[1]);
+    let (c, f) = session(&d);
+    let minute = Duration::from_secs(60);
+    let (ids, w) = waiter(&f, minute, minute);
+    let id = ids.recv().expect("id");
+    std::thread::sleep(Duration::from_millis(200));
+    id.resolve_addr(None, nowhere()).expect("resolve_addr");
+    let (ev, _) = w.join().expect("waiter");
+    assert_eq!(ev, Some("ADDR_ERROR"));
+    assert!(c.busy_polled() >= 1);
+    let t0 = Instant::now();
+    f.shutdown();
+    assert!(t0.elapsed() < T, "the shutdown took {:?}", t0.elapsed());
+}
