@@ -389,7 +389,7 @@ impl EventChannel {
             let (slot, event) = if let Some(r) = ready {
                 r
             } else {
-                let busy = crate::device::busy_poll_hint();
+                let busy = self.0.polls().then(crate::device::busy_poll_hint).flatten();
                 self.0.take(left, busy.as_ref().map(|b| b as _))?
             };
             let Some(id) = owner_of(&slot) else {

@@ -790,6 +790,12 @@ impl<E: Send + 'static> ChannelCore<E> {
         })
     }
 
+    /// Whether a waiting taker polls before it sleeps (else there is nothing to busy-poll).
+    #[cfg(not(loom))]
+    pub(crate) fn polls(&self) -> bool {
+        self.spin.load(std::sync::atomic::Ordering::Relaxed) > 0
+    }
+
     /// Sets how long a waiting taker polls before it sleeps.
     pub(crate) fn set_spin(&self, d: std::time::Duration) {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
