@@ -25,6 +25,9 @@ pub(crate) struct ServiceListen {
 #[derive(Default)]
 struct Pending {
     events: std::collections::VecDeque<(CepHandle, CmEvent)>,
+    /// The queue the router last emptied, kept for its capacity: the two trade places each
+    /// round, so routing allocates nothing once they have grown.
+    spare: std::collections::VecDeque<(CepHandle, CmEvent)>,
     routing: bool,
 }
 
@@ -320,14 +323,18 @@ impl DeviceInner {
         }
         p.routing = true;
         loop {
-            let batch: Vec<_> = p.events.drain(..).collect();
-            if batch.is_empty() {
+            if p.events.is_empty() {
                 p.routing = false;
                 return;
             }
+            let spare = std::mem::take(&mut p.spare);
+            let mut batch = std::mem::replace(&mut p.events, spare);
             drop(p);
-            self.route(batch);
+            self.route(batch.drain(..));
             p = sync::lock(&self.pending);
+            if p.spare.capacity() < batch.capacity() {
+                p.spare = batch;
+            }
         }
     }
 
@@ -477,7 +484,7 @@ impl DeviceInner {
         }
     }
 
-    fn route(self: &Arc<Self>, events: Vec<(CepHandle, CmEvent)>) {
+    fn route(self: &Arc<Self>, events: impl Iterator<Item = (CepHandle, CmEvent)>) {
         for (h, ev) in events {
             match ev {
                 CmEvent::ReqReceived {

@@ -4,6 +4,7 @@
 //! Lock order: an id's state lock, then a device's engine lock, then a device's tables. The
 //! engine lock is never held while events are routed, callbacks run or teardowns happen.
 
+use crate::device::BusyHint;
 use crate::device::{DeviceInner, ServiceListen};
 use crate::event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
@@ -373,12 +374,13 @@ impl EventChannel {
     /// is acked when dropped; while any event of an id is held, a blocking `destroy` of that
     /// id fails with [`Error::EventsOutstanding`] rather than hanging.
     pub fn get_event(&self, timeout: Option<std::time::Duration>) -> Option<ChannelEvent> {
-        let end = timeout.map(|t| std::time::Instant::now() + t);
+        let mut deadline = crate::slot::Deadline::new(timeout);
         loop {
-            let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
             let ready = if crate::device::holding() {
                 // Held datagrams go out before this thread waits (see `SendBatch`).
-                let r = self.0.take(Some(std::time::Duration::ZERO), None);
+                let r = self
+                    .0
+                    .take(&mut crate::slot::Deadline::now(), || None::<BusyHint>);
                 if r.is_none() {
                     crate::fabric::before_wait();
                 }
@@ -389,8 +391,7 @@ impl EventChannel {
             let (slot, event) = if let Some(r) = ready {
                 r
             } else {
-                let busy = self.0.polls().then(crate::device::busy_poll_hint).flatten();
-                self.0.take(left, busy.as_ref().map(|b| b as _))?
+                self.0.take(&mut deadline, crate::device::busy_poll_hint)?
             };
             let Some(id) = owner_of(&slot) else {
                 slot.ack();

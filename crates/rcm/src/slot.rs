@@ -767,6 +767,36 @@ impl<E> ChannelQueue<E> {
 #[cfg(not(loom))]
 use crate::remote::BusyPoll;
 
+/// Until when a taker waits: `None` forever, zero not at all. The instant is read from the
+/// clock only once a wait begins (a taker that finds an event queued reads none), and
+/// then kept, so that takes that follow one another share one deadline.
+#[cfg(not(loom))]
+pub(crate) struct Deadline {
+    timeout: Option<std::time::Duration>,
+    at: Option<std::time::Instant>,
+}
+
+#[cfg(not(loom))]
+impl Deadline {
+    pub(crate) fn new(timeout: Option<std::time::Duration>) -> Self {
+        Deadline { timeout, at: None }
+    }
+
+    /// Not waiting at all.
+    pub(crate) fn now() -> Self {
+        Self::new(Some(std::time::Duration::ZERO))
+    }
+
+    fn is_now(&self) -> bool {
+        self.timeout == Some(std::time::Duration::ZERO)
+    }
+
+    fn at(&mut self) -> Option<std::time::Instant> {
+        let t = self.timeout?;
+        Some(*self.at.get_or_insert_with(|| std::time::Instant::now() + t))
+    }
+}
+
 /// The queue behind an event channel.
 pub(crate) struct ChannelCore<E> {
     q: Mutex<ChannelQueue<E>>,
@@ -788,12 +818,6 @@ impl<E: Send + 'static> ChannelCore<E> {
             spin: std::sync::atomic::AtomicU64::new(DEFAULT_CHANNEL_SPIN_NS),
             waiting: std::sync::atomic::AtomicUsize::new(0),
         })
-    }
-
-    /// Whether a waiting taker polls before it sleeps (else there is nothing to busy-poll).
-    #[cfg(not(loom))]
-    pub(crate) fn polls(&self) -> bool {
-        self.spin.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
     /// Sets how long a waiting taker polls before it sleeps.
@@ -825,17 +849,18 @@ impl<E: Send + 'static> ChannelCore<E> {
         out
     }
 
-    /// Takes the next event of a live slot, marking it held; waits up to `timeout` (forever
-    /// with `None`; not at all with zero). While it polls before sleeping, `busy` (if any)
-    /// is polled too: the device that will most likely bring the event (see `BusyPoll`).
+    /// Takes the next event of a live slot, marking it held; waits until `deadline` (see
+    /// [`Deadline`]). While it polls before sleeping, what `busy` names (asked then, if the
+    /// taker polls) is polled too: the device that will most likely bring the event (see
+    /// `BusyPoll`).
     #[cfg(not(loom))]
-    pub(crate) fn take(
+    pub(crate) fn take<B: BusyPoll>(
         &self,
-        timeout: Option<std::time::Duration>,
-        busy: Option<&dyn BusyPoll>,
+        deadline: &mut Deadline,
+        busy: impl FnOnce() -> Option<B>,
     ) -> Option<(Arc<Slot<E>>, E)> {
         use std::sync::atomic::Ordering::Relaxed;
-        let end = timeout.map(|t| std::time::Instant::now() + t);
+        let mut busy = Some(busy);
         let mut q = sync::lock(&self.q);
         let mut polled = false;
         loop {
@@ -848,6 +873,10 @@ impl<E: Send + 'static> ChannelCore<E> {
                 s.sched.discard(ev);
                 q = sync::lock(&self.q);
             }
+            if deadline.is_now() {
+                return None;
+            }
+            let end = deadline.at();
             if !polled {
                 // Poll a while before sleeping: a sleeping taker costs the event tens of µs.
                 polled = true;
@@ -858,7 +887,7 @@ impl<E: Send + 'static> ChannelCore<E> {
                 if !spin.is_zero() {
                     drop(q);
                     let queued = || self.queued.load(Relaxed) > 0;
-                    match busy {
+                    match busy.take().and_then(|f| f()) {
                         Some(b) => {
                             b.begin(spin);
                             spin_until(spin, || queued() || (b.poll() && queued()));
@@ -1193,5 +1222,52 @@ mod tests {
         let cb: super::Callback<u32> = Arc::new(|_, _| Flow::Continue);
         let slot = Slot::new(Target::Callback(cb), sched);
         assert_eq!(slot.migrate(&to), Err(super::Unmoved::NotChannel));
+    }
+
+    /// A deadline is read from the clock once, when a wait first needs it, and then kept;
+    /// `None` waits forever and zero not at all.
+    #[test]
+    fn a_deadline_is_read_once_when_first_needed() {
+        use std::time::{Duration, Instant};
+        let before = Instant::now();
+        let mut d = super::Deadline::new(Some(Duration::from_secs(60)));
+        let first = d.at().expect("a deadline");
+        assert!(first >= before + Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(d.at(), Some(first), "the deadline moved");
+        assert_eq!(super::Deadline::new(None).at(), None);
+        assert!(super::Deadline::now().is_now());
+        assert!(!d.is_now());
+    }
+
+    /// A take with a timeout and nothing queued returns nothing, and not before the timeout;
+    /// a queued event is taken at once, whatever the timeout.
+    #[test]
+    fn a_take_waits_its_timeout_and_no_longer_for_what_is_queued() {
+        use std::time::{Duration, Instant};
+        let ch = super::ChannelCore::<u32>::new();
+        ch.set_spin(Duration::from_millis(1));
+        let none = || None::<NoPoll>;
+        let t0 = Instant::now();
+        let timeout = Duration::from_millis(30);
+        assert!(ch
+            .take(&mut super::Deadline::new(Some(timeout)), none)
+            .is_none());
+        assert!(t0.elapsed() >= timeout, "returned after {:?}", t0.elapsed());
+        assert!(ch.take(&mut super::Deadline::now(), none).is_none());
+        let sched = Arc::new(Collect::default());
+        let slot = Slot::new(Target::Channel(ch.clone()), sched);
+        slot.push(7);
+        let got = ch.take(&mut super::Deadline::new(None), none);
+        assert_eq!(got.map(|(_, e)| e), Some(7));
+    }
+
+    struct NoPoll;
+
+    impl crate::remote::BusyPoll for NoPoll {
+        fn begin(&self, _: std::time::Duration) {}
+        fn poll(&self) -> bool {
+            false
+        }
     }
 }
