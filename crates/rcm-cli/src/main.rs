@@ -163,8 +163,11 @@ struct DaemonArgs {
     /// Where the daemon's callbacks run: on the device thread that received their event
     /// (inline; see rcm::CallbackMode), on its callback threads (threads), or there with
     /// their datagrams sent together (batched). Its callbacks never block, so all three are
-    /// safe. Inline saves a thread hop per event: on a 2-core VM, interleaved, serial connect
-    /// p50 ~216 µs against ~288 with threads; bursts within noise.
+    /// safe. Inline saves a thread hop per event that comes from the network: on an earlier,
+    /// slower 2-core VM, interleaved, serial connect p50 ~216 µs against ~288 with threads.
+    /// A call's own events are queued by the thread serving it in either mode, so between two
+    /// clients of a one-address daemon the two are now within noise (37-47 µs against 38-51,
+    /// 6 interleaved rounds); bursts within noise.
     #[arg(long, default_value = "inline", value_parser = ["threads", "batched", "inline"])]
     callbacks: String,
     /// Microseconds an idle device, callback or client-reading thread polls for work before
