@@ -39,7 +39,9 @@ enum Cmd {
     Ping(PingArgs),
     /// Race create, connect, accept, reject, disconnect, destroy, non-blocking destroy and
     /// device removal from several threads against one in-process fabric, checking the
-    /// lifecycle invariants; prints what it checked and the counts.
+    /// lifecycle invariants; prints what it checked and the counts. Some clients are
+    /// channel-mode ids whose events consumer threads take from a shared event channel
+    /// while the workers destroy them.
     ///
     /// Exit status: 0 when every invariant held, 1 otherwise (each violation printed).
     Stress(StressArgs),
@@ -517,9 +519,10 @@ fn stress(a: &StressArgs) -> ExitCode {
         println!("{}", serde_json::to_string(&r).unwrap_or_default());
     } else {
         println!(
-            "ids created {}  established {}  rejected {}  disconnected {}  destroys {} (deferred {})  non-blocking destroys {}  device removals {}  callbacks {}  contexts {}/{} dropped",
-            r.created, r.established, r.rejected, r.disconnected, r.destroys, r.deferred, r.begin_destroys,
-            r.removals, r.callbacks, r.contexts.1, r.contexts.0
+            "ids created {} ({} channel-mode)  established {}  rejected {}  disconnected {}  destroys {} (deferred {}; refused while an event was held {})  non-blocking destroys {}  device removals {}  callbacks {}  channel events {}  contexts {}/{} dropped",
+            r.created, r.channel_ids, r.established, r.rejected, r.disconnected, r.destroys, r.deferred,
+            r.refused_while_held, r.begin_destroys, r.removals, r.callbacks, r.channel_events,
+            r.contexts.1, r.contexts.0
         );
         for i in &r.invariants {
             println!("checked: {i}");

@@ -1,15 +1,18 @@
 //! `rcm stress`: threads racing create, connect, accept, reject, disconnect, destroy,
 //! non-blocking destroy and device removal against one in-process fabric, checking the
-//! lifecycle invariants as they go and at the end.
+//! lifecycle invariants as they go and at the end. Some clients are channel-mode ids, whose
+//! events consumer threads take from a shared `EventChannel` (busy polling included) while
+//! workers destroy them.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rcm::{
-    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Event, Fabric, FabricConfig, Flow,
-    PortSpace,
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
+    FabricConfig, Flow, PortSpace,
 };
 use rcm_proto::ib::RetryPolicy;
 use serde::Serialize;
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,6 +59,13 @@ pub struct StressReport {
     pub removals: u64,
     /// Callbacks run.
     pub callbacks: u64,
+    /// Channel-mode clients created (among `created`).
+    pub channel_ids: u64,
+    /// Events the channel consumers took.
+    pub channel_events: u64,
+    /// Blocking destroys of channel ids refused while a consumer held one of their events
+    /// (`EventsOutstanding`); each was then destroyed without blocking.
+    pub refused_while_held: u64,
     /// Contexts created / dropped.
     pub contexts: (u64, u64),
     /// Invariant violations found (empty when all held).
@@ -75,6 +85,12 @@ struct Shared {
     progress: AtomicU64,
     /// Destroys from inside the id's own callback (each must answer `Deferred`).
     deferred: AtomicU64,
+    /// Channel-mode clients not yet destroyed, by key: an event for one that is not here
+    /// came after its destroy returned `Done` (or for an id never made).
+    channel_ids: Mutex<HashSet<u64>>,
+    channel_made: AtomicU64,
+    channel_events: AtomicU64,
+    refused_while_held: AtomicU64,
 }
 
 /// The context every client id carries: it checks no callback runs after destroy returned
@@ -149,7 +165,12 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         violations: Mutex::new(Vec::new()),
         progress: AtomicU64::new(0),
         deferred: AtomicU64::new(0),
+        channel_ids: Mutex::new(HashSet::new()),
+        channel_made: AtomicU64::new(0),
+        channel_events: AtomicU64::new(0),
+        refused_while_held: AtomicU64::new(0),
     });
+    let ch = EventChannel::new();
     // The server: a wildcard listener; rejects one request in four, accepts the rest,
     // disconnects some established connections itself.
     let seed = o.seed;
@@ -202,8 +223,13 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     ));
     let mut workers = Vec::new();
     for t in 0..o.threads.max(1) {
-        let (fabric, shared, stop, counts) =
-            (fabric.clone(), shared.clone(), stop.clone(), counts.clone());
+        let (fabric, shared, stop, counts, ch) = (
+            fabric.clone(),
+            shared.clone(),
+            stop.clone(),
+            counts.clone(),
+            ch.clone(),
+        );
         let mut rng =
             StdRng::seed_from_u64(o.seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         workers.push(std::thread::spawn(move || {
@@ -212,7 +238,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                 shared.progress.fetch_add(1, Ordering::Relaxed);
                 match rng.gen_range(0..10) {
                     0..=4 => {
-                        let (id, flag) = new_client(&fabric, &shared, &mut rng);
+                        let (id, flag) = if rng.gen_bool(0.3) {
+                            new_channel_client(&fabric, &shared, &ch)
+                        } else {
+                            new_client(&fabric, &shared, &mut rng)
+                        };
                         counts.0.fetch_add(1, Ordering::Relaxed);
                         let dst = if rng.gen_bool(0.2) {
                             removable
@@ -229,9 +259,15 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                     5..=7 if !live.is_empty() => {
                         let (id, flag) = live.swap_remove(rng.gen_range(0..live.len()));
                         match id.destroy() {
-                            Ok(DestroyOutcome::Done) => flag.store(true, Ordering::SeqCst),
+                            Ok(DestroyOutcome::Done) => destroyed(&shared, &id, &flag),
                             Ok(DestroyOutcome::Deferred) => {
                                 counts.2.fetch_add(1, Ordering::Relaxed);
+                            }
+                            // A consumer holds one of its events: a blocking destroy would
+                            // wait on it, so it is refused; this one does not block.
+                            Err(Error::EventsOutstanding(_)) => {
+                                shared.refused_while_held.fetch_add(1, Ordering::Relaxed);
+                                destroy_without_blocking(&shared, &id, &flag);
                             }
                             Err(e) => violation(&shared, format!("destroy failed: {e}")),
                         }
@@ -239,32 +275,31 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                     }
                     8 if !live.is_empty() => {
                         let (id, flag) = live.swap_remove(rng.gen_range(0..live.len()));
-                        let h = id.begin_destroy();
-                        if h.wait_for(Duration::from_secs(10)) {
-                            flag.store(true, Ordering::SeqCst);
-                        } else {
-                            violation(&shared, format!("begin_destroy of {id:?} not done in 10 s"));
-                        }
+                        destroy_without_blocking(&shared, &id, &flag);
                         counts.3.fetch_add(1, Ordering::Relaxed);
                     }
                     _ => std::thread::sleep(Duration::from_micros(rng.gen_range(0..500))),
                 }
                 if live.len() > 200 {
                     let (id, flag) = live.swap_remove(0);
-                    if matches!(id.destroy(), Ok(DestroyOutcome::Done)) {
-                        flag.store(true, Ordering::SeqCst);
-                    }
+                    destroy_any(&shared, &id, &flag);
                     counts.1.fetch_add(1, Ordering::Relaxed);
                 }
             }
             for (id, flag) in live {
-                if matches!(id.destroy(), Ok(DestroyOutcome::Done)) {
-                    flag.store(true, Ordering::SeqCst);
-                }
+                destroy_any(&shared, &id, &flag);
                 counts.1.fetch_add(1, Ordering::Relaxed);
             }
         }));
     }
+    // The channel's consumers: they drive their ids' connections as the callbacks do,
+    // while workers destroy those ids under them.
+    let consumers: Vec<_> = (0..o.threads.div_ceil(3).max(1))
+        .map(|_| {
+            let (ch, shared, stop) = (ch.clone(), shared.clone(), stop.clone());
+            std::thread::spawn(move || consume(&ch, &shared, &stop))
+        })
+        .collect();
     // Device removal racing everything: remove 127.0.0.3 now and then, wait, add it back.
     let remover = {
         let (fabric, stop, counts, shared) =
@@ -316,6 +351,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         }
     }
     let _ = remover.join();
+    for c in consumers {
+        let _ = c.join();
+    }
+    // What the consumers left (events of ids destroyed since) is dropped unseen.
+    while ch.get_event(Some(Duration::ZERO)).is_some() {}
     let _ = server.destroy();
     let kids: Vec<CmId> = children
         .lock()
@@ -353,6 +393,9 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         rejected: shared.rejected.load(Ordering::Relaxed),
         disconnected: shared.disconnected.load(Ordering::Relaxed),
         callbacks: shared.callbacks.load(Ordering::Relaxed),
+        channel_ids: shared.channel_made.load(Ordering::Relaxed),
+        channel_events: shared.channel_events.load(Ordering::Relaxed),
+        refused_while_held: shared.refused_while_held.load(Ordering::Relaxed),
         contexts: (
             shared.ctx_made.load(Ordering::SeqCst),
             shared.ctx_dropped.load(Ordering::SeqCst),
@@ -367,6 +410,8 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
             "callbacks of one id never overlap",
             "a destroy inside the id's own callback answers Deferred (never waits)",
             "every context is dropped exactly once",
+            "no channel event is handed out for an id after its destroy returned Done",
+            "a blocking destroy of an id whose event a consumer holds is refused, never waits",
             "device removal completes within 10 s of its ids' destruction",
             "no worker hangs (watchdog: progress every 20 s; stop within 30 s)",
             "no id, port binding or engine endpoint is left at the end",
@@ -466,4 +511,101 @@ fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId,
         flow
     });
     (id, destroyed)
+}
+
+/// A channel-mode client: its events go to `ch`, for the consumers.
+fn new_channel_client(
+    fabric: &Fabric,
+    shared: &Arc<Shared>,
+    ch: &EventChannel,
+) -> (CmId, Arc<AtomicBool>) {
+    let id = fabric.create_id_on(PortSpace::Tcp, ch);
+    shared.channel_made.fetch_add(1, Ordering::Relaxed);
+    if let Ok(mut m) = shared.channel_ids.lock() {
+        // Filed before its first call: no event can come for it before that.
+        m.insert(id.key());
+    }
+    (id, Arc::new(AtomicBool::new(false)))
+}
+
+/// `id`'s destroy returned `Done`: no callback or channel event may follow.
+fn destroyed(shared: &Shared, id: &CmId, flag: &AtomicBool) {
+    flag.store(true, Ordering::SeqCst);
+    if let Ok(mut m) = shared.channel_ids.lock() {
+        m.remove(&id.key());
+    }
+}
+
+/// A non-blocking destroy, waited for (10 s at most: it ends once the callback in flight
+/// returns or the event a consumer holds is dropped).
+fn destroy_without_blocking(shared: &Shared, id: &CmId, flag: &AtomicBool) {
+    if id.begin_destroy().wait_for(Duration::from_secs(10)) {
+        destroyed(shared, id, flag);
+    } else {
+        violation(shared, format!("begin_destroy of {id:?} not done in 10 s"));
+    }
+}
+
+/// A destroy at the end of a worker's life or to trim its population: blocking, or without
+/// blocking when a consumer holds one of the id's events.
+fn destroy_any(shared: &Shared, id: &CmId, flag: &AtomicBool) {
+    match id.destroy() {
+        Ok(DestroyOutcome::Done) => destroyed(shared, id, flag),
+        Err(Error::EventsOutstanding(_)) => {
+            shared.refused_while_held.fetch_add(1, Ordering::Relaxed);
+            destroy_without_blocking(shared, id, flag);
+        }
+        _ => {}
+    }
+}
+
+/// Takes the channel's events and drives their ids' connections as the callbacks do.
+fn consume(ch: &EventChannel, shared: &Shared, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        let Some(mut e) = ch.get_event(Some(Duration::from_millis(20))) else {
+            continue;
+        };
+        shared.progress.fetch_add(1, Ordering::Relaxed);
+        shared.channel_events.fetch_add(1, Ordering::Relaxed);
+        let key = e.id().key();
+        // Checked while the event is held: its id's destroy cannot return Done meanwhile.
+        // (A poisoned lock means a thread panicked, which the run reports anyway.)
+        let known = match shared.channel_ids.lock() {
+            Ok(m) => m.contains(&key),
+            Err(_) => true,
+        };
+        let Some(ev) = e.take() else { continue };
+        if !known {
+            violation(
+                shared,
+                format!(
+                    "channel event {} for id {key} after its destroy returned Done",
+                    ev.name()
+                ),
+            );
+            continue;
+        }
+        let id = e.id().clone();
+        match ev {
+            Event::AddrResolved => {
+                let _ = id.resolve_route();
+            }
+            Event::RouteResolved => {
+                let _ = id.connect(&ConnectOptions::default());
+            }
+            Event::ConnectResponse { .. } => {
+                let _ = id.establish();
+            }
+            Event::Established { .. } => {
+                shared.established.fetch_add(1, Ordering::Relaxed);
+                if key % 2 == 0 {
+                    let _ = id.disconnect();
+                }
+            }
+            Event::Disconnected => {
+                shared.disconnected.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
 }

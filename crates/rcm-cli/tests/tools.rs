@@ -729,8 +729,9 @@ fn ping_reject_data_is_sent_and_checked() {
     assert_eq!(v["errors"].as_array().map(Vec::len), Some(0));
 }
 
-/// `rcm stress --callbacks threads|batched|inline`: every mode runs the same races with no
-/// violation and drops every context it made; an unknown mode is a usage error.
+/// `rcm stress --callbacks threads|batched|inline`: every mode runs the same races (channel-mode
+/// clients among them) with no violation and drops every context it made; an unknown mode
+/// is a usage error.
 #[test]
 fn stress_in_every_callback_mode() {
     for (mode, port) in [
@@ -763,6 +764,13 @@ fn stress_in_every_callback_mode() {
         // a violation above).
         assert!(r["deferred"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
         assert_eq!(r["contexts"][0], r["contexts"][1], "{mode}: {out}");
+        // Channel-mode clients ran beside the callback ones, their events taken by the
+        // consumers (a late one would be a violation above).
+        assert!(r["channel_ids"].as_u64().unwrap_or(0) > 0, "{mode}: {out}");
+        assert!(
+            r["channel_events"].as_u64().unwrap_or(0) > 0,
+            "{mode}: {out}"
+        );
     }
     let (code, _, err) = rcm(&["stress", "--callbacks", "sometimes"]);
     assert_eq!(code, 2);
