@@ -230,8 +230,10 @@ impl Client {
     /// mode's rules apply: a callback must not wait for another id's callback, and one that
     /// blocks holds back every event of the session. Until the session has a command
     /// channel (with a daemon that refuses them all: always), callbacks run on the
-    /// dispatcher threads. A batch ends when the reader's buffer ends on a frame boundary,
-    /// which is the usual case.
+    /// dispatcher threads. A batch is what one receive brought; its callbacks run before the
+    /// reader receives again, also when it ended inside a frame. Events that a thread waiting
+    /// in `get_event` received itself (busy polling, see the module doc) run their callbacks
+    /// on the dispatcher threads, never on that thread.
     pub fn connect_for(path: impl AsRef<Path>, cfg: &FabricConfig) -> rcm::Result<Client> {
         Self::open(
             path.as_ref(),
