@@ -53,16 +53,24 @@ fn waiter(
     (rx, w)
 }
 
-#[test]
-fn a_waiter_receives_its_event_from_the_session_itself() {
-    let d = daemon("bp-own", 47500, &[1]);
-    let (c, f) = session(&d);
-    let (ids, w) = waiter(&f, T, T);
+/// Once the waiter polls, makes its id's event (an ADDR_ERROR) and checks it got it.
+fn addr_error_for(
+    ids: &std::sync::mpsc::Receiver<rcm::CmId>,
+    w: std::thread::JoinHandle<(Option<&'static str>, Duration)>,
+) {
     let id = ids.recv().expect("id");
     std::thread::sleep(Duration::from_millis(200));
     id.resolve_addr(None, nowhere()).expect("resolve_addr");
     let (ev, _) = w.join().expect("waiter");
     assert_eq!(ev, Some("ADDR_ERROR"));
+}
+
+#[test]
+fn a_waiter_receives_its_event_from_the_session_itself() {
+    let d = daemon("bp-own", 47500, &[1]);
+    let (c, f) = session(&d);
+    let (ids, w) = waiter(&f, T, T);
+    addr_error_for(&ids, w);
     assert!(
         c.busy_polled() >= 1,
         "the waiter did not receive its event itself"
@@ -75,11 +83,7 @@ fn a_waiter_that_does_not_poll_leaves_the_session_to_its_reader() {
     let d = daemon("bp-nopoll", 47501, &[1]);
     let (c, f) = session(&d);
     let (ids, w) = waiter(&f, Duration::ZERO, T);
-    let id = ids.recv().expect("id");
-    std::thread::sleep(Duration::from_millis(200));
-    id.resolve_addr(None, nowhere()).expect("resolve_addr");
-    let (ev, _) = w.join().expect("waiter");
-    assert_eq!(ev, Some("ADDR_ERROR"));
+    addr_error_for(&ids, w);
     assert_eq!(c.busy_polled(), 0);
     f.shutdown();
 }
@@ -92,11 +96,7 @@ fn the_reader_takes_the_session_back_after_the_waiters_deadline() {
     let d = daemon("bp-back", 47502, &[1]);
     let (c, f) = session(&d);
     let (ids, w) = waiter(&f, Duration::from_secs(1), T);
-    let id = ids.recv().expect("id");
-    std::thread::sleep(Duration::from_millis(200));
-    id.resolve_addr(None, nowhere()).expect("resolve_addr");
-    let (ev, _) = w.join().expect("waiter");
-    assert_eq!(ev, Some("ADDR_ERROR"));
+    addr_error_for(&ids, w);
     let polled = c.busy_polled();
     let (id, ch) = bound_id(&f, Duration::ZERO);
     id.resolve_addr(None, nowhere()).expect("resolve_addr");
@@ -136,11 +136,7 @@ fn a_shutdown_does_not_wait_for_the_polls_deadline() {
     let (c, f) = session(&d);
     let minute = Duration::from_secs(60);
     let (ids, w) = waiter(&f, minute, minute);
-    let id = ids.recv().expect("id");
-    std::thread::sleep(Duration::from_millis(200));
-    id.resolve_addr(None, nowhere()).expect("resolve_addr");
-    let (ev, _) = w.join().expect("waiter");
-    assert_eq!(ev, Some("ADDR_ERROR"));
+    addr_error_for(&ids, w);
     assert!(c.busy_polled() >= 1);
     let t0 = Instant::now();
     f.shutdown();

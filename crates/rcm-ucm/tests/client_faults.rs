@@ -76,6 +76,20 @@ fn fake_daemon(name: &str) -> (std::path::PathBuf, mpsc::Receiver<UnixStream>) {
     (path, rx)
 }
 
+/// A fake daemon's session with a client and a fabric on it: the socket path, the client,
+/// the fabric and the session's server end (reads time out after `T`).
+fn fake_session(name: &str) -> (std::path::PathBuf, Client, rcm::Fabric, UnixStream) {
+    let (path, session) = fake_daemon(name);
+    let client = Client::connect(&path).expect("session");
+    let f = rcm::Fabric::with_provider(
+        std::sync::Arc::new(client.clone()),
+        rcm::FabricConfig::default(),
+    );
+    let s = session.recv_timeout(T).expect("the session");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    (path, client, f, s)
+}
+
 #[test]
 fn a_call_answered_by_an_undecodable_frame_fails_instead_of_waiting() {
     let (path, session) = fake_daemon("bad-answer");
@@ -247,14 +261,7 @@ fn the_reader_keeps_reading_while_the_daemon_reads_nothing() {
 fn reader_keeps_reading() {
     const IDS: u32 = 600;
     const EVENTS: usize = 3000;
-    let (path, session) = fake_daemon("reader-never-writes");
-    let client = Client::connect(&path).expect("session");
-    let f = rcm::Fabric::with_provider(
-        std::sync::Arc::new(client.clone()),
-        rcm::FabricConfig::default(),
-    );
-    let mut s = session.recv_timeout(T).expect("the session");
-    s.set_read_timeout(Some(T)).expect("timeout");
+    let (path, _client, f, mut s) = fake_session("reader-never-writes");
     let ch = rcm::EventChannel::new();
     let maker = {
         let (f, ch) = (f.clone(), ch.clone());
@@ -483,14 +490,7 @@ fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
 #[test]
 fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
     const EVENTS: usize = 20;
-    let (path, session) = fake_daemon("cut-bytes");
-    let client = Client::connect(&path).expect("session");
-    let f = rcm::Fabric::with_provider(
-        std::sync::Arc::new(client.clone()),
-        rcm::FabricConfig::default(),
-    );
-    let mut s = session.recv_timeout(T).expect("the session");
-    s.set_read_timeout(Some(T)).expect("timeout");
+    let (path, client, f, mut s) = fake_session("cut-bytes");
     let ch = rcm::EventChannel::new();
     let maker = {
         let (f, ch) = (f.clone(), ch.clone());
