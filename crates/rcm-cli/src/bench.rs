@@ -120,6 +120,10 @@ pub struct Report {
     /// What the memory figures cover: "both ends" (server and client in this process),
     /// "client ends" (`--server`), or "client handles" (`--daemon`: the ids live there).
     pub rss_scope: String,
+    /// Datagrams (in-process) or daemon frames (`--daemon`) the client's waiting thread
+    /// received itself while it polled for its events (busy polling; see
+    /// `rcm::EventChannel::set_spin`), not its device's or session's reader thread.
+    pub busy_polled: u64,
     /// Connect latencies (for plots), microseconds.
     #[serde(skip)]
     pub latencies_us: Vec<f64>,
@@ -675,6 +679,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         steps,
         baseline_conn_per_s: None,
         failures,
+        busy_polled: fabric.busy_polled(),
         latencies_us: lat,
     }
 }
@@ -1355,6 +1360,17 @@ pub fn print_table(r: &Report) {
         println!(
             "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
+        );
+    }
+    if r.busy_polled > 0 {
+        let what = if r.rss_scope == "client handles" {
+            "daemon frames"
+        } else {
+            "datagrams"
+        };
+        println!(
+            "busy polling: {} {what} received by the waiting thread itself",
+            r.busy_polled
         );
     }
     if r.rss_per_conn_bytes > 0.0 {

@@ -208,6 +208,18 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     assert_eq!(code, 0, "{out}\n{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["established"], 100);
+    assert_eq!(v["busy_polled"], 0, "{out}");
+    // With polling threads (the default), the waiting thread reads its session's answers
+    // itself.
+    let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "50", "--serial", "--json"]);
+    assert_eq!(
+        code, 0,
+        "{out}
+{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 50);
+    assert!(v["busy_polled"].as_u64().unwrap_or(0) > 0, "{out}");
 
     let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7"]);
     assert_eq!(code, 0, "{out}\n{err}");

@@ -92,6 +92,11 @@ fn bench_table_and_serial_mode() {
     // Both round trips are reported: ends sleeping, and ends polling as rcm's threads do.
     assert!(out.contains("loopback UDP RTT p50"), "{out}");
     assert!(out.contains("when both ends poll"), "{out}");
+    // The waiting thread received answers itself (each REP waits on it while it polls).
+    assert!(
+        out.contains("datagrams received by the waiting thread itself"),
+        "{out}"
+    );
 }
 
 /// `--spin-us 0`: no thread polls; the run still completes, and the polling round trip is
@@ -114,6 +119,8 @@ fn bench_without_polling() {
     assert_eq!(r["established"], 20, "{out}");
     assert!(r["udp_rtt_p50_us"].as_f64().unwrap() > 0.0, "{out}");
     assert_eq!(r["udp_rtt_poll_p50_us"].as_f64(), Some(0.0), "{out}");
+    // A thread that does not poll receives nothing itself.
+    assert_eq!(r["busy_polled"], 0, "{out}");
     let (code, _, err) = rcm(&["bench", "--spin-us", "200000"]);
     assert_eq!(code, 2);
     assert!(err.contains("spin-us"), "{err}");

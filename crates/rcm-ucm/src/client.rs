@@ -637,6 +637,10 @@ impl Provider for Client {
         }))
     }
 
+    fn busy_polled(&self) -> u64 {
+        self.0.polled.load(Ordering::Relaxed)
+    }
+
     fn device_addrs(&self) -> Vec<IpAddr> {
         match self.0.request(&Command::Devices) {
             Ok(Answer::Devices(d)) => d,

@@ -680,6 +680,21 @@ impl Fabric {
         self.0.device(ip).map(Device)
     }
 
+    /// What threads waiting in [`EventChannel::get_event`] received themselves (busy
+    /// polling): the datagrams of all its devices ([`Device::busy_polled`]), or for a
+    /// provider's fabric what the provider counts (the daemon client: frames).
+    ///
+    /// [`EventChannel::get_event`]: crate::EventChannel::get_event
+    pub fn busy_polled(&self) -> u64 {
+        let own: u64 = self
+            .0
+            .devices()
+            .iter()
+            .map(|d| d.stats.rx_polled.load(Ordering::Relaxed))
+            .sum();
+        own + self.0.provider.as_ref().map_or(0, |p| p.busy_polled())
+    }
+
     /// Ids alive (created and not yet torn down), for leak checks.
     pub fn live_ids(&self) -> usize {
         sync::lock(&self.0.ids)

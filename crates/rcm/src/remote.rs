@@ -128,6 +128,11 @@ pub trait Provider: Send + Sync + 'static {
     fn device_addrs(&self) -> Vec<IpAddr>;
     /// The fabric is shutting down: release everything.
     fn shutdown(&self);
+    /// What threads waiting for events received themselves (busy polling, see
+    /// [`RemoteId::busy_poll`]), in the provider's own unit (the daemon client: frames).
+    fn busy_polled(&self) -> u64 {
+        0
+    }
 }
 
 /// An id at a provider.
