@@ -808,11 +808,16 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
             look = c.receive();
             look != Look::Nothing || !c.gate.polled_left().is_zero()
         });
+        if look == Look::Ended {
+            // The waiting calls fail before the last batch's callbacks run, so that calls
+            // those make fail as DeviceRemoved too.
+            c.fail_calls();
+            drop(here);
+            break;
+        }
         drop(here);
-        match look {
-            Look::Ended => break,
-            Look::Got(_) => continue,
-            Look::Nothing => {}
+        if matches!(look, Look::Got(_)) {
+            continue;
         }
         if !c.gate.polled_left().is_zero() {
             continue;
@@ -823,15 +828,9 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
         drop(c);
         wait_readable(s);
     }
-    // The daemon is gone: fail the waiting calls (before the last batch's callbacks, whose
-    // calls then fail as DeviceRemoved), and it is a device removal for every id.
+    // The daemon is gone: a device removal for every id.
     let Some(c) = weak.upgrade() else { return };
-    {
-        let mut p = lock(&c.pending);
-        c.alive.store(false, Ordering::SeqCst);
-        p.clear();
-    }
-    c.wake_idle_waiter();
+    c.fail_calls();
     // No attribute answer outlives this: a removed id's calls fail in rcm before they get here.
     let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, (s, _))| s).collect();
     for s in sinks {
@@ -848,6 +847,16 @@ fn wait_readable(s: &UnixStream) {
 }
 
 impl Inner {
+    /// The session is over: calls waiting for their answers fail, and later ones at once.
+    fn fail_calls(&self) {
+        {
+            let mut p = lock(&self.pending);
+            self.alive.store(false, Ordering::SeqCst);
+            p.clear();
+        }
+        self.wake_idle_waiter();
+    }
+
     /// Receives what the session's connection holds (without waiting) and handles the whole
     /// frames, unless another thread is doing so. What the last receive ended inside of
     /// (the start of a frame) waits for the next.

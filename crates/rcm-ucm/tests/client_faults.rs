@@ -535,3 +535,61 @@ fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
     let _s = writer.join().expect("writer");
     let _ = std::fs::remove_file(&path);
 }
+
+/// With inline callbacks, what ends the session (a frame that cannot be one) comes in the
+/// same read as an event: the session is marked over before that event's callback runs, so a
+/// call the callback makes fails as `DeviceRemoved` at once, instead of going to a command
+/// channel that is still open but will never answer (here the fake daemon holds it, silent,
+/// until the test has its answer).
+#[test]
+fn calls_from_the_callbacks_of_the_last_batch_fail_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let path = sock("last-batch");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let (created, go) = mpsc::channel::<()>();
+    let (finish, finished) = mpsc::channel::<()>();
+    let released = Arc::new(AtomicBool::new(false));
+    let rel = released.clone();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, c, event) = session_channel_and_one_id(&listener, &go);
+        // The event and a header whose length is too short for one, in one write.
+        let mut bytes = event;
+        bytes.extend_from_slice(&[0u8; 12]);
+        s.write_all(&bytes).expect("event");
+        // The channel stays open and silent until the test has its answer (or 10 s).
+        let _ = finished.recv_timeout(T);
+        rel.store(true, Ordering::SeqCst);
+        drop((c, s));
+    });
+    let cfg = rcm::FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..rcm::FabricConfig::default()
+    };
+    let client = Client::connect_for(&path, &cfg).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client), cfg);
+    let (results, got) = mpsc::channel();
+    let rel = released.clone();
+    let _id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                let r = id.resolve_route();
+                let _ = results.send((r, rel.load(Ordering::SeqCst)));
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    created.send(()).expect("tell the fake daemon");
+    let (r, after_release) = got
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the callback ran");
+    let _ = finish.send(());
+    daemon.join().expect("fake daemon");
+    assert!(
+        !after_release,
+        "the call waited for the silent channel to close"
+    );
+    assert_eq!(r, Err(rcm::Error::DeviceRemoved));
+    let _ = std::fs::remove_file(&path);
+}
