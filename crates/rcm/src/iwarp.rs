@@ -619,25 +619,7 @@ impl DeviceInner {
         let key = token.0;
         if let Some(l) = e.listeners.get(&key) {
             let port = l.port;
-            let mut accepted = Vec::new();
-            let stalled = loop {
-                match l.sock.accept() {
-                    Ok((s, peer)) => accepted.push((s, peer)),
-                    Err(err) if err.kind() == ErrorKind::WouldBlock => break false,
-                    // That one connection is gone; the next may be fine.
-                    Err(err)
-                        if matches!(
-                            err.kind(),
-                            ErrorKind::Interrupted
-                                | ErrorKind::ConnectionAborted
-                                | ErrorKind::ConnectionReset
-                        ) => {}
-                    // Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the rest stay
-                    // queued, and edge-triggered, nothing would bring this listener back to
-                    // them until another connection came. It tries again shortly.
-                    Err(_) => break true,
-                }
-            };
+            let (accepted, stalled) = drain_accepts(|| l.sock.accept());
             if stalled {
                 let (at, keys) = e.stalled.get_or_insert_with(|| (now, Vec::new()));
                 *at = now + ACCEPT_RETRY;
@@ -881,8 +863,64 @@ pub(crate) fn check_addr(ip: IpAddr) -> crate::Result<()> {
     Ok(())
 }
 
+/// Accepts every connection queued on an edge-triggered listener: until `WouldBlock`
+/// (returns `false`), past a connection that went away before it was taken (that one is
+/// skipped; the next may be fine), or until an error that leaves the rest queued (out of
+/// descriptors or memory: EMFILE, ENFILE, ENOBUFS; returns `true`, and the listener must be
+/// tried again shortly, since nothing else would bring it back to them until another
+/// connection came).
+fn drain_accepts<T>(mut accept: impl FnMut() -> std::io::Result<T>) -> (Vec<T>, bool) {
+    let mut accepted = Vec::new();
+    loop {
+        match accept() {
+            Ok(t) => accepted.push(t),
+            Err(err) if err.kind() == ErrorKind::WouldBlock => return (accepted, false),
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    ErrorKind::Interrupted
+                        | ErrorKind::ConnectionAborted
+                        | ErrorKind::ConnectionReset
+                ) => {}
+            Err(_) => return (accepted, true),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::io::{Error, ErrorKind};
+
+    /// Scripted `accept` results, in order.
+    fn script(v: Vec<std::io::Result<u32>>) -> impl FnMut() -> std::io::Result<u32> {
+        let mut it = v.into_iter();
+        move || {
+            it.next()
+                .unwrap_or_else(|| Err(ErrorKind::WouldBlock.into()))
+        }
+    }
+
+    /// A connection that went away before it was taken (ECONNABORTED, ECONNRESET) or an
+    /// interrupted call is skipped and the queue drained on; running out of descriptors stops
+    /// the draining and asks for a retry, with what was taken kept.
+    #[test]
+    fn accepting_skips_the_connections_gone_and_stops_at_a_lack_of_descriptors() {
+        let (got, stalled) = super::drain_accepts(script(vec![
+            Ok(1),
+            Err(ErrorKind::ConnectionAborted.into()),
+            Ok(2),
+            Err(ErrorKind::ConnectionReset.into()),
+            Err(ErrorKind::Interrupted.into()),
+            Ok(3),
+        ]));
+        assert_eq!((got, stalled), (vec![1, 2, 3], false));
+        let emfile = Error::from_raw_os_error(libc::EMFILE);
+        let (got, stalled) = super::drain_accepts(script(vec![Ok(1), Err(emfile), Ok(2)]));
+        assert_eq!((got, stalled), (vec![1], true));
+        let (got, stalled) = super::drain_accepts(script(vec![]));
+        assert_eq!((got, stalled), (vec![], false));
+    }
+
     /// The accept queue holds at least the default backlog, here for a backlog of 2: 260
     /// connections none of which is accepted yet all complete (std's and mio's 128 dropped
     /// the SYNs past it; a dropped one is retried after a second, past this test's 500 ms).
