@@ -5,6 +5,7 @@
 //! no user code and no other id's teardown ever runs under it.
 
 use crate::id::IdInner;
+use crate::remote::BusyPoll;
 use crate::rxgate::{RxGate, RxTurn};
 use crate::sync;
 use foldhash::HashMap as LocalMap;
@@ -103,6 +104,9 @@ pub(crate) struct DeviceInner {
     /// Who receives from the socket (see `rxgate`): on a device whose I/O thread reads it
     /// (not one verifying ICRCs on a raw socket, not iWARP).
     gate: Option<Arc<RxGate>>,
+    /// What a thread waiting for an event polls when this device has a `gate` (the hint
+    /// names it; see `busy_poll_hint`).
+    poller: Option<Arc<DevicePoll>>,
 }
 
 impl DeviceInner {
@@ -142,7 +146,7 @@ impl DeviceInner {
         let io_sock = sock.clone();
         let gate = raw.is_none().then(|| Arc::new(RxGate::new()));
         let io_gate = gate.clone();
-        let dev = Arc::new(DeviceInner {
+        let dev = Arc::new_cyclic(|me| DeviceInner {
             ip,
             port,
             sock: Mutex::new(Some(sock)),
@@ -162,6 +166,7 @@ impl DeviceInner {
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
             iw: None,
+            poller: gate.is_some().then(|| Arc::new(DevicePoll(me.clone()))),
             gate,
         });
         let weak = Arc::downgrade(&dev);
@@ -211,6 +216,7 @@ impl DeviceInner {
             thread: Mutex::new(None),
             iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
             gate: None,
+            poller: None,
         });
         crate::iwarp::IwDev::start(&dev)?;
         Ok(dev)
@@ -231,8 +237,10 @@ impl DeviceInner {
         self: &Arc<Self>,
         f: impl FnOnce(&mut Endpoint, Instant) -> R,
     ) -> R {
-        if self.gate.is_some() && !crate::fabric::own_thread() {
-            set_busy_poll_hint(self);
+        if let Some(p) = &self.poller {
+            if !crate::fabric::own_thread() {
+                set_busy_poll_hint(p);
+            }
         }
         let now = Instant::now();
         // The thread's transmit list is reused (a nested call, from a callback this one
@@ -877,28 +885,25 @@ fn take_batch<'g>(gate: &'g RxGate, batch: &mut RxBatch, sock: &UdpSocket) -> Op
     (!batch.is_empty()).then_some(turn)
 }
 
-/// What a (non-rcm) thread last called into: the receive side its answer most likely comes
-/// from when it then waits for an event.
-enum PollHint {
-    None,
-    Device(Weak<DeviceInner>),
-    Remote(Weak<dyn crate::remote::BusyPoll>),
-}
-
 std::thread_local! {
-    static BUSY_POLL_HINT: std::cell::RefCell<PollHint> =
-        const { std::cell::RefCell::new(PollHint::None) };
+    /// What this (non-rcm) thread last called into: the receive side (a device's, a
+    /// provider's) its answer most likely comes from when it then waits for an event.
+    static BUSY_POLL_HINT: std::cell::RefCell<Option<Weak<dyn BusyPoll>>> =
+        const { std::cell::RefCell::new(None) };
     /// The receive area of a waiter polling a device (allocated on its first poll; the
     /// pages no receive reached cost no memory).
     static POLL_BATCH: std::cell::RefCell<Option<RxBatch>> =
         const { std::cell::RefCell::new(None) };
 }
 
-fn set_busy_poll_hint(d: &Arc<DeviceInner>) {
+fn set_busy_poll_hint(p: &Arc<DevicePoll>) {
     let _ = BUSY_POLL_HINT.try_with(|h| {
         if let Ok(mut h) = h.try_borrow_mut() {
-            if !matches!(&*h, PollHint::Device(w) if std::ptr::eq(w.as_ptr(), Arc::as_ptr(d))) {
-                *h = PollHint::Device(Arc::downgrade(d));
+            let same = h
+                .as_ref()
+                .is_some_and(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(p)));
+            if !same {
+                *h = Some(Arc::downgrade(p) as Weak<dyn BusyPoll>);
             }
         }
     });
@@ -912,7 +917,7 @@ pub(crate) fn set_remote_poll_hint(r: &dyn crate::remote::RemoteId) {
     }
     let _ = BUSY_POLL_HINT.try_with(|h| {
         if let Ok(mut h) = h.try_borrow_mut() {
-            *h = r.busy_poll().map_or(PollHint::None, PollHint::Remote);
+            *h = r.busy_poll();
         }
     });
 }
@@ -921,7 +926,7 @@ pub(crate) fn set_remote_poll_hint(r: &dyn crate::remote::RemoteId) {
 /// provider it last called into, if that one is still there. Never for rcm's own threads,
 /// nor inside a callback or with a [`crate::CallbacksHere`] open (events it received would
 /// run callbacks in a place their owner did not choose).
-pub(crate) fn busy_poll_hint() -> Option<BusyHint> {
+pub(crate) fn busy_poll_hint() -> Option<Arc<dyn BusyPoll>> {
     if crate::fabric::own_thread()
         || crate::slot::in_callback()
         || crate::fabric::callbacks_here_open()
@@ -929,41 +934,23 @@ pub(crate) fn busy_poll_hint() -> Option<BusyHint> {
         return None;
     }
     BUSY_POLL_HINT
-        .try_with(|h| match &*h.try_borrow().ok()? {
-            PollHint::None => None,
-            PollHint::Device(w) => {
-                let d = w.upgrade()?;
-                (d.gate.is_some() && !d.stop.load(Ordering::Relaxed)).then_some(BusyHint::Device(d))
-            }
-            PollHint::Remote(w) => w.upgrade().map(BusyHint::Remote),
-        })
+        .try_with(|h| h.try_borrow().ok()?.as_ref()?.upgrade())
         .ok()
         .flatten()
 }
 
-/// What a thread waiting in `get_event` polls (see `rxgate`).
-pub(crate) enum BusyHint {
-    Device(Arc<DeviceInner>),
-    Remote(Arc<dyn crate::remote::BusyPoll>),
-}
+/// A device's receive side as a waiting thread polls it (see `rxgate`).
+pub(crate) struct DevicePoll(Weak<DeviceInner>);
 
-impl crate::remote::BusyPoll for BusyHint {
+impl BusyPoll for DevicePoll {
     fn begin(&self, spin: Duration) {
-        match self {
-            BusyHint::Device(d) => {
-                if let Some(g) = &d.gate {
-                    g.polled_for(spin);
-                }
-            }
-            BusyHint::Remote(r) => r.begin(spin),
+        if let Some(g) = self.0.upgrade().and_then(|d| d.gate.clone()) {
+            g.polled_for(spin);
         }
     }
 
     fn poll(&self) -> bool {
-        match self {
-            BusyHint::Device(d) => d.poll_once(),
-            BusyHint::Remote(r) => r.poll(),
-        }
+        self.0.upgrade().is_some_and(|d| d.poll_once())
     }
 }
 

@@ -4,7 +4,6 @@
 //! Lock order: an id's state lock, then a device's engine lock, then a device's tables. The
 //! engine lock is never held while events are routed, callbacks run or teardowns happen.
 
-use crate::device::BusyHint;
 use crate::device::{DeviceInner, ServiceListen};
 use crate::event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
@@ -378,9 +377,7 @@ impl EventChannel {
         loop {
             let ready = if crate::device::holding() {
                 // Held datagrams go out before this thread waits (see `SendBatch`).
-                let r = self
-                    .0
-                    .take(&mut crate::slot::Deadline::now(), || None::<BusyHint>);
+                let r = self.0.take(&mut crate::slot::Deadline::now(), || None);
                 if r.is_none() {
                     crate::fabric::before_wait();
                 }

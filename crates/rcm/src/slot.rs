@@ -854,10 +854,10 @@ impl<E: Send + 'static> ChannelCore<E> {
     /// taker polls) is polled too: the device that will most likely bring the event (see
     /// `BusyPoll`).
     #[cfg(not(loom))]
-    pub(crate) fn take<B: BusyPoll>(
+    pub(crate) fn take(
         &self,
         deadline: &mut Deadline,
-        busy: impl FnOnce() -> Option<B>,
+        busy: impl FnOnce() -> Option<Arc<dyn BusyPoll>>,
     ) -> Option<(Arc<Slot<E>>, E)> {
         use std::sync::atomic::Ordering::Relaxed;
         let mut busy = Some(busy);
@@ -1247,7 +1247,7 @@ mod tests {
         use std::time::{Duration, Instant};
         let ch = super::ChannelCore::<u32>::new();
         ch.set_spin(Duration::from_millis(1));
-        let none = || None::<NoPoll>;
+        let none = || None;
         let t0 = Instant::now();
         let timeout = Duration::from_millis(30);
         assert!(ch
@@ -1260,14 +1260,5 @@ mod tests {
         slot.push(7);
         let got = ch.take(&mut super::Deadline::new(None), none);
         assert_eq!(got.map(|(_, e)| e), Some(7));
-    }
-
-    struct NoPoll;
-
-    impl crate::remote::BusyPoll for NoPoll {
-        fn begin(&self, _: std::time::Duration) {}
-        fn poll(&self) -> bool {
-            false
-        }
     }
 }
