@@ -798,14 +798,20 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
             }
         }
         // Opened before the receive, so the deliveries of the batch land here and their
-        // callbacks run when it closes, before this thread reads again.
-        let here =
-            (inline && c.attached.load(Ordering::SeqCst) > 0).then(rcm::CallbacksHere::begin);
+        // callbacks run when it closes, before this thread reads again. Decided at each
+        // receive, not once before the spin: the first command channel may attach while
+        // this polls, and the batch after that must run here too (on a dispatcher, a
+        // callback's call could reach the daemon before this thread, still handling the
+        // batch, found the session over, and wait on a channel that never answers).
+        let mut here = None;
         let mut look = Look::Nothing;
         // Polls a while before sleeping, as the fabric's threads do: a sleeping reader adds
         // a wake-up (tens of µs) to every event.
         rcm::spin_until(c.spin, || {
-            look = c.receive();
+            if here.is_none() && inline && c.attached.load(Ordering::SeqCst) > 0 {
+                here = Some(rcm::CallbacksHere::begin());
+            }
+            look = c.receive(false);
             look != Look::Nothing || !c.gate.polled_left().is_zero()
         });
         if look == Look::Ended {
@@ -859,8 +865,9 @@ impl Inner {
 
     /// Receives what the session's connection holds (without waiting) and handles the whole
     /// frames, unless another thread is doing so. What the last receive ended inside of
-    /// (the start of a frame) waits for the next.
-    fn receive(&self) -> Look {
+    /// (the start of a frame) waits for the next. `by_waiter`: a busy-polling waiter is
+    /// receiving (the frames it handles count in `polled`, those of the last receive too).
+    fn receive(&self, by_waiter: bool) -> Look {
         let Ok(mut rx) = self.rx.try_lock() else {
             return Look::Nothing;
         };
@@ -876,7 +883,15 @@ impl Inner {
             Ok((0, _)) => Look::Ended,
             Ok((n, _)) => {
                 rx.filled += n;
-                self.handle_frames(rx).map_or(Look::Ended, Look::Got)
+                let (frames, go_on) = self.handle_frames(rx);
+                if by_waiter {
+                    self.polled.fetch_add(frames as u64, Ordering::Relaxed);
+                }
+                if go_on {
+                    Look::Got(frames)
+                } else {
+                    Look::Ended
+                }
             }
             Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => Look::Nothing,
             Err(_) => Look::Ended,
@@ -888,23 +903,25 @@ impl Inner {
     }
 
     /// Handles the whole frames at the start of `rx.buf` and keeps the rest; returns how
-    /// many, or `None` when the session is over (a frame that cannot be one, or credit that
+    /// many, and false when the session is over (a frame that cannot be one, or credit that
     /// cannot be given back).
-    fn handle_frames(&self, rx: &mut RxSide) -> Option<usize> {
+    fn handle_frames(&self, rx: &mut RxSide) -> (usize, bool) {
+        if ends_in_a_bad_frame(&rx.buf[..rx.filled]) {
+            // Known before the frames ahead of it are handled: their callbacks (on a
+            // dispatcher, at once) may make calls, which must then fail instead of going to
+            // a command channel that may never answer.
+            self.fail_calls();
+        }
         let mut at = 0;
         let mut frames = 0;
         let ok = loop {
             let rest = &rx.buf[at..rx.filled];
-            let Some(hb) = rest.first_chunk::<12>() else {
+            let Ok(head) = frame_head(rest) else {
+                break false;
+            };
+            let Some((h, total)) = head else {
                 break true;
             };
-            let Ok(h) = Header::parse(hb) else {
-                break false;
-            };
-            let total = h.len as usize + 4;
-            if total > MAX_FRAME {
-                break false;
-            }
             if rest.len() < total {
                 if total > rx.buf.len() {
                     rx.buf.resize(total, 0);
@@ -919,7 +936,7 @@ impl Inner {
         };
         rx.buf.copy_within(at..rx.filled, 0);
         rx.filled -= at;
-        ok.then_some(frames)
+        (frames, ok)
     }
 
     /// Handles one frame from the daemon; false when the session cannot go on.
@@ -962,6 +979,36 @@ impl Inner {
     }
 }
 
+/// The header of the frame `rest` starts with and the frame's whole length, `None` when
+/// `rest` is shorter than a header; an error for a frame that cannot be one (a header that
+/// does not parse, or a length over the limit).
+fn frame_head(rest: &[u8]) -> Result<Option<(Header, usize)>, ()> {
+    let Some(hb) = rest.first_chunk::<12>() else {
+        return Ok(None);
+    };
+    let h = Header::parse(hb).map_err(|_| ())?;
+    let total = h.len as usize + 4;
+    if total > MAX_FRAME {
+        return Err(());
+    }
+    Ok(Some((h, total)))
+}
+
+/// Whether the frames in `buf` come to one that cannot be one before they end.
+fn ends_in_a_bad_frame(buf: &[u8]) -> bool {
+    let mut rest = buf;
+    loop {
+        match frame_head(rest) {
+            Err(()) => return true,
+            Ok(None) => return false,
+            Ok(Some((_, total))) => match rest.get(total..) {
+                Some(next) => rest = next,
+                None => return false,
+            },
+        }
+    }
+}
+
 /// A thread waiting in `get_event` after calling one of this session's ids polls the
 /// session's connection: it receives and handles what the daemon sent (its own event, and
 /// whatever else came: other ids' events go where the reader would have put them, answers
@@ -981,13 +1028,10 @@ impl rcm::remote::BusyPoll for Inner {
         // listener is gone) must not wait for an answer on this connection, which only the
         // thread holding `rx` reads.
         let before = ON_READER.with(|r| r.replace(std::ptr::from_ref(self).addr()));
-        let look = self.receive();
+        let look = self.receive(true);
         ON_READER.with(|r| r.set(before));
         match look {
-            Look::Got(frames) => {
-                self.polled.fetch_add(frames as u64, Ordering::Relaxed);
-                true
-            }
+            Look::Got(_) => true,
             Look::Ended => {
                 // The reader ends the session: it must not go on standing aside.
                 self.end_reader();

@@ -593,3 +593,143 @@ fn calls_from_the_callbacks_of_the_last_batch_fail_at_once() {
     assert_eq!(r, Err(rcm::Error::DeviceRemoved));
     let _ = std::fs::remove_file(&path);
 }
+
+/// Inline callbacks run on the session's reader even for the first events after the first
+/// command channel attached while the reader was polling (here a long poll, so that every
+/// step of the test falls inside it). The reader decided whether to run a batch's
+/// callbacks itself once before its poll, so the batch went to the dispatcher, where a
+/// callback's call could race the reader's finding that the session was over (the cause
+/// of `calls_from_the_callbacks_of_the_last_batch_fail_at_once` failing now and then).
+#[test]
+fn inline_callbacks_run_on_the_reader_when_a_channel_attached_during_its_poll() {
+    let path = sock("attach-while-polling");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let (created, go) = mpsc::channel::<()>();
+    let (finish, finished) = mpsc::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, c, event) = session_channel_and_one_id(&listener, &go);
+        s.write_all(&event).expect("event");
+        let _ = finished.recv_timeout(T);
+        drop((c, s));
+    });
+    let cfg = rcm::FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        spin: Duration::from_secs(1),
+        ..rcm::FabricConfig::default()
+    };
+    let client = Client::connect_for(&path, &cfg).expect("session");
+    let f = rcm::Fabric::with_provider(std::sync::Arc::new(client), cfg);
+    let (ran_on, got) = mpsc::channel();
+    let _id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                let _ = ran_on.send(std::thread::current().name().map(str::to_owned));
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    created.send(()).expect("tell the fake daemon");
+    let thread = got.recv_timeout(T).expect("the callback ran");
+    let _ = finish.send(());
+    daemon.join().expect("fake daemon");
+    assert_eq!(thread.as_deref(), Some("rcm-ucm-client"));
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The same with the frames received by a thread busy polling in `get_event` (callbacks of
+/// the events such a thread receives run on the dispatcher, at once): the session is over
+/// before the event ahead of the frame that cannot be one is delivered, so the call its
+/// callback makes fails as `DeviceRemoved` instead of waiting on the silent channel.
+#[test]
+fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let path = sock("last-polled");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    let (finish, finished) = mpsc::channel::<()>();
+    let released = Arc::new(AtomicBool::new(false));
+    let rel = released.clone();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("session");
+        open_session(&mut s);
+        let (mut c, _) = listener.accept().expect("channel");
+        let answer = |c: &mut UnixStream, a: proto::Answer| {
+            let (seq, cmd) = read_command(c);
+            c.write_all(&Message::Ok(a).encode(seq)).expect("answer");
+            cmd
+        };
+        let done = || proto::Answer::Reply(rcm::remote::Reply::Done);
+        assert!(matches!(answer(&mut c, done()), Command::Attach { .. }));
+        assert!(matches!(
+            answer(&mut c, proto::Answer::Handle(1)),
+            Command::CreateId(_)
+        ));
+        assert!(matches!(
+            answer(&mut c, proto::Answer::Handle(2)),
+            Command::CreateId(_)
+        ));
+        let bind = answer(&mut c, done());
+        assert!(
+            matches!(bind, Command::Call(1, rcm::remote::Op::Bind(_))),
+            "{bind:?}"
+        );
+        // The waiter polls by now (it began as the answer came).
+        std::thread::sleep(Duration::from_millis(200));
+        let mut bytes = Message::Event {
+            handle: 2,
+            event: proto::WireEvent::AddrResolved,
+            qp: None,
+        }
+        .encode(0);
+        bytes.extend_from_slice(&[0u8; 12]);
+        s.write_all(&bytes).expect("event");
+        let _ = finished.recv_timeout(T);
+        rel.store(true, Ordering::SeqCst);
+        drop((c, s));
+    });
+    let client = Client::connect(&path).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client.clone()), rcm::FabricConfig::default());
+    let ch = rcm::EventChannel::new();
+    ch.set_spin(T);
+    let a = f
+        .try_create_id_on(rcm::PortSpace::Tcp, &ch)
+        .expect("create");
+    let (results, got) = mpsc::channel();
+    let rel = released.clone();
+    let _b = f
+        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                let r = id.resolve_route();
+                let _ = results.send((r, rel.load(Ordering::SeqCst)));
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    let waiter = std::thread::spawn(move || {
+        a.bind(sa(1, 0)).expect("bind");
+        ch.get_event(Some(T)).map(|e| e.event().name())
+    });
+    let (r, after_release) = got
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the callback ran");
+    let _ = finish.send(());
+    daemon.join().expect("fake daemon");
+    let waited_for = waiter.join().expect("waiter");
+    assert!(
+        !after_release,
+        "the call waited for the silent channel to close"
+    );
+    assert_eq!(r, Err(rcm::Error::DeviceRemoved));
+    assert!(
+        client.busy_polled() >= 1,
+        "the waiter did not receive the frames itself"
+    );
+    assert_eq!(
+        waited_for,
+        Some("DEVICE_REMOVAL"),
+        "the waiter's id learns the session is over"
+    );
+    let _ = std::fs::remove_file(&path);
+}
