@@ -56,9 +56,7 @@ fn open_session(s: &mut UnixStream) {
 /// client's first event credit) and refuses every command channel, so the client makes its
 /// calls on the session's connection. Returns the path and the session's server end.
 fn fake_daemon(name: &str) -> (std::path::PathBuf, mpsc::Receiver<UnixStream>) {
-    let path = sock(name);
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener(name);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let Ok((mut s, _)) = listener.accept() else {
@@ -345,6 +343,26 @@ fn session_channel_and_one_id(
     (s, c, event)
 }
 
+/// A fake daemon's listening socket at a fresh path named `name`.
+fn fake_listener(name: &str) -> (std::path::PathBuf, UnixListener) {
+    let path = sock(name);
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("bind");
+    (path, listener)
+}
+
+/// A fabric on a session of the daemon at `path` whose reader runs the callbacks of what
+/// it receives (`CallbackMode::Inline`), polling for `spin` before it sleeps.
+fn inline_fabric(path: &std::path::Path, spin: Duration) -> rcm::Fabric {
+    let cfg = rcm::FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        spin,
+        ..rcm::FabricConfig::default()
+    };
+    let client = Client::connect_for(path, &cfg).expect("session");
+    rcm::Fabric::with_provider(std::sync::Arc::new(client), cfg)
+}
+
 /// Inline callbacks run on the reader before it waits on the socket, including when what
 /// it read ends inside a frame: the rest of that frame may come only later (here the fake
 /// daemon sends it once the first event's callback has run; a daemon's write cut by a full
@@ -354,9 +372,7 @@ fn session_channel_and_one_id(
 fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let path = sock("cut-frame");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener("cut-frame");
     let ran = Arc::new(AtomicUsize::new(0));
     let seen = ran.clone();
     let (created, go) = mpsc::channel::<()>();
@@ -378,21 +394,7 @@ fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
         s.write_all(&event[half..]).expect("the rest");
         (ran_first, s, c)
     });
-    let client = Client::connect_for(
-        &path,
-        &rcm::FabricConfig {
-            callbacks: rcm::CallbackMode::Inline,
-            ..rcm::FabricConfig::default()
-        },
-    )
-    .expect("session");
-    let f = rcm::Fabric::with_provider(
-        std::sync::Arc::new(client),
-        rcm::FabricConfig {
-            callbacks: rcm::CallbackMode::Inline,
-            ..rcm::FabricConfig::default()
-        },
-    );
+    let f = inline_fabric(&path, rcm::FabricConfig::default().spin);
     let _id = f
         .try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
             if matches!(ev, rcm::Event::AddrResolved) {
@@ -420,9 +422,7 @@ fn inline_callbacks_do_not_wait_for_the_rest_of_a_cut_frame() {
 fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
-    let path = sock("held-reader");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener("held-reader");
     let (created, go) = mpsc::channel::<()>();
     let daemon_path = path.clone();
     let daemon = std::thread::spawn(move || {
@@ -434,12 +434,7 @@ fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
         drop(listener);
         let _ = std::fs::remove_file(&daemon_path);
     });
-    let cfg = rcm::FabricConfig {
-        callbacks: rcm::CallbackMode::Inline,
-        ..rcm::FabricConfig::default()
-    };
-    let client = Client::connect_for(&path, &cfg).expect("session");
-    let f = rcm::Fabric::with_provider(Arc::new(client), cfg);
+    let f = inline_fabric(&path, rcm::FabricConfig::default().spin);
     let app_lock = Arc::new(Mutex::new(()));
     let entered = Arc::new(AtomicBool::new(false));
     let (l, e) = (app_lock.clone(), entered.clone());
@@ -536,6 +531,30 @@ fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// What a call from a callback returned, and whether the fake daemon had let its silent
+/// channel go by then.
+type CallResult = (rcm::Result<()>, bool);
+
+/// An id whose callback, on ADDR_RESOLVED, calls `resolve_route` and sends what it
+/// returned and whether the fake daemon had `released` its silent channel by then.
+fn id_calling_on_its_event(
+    f: &rcm::Fabric,
+    released: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (rcm::CmId, mpsc::Receiver<CallResult>) {
+    let (results, got) = mpsc::channel();
+    let rel = released.clone();
+    let id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
+            if matches!(ev, rcm::Event::AddrResolved) {
+                let r = id.resolve_route();
+                let _ = results.send((r, rel.load(std::sync::atomic::Ordering::SeqCst)));
+            }
+            rcm::Flow::Continue
+        })
+        .expect("create");
+    (id, got)
+}
+
 /// With inline callbacks, what ends the session (a frame that cannot be one) comes in the
 /// same read as an event: the session is marked over before that event's callback runs, so a
 /// call the callback makes fails as `DeviceRemoved` at once, instead of going to a command
@@ -545,9 +564,7 @@ fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
 fn calls_from_the_callbacks_of_the_last_batch_fail_at_once() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let path = sock("last-batch");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener("last-batch");
     let (created, go) = mpsc::channel::<()>();
     let (finish, finished) = mpsc::channel::<()>();
     let released = Arc::new(AtomicBool::new(false));
@@ -563,23 +580,8 @@ fn calls_from_the_callbacks_of_the_last_batch_fail_at_once() {
         rel.store(true, Ordering::SeqCst);
         drop((c, s));
     });
-    let cfg = rcm::FabricConfig {
-        callbacks: rcm::CallbackMode::Inline,
-        ..rcm::FabricConfig::default()
-    };
-    let client = Client::connect_for(&path, &cfg).expect("session");
-    let f = rcm::Fabric::with_provider(Arc::new(client), cfg);
-    let (results, got) = mpsc::channel();
-    let rel = released.clone();
-    let _id = f
-        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
-            if matches!(ev, rcm::Event::AddrResolved) {
-                let r = id.resolve_route();
-                let _ = results.send((r, rel.load(Ordering::SeqCst)));
-            }
-            rcm::Flow::Continue
-        })
-        .expect("create");
+    let f = inline_fabric(&path, rcm::FabricConfig::default().spin);
+    let (_id, got) = id_calling_on_its_event(&f, &released);
     created.send(()).expect("tell the fake daemon");
     let (r, after_release) = got
         .recv_timeout(Duration::from_secs(30))
@@ -602,9 +604,7 @@ fn calls_from_the_callbacks_of_the_last_batch_fail_at_once() {
 /// of `calls_from_the_callbacks_of_the_last_batch_fail_at_once` failing now and then).
 #[test]
 fn inline_callbacks_run_on_the_reader_when_a_channel_attached_during_its_poll() {
-    let path = sock("attach-while-polling");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener("attach-while-polling");
     let (created, go) = mpsc::channel::<()>();
     let (finish, finished) = mpsc::channel::<()>();
     let daemon = std::thread::spawn(move || {
@@ -613,13 +613,7 @@ fn inline_callbacks_run_on_the_reader_when_a_channel_attached_during_its_poll() 
         let _ = finished.recv_timeout(T);
         drop((c, s));
     });
-    let cfg = rcm::FabricConfig {
-        callbacks: rcm::CallbackMode::Inline,
-        spin: Duration::from_secs(1),
-        ..rcm::FabricConfig::default()
-    };
-    let client = Client::connect_for(&path, &cfg).expect("session");
-    let f = rcm::Fabric::with_provider(std::sync::Arc::new(client), cfg);
+    let f = inline_fabric(&path, Duration::from_secs(1));
     let (ran_on, got) = mpsc::channel();
     let _id = f
         .try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
@@ -645,9 +639,7 @@ fn inline_callbacks_run_on_the_reader_when_a_channel_attached_during_its_poll() 
 fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let path = sock("last-polled");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).expect("bind");
+    let (path, listener) = fake_listener("last-polled");
     let (finish, finished) = mpsc::channel::<()>();
     let released = Arc::new(AtomicBool::new(false));
     let rel = released.clone();
@@ -696,17 +688,7 @@ fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
     let a = f
         .try_create_id_on(rcm::PortSpace::Tcp, &ch)
         .expect("create");
-    let (results, got) = mpsc::channel();
-    let rel = released.clone();
-    let _b = f
-        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
-            if matches!(ev, rcm::Event::AddrResolved) {
-                let r = id.resolve_route();
-                let _ = results.send((r, rel.load(Ordering::SeqCst)));
-            }
-            rcm::Flow::Continue
-        })
-        .expect("create");
+    let (_b, got) = id_calling_on_its_event(&f, &released);
     let waiter = std::thread::spawn(move || {
         a.bind(sa(1, 0)).expect("bind");
         ch.get_event(Some(T)).map(|e| e.event().name())
