@@ -456,6 +456,28 @@ pub fn icrc(ip: &IpForIcrc, udp: &[u8]) -> u32 {
 
 /// The ICRC given an IP header whose variant fields are already all-ones.
 fn icrc_masked_ip(masked_ip: &[u8], udp: &[u8]) -> u32 {
+    // A CM datagram is a few hundred bytes: laid out whole in one buffer, the CRC runs in
+    // one pass of the fast (carry-less multiply) kernel, where the six pieces below each
+    // took the byte-table path of short inputs, most of the cost.
+    const WHOLE: usize = 512;
+    let (ip_len, udp_len) = (masked_ip.len(), udp.len());
+    if ip_len <= 40 && udp_len >= 13 && 8 + ip_len + udp_len <= WHOLE {
+        let mut b = [0u8; WHOLE];
+        b[..8].fill(0xFF);
+        b[8..8 + ip_len].copy_from_slice(masked_ip);
+        let u = 8 + ip_len;
+        b[u..u + udp_len].copy_from_slice(udp);
+        // The UDP checksum and the BTH's FECN, BECN and Resv6a are variant.
+        b[u + 6] = 0xFF;
+        b[u + 7] = 0xFF;
+        b[u + 12] = 0xFF;
+        return crc32fast::hash(&b[..u + udp_len]);
+    }
+    icrc_in_pieces(masked_ip, udp)
+}
+
+/// [`icrc_masked_ip`] for any lengths, feeding the CRC piece by piece.
+fn icrc_in_pieces(masked_ip: &[u8], udp: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     // The 8-byte pseudo LRH that RoCEv2 lacks, all ones.
     h.update(&[0xFF; 8]);
@@ -785,6 +807,22 @@ pub fn rxe_qp_sport(qpn: u32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_one_pass_icrc_equals_the_piecewise_one_at_every_length() {
+        // Every UDP length the one-pass layout takes, and past it, for both IP versions.
+        for ip_len in [20usize, 40] {
+            let ip: Vec<u8> = (0..ip_len).map(|i| (i * 7 + 3) as u8).collect();
+            for udp_len in 0..=520 {
+                let udp: Vec<u8> = (0..udp_len).map(|i| (i * 13 + 1) as u8).collect();
+                assert_eq!(
+                    icrc_masked_ip(&ip, &udp),
+                    icrc_in_pieces(&ip, &udp),
+                    "ip {ip_len}, udp {udp_len}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn emitting_into_a_reused_buffer_gives_the_same_bytes() {

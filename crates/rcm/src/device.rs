@@ -252,13 +252,15 @@ impl DeviceInner {
         let (r, mut next) = {
             let mut ep = sync::lock(&self.engine);
             let r = f(&mut ep, now);
-            tx.extend(std::iter::from_fn(|| ep.poll_transmit()));
+            ep.take_transmits(&mut tx);
             let mut p = sync::lock(&self.pending);
-            p.events.extend(std::iter::from_fn(|| ep.poll_event()));
+            ep.take_events(&mut p.events);
             drop(p);
             (r, ep.poll_timeout())
         };
-        let mut local = Vec::new();
+        let mut local = LOCAL_LIST
+            .try_with(|l| std::mem::take(&mut *l.borrow_mut()))
+            .unwrap_or_default();
         for round in 0.. {
             // Bounded, so that two ids answering each other forever cannot hold this thread:
             // past it the rest goes through the socket, and the receive loop takes it.
@@ -274,6 +276,12 @@ impl DeviceInner {
             }
             next = self.deliver_own(&mut local, &mut tx);
         }
+        let _ = LOCAL_LIST.try_with(|l| {
+            let mut l = l.borrow_mut();
+            if l.capacity() < local.capacity() {
+                *l = local;
+            }
+        });
         let _ = TX_LIST.try_with(|l| {
             let mut l = l.borrow_mut();
             if l.capacity() < tx.capacity() {
@@ -289,6 +297,12 @@ impl DeviceInner {
     /// be looped back (`FabricConfig::loopback`, the device still open).
     fn take_own(&self, tx: &mut Vec<Transmit>, local: &mut Vec<Transmit>) {
         if !self.loopback || !tx.iter().any(|t| t.dst == self.ip) || self.socket().is_none() {
+            return;
+        }
+        // All of them (a looped exchange's usual case): the lists trade places, nothing is
+        // copied or allocated.
+        if local.is_empty() && tx.iter().all(|t| t.dst == self.ip) {
+            std::mem::swap(tx, local);
             return;
         }
         // One pass, the others keeping their order.
@@ -311,12 +325,13 @@ impl DeviceInner {
         let n = local.len() as u64;
         let mut ep = sync::lock(&self.engine);
         let now = Instant::now();
-        for t in local.drain(..) {
+        for t in local.iter() {
             ep.handle_datagram(now, self.ip, &t.mad);
         }
-        tx.extend(std::iter::from_fn(|| ep.poll_transmit()));
+        local.clear();
+        ep.take_transmits(tx);
         let mut p = sync::lock(&self.pending);
-        p.events.extend(std::iter::from_fn(|| ep.poll_event()));
+        ep.take_events(&mut p.events);
         drop(p);
         for c in [&self.stats.looped, &self.stats.tx, &self.stats.rx] {
             c.fetch_add(n, Ordering::Relaxed);
@@ -1155,6 +1170,9 @@ struct Held {
     depth: u32,
     count: usize,
     by_dev: Vec<(Arc<DeviceInner>, Vec<Transmit>)>,
+    /// Emptied lists of earlier flushes, kept for their capacity (a few: one per device a
+    /// batch reached).
+    spare: Vec<Vec<Transmit>>,
 }
 
 /// Keeps `tx` (emptied) for the thread's send batch if one is open; false if none is.
@@ -1168,9 +1186,14 @@ fn hold(dev: &Arc<DeviceInner>, tx: &mut Vec<Transmit>) -> bool {
             return None;
         }
         h.count += tx.len();
-        match h.by_dev.iter_mut().find(|(d, _)| Arc::ptr_eq(d, dev)) {
-            Some((_, l)) => l.append(tx),
-            None => h.by_dev.push((dev.clone(), std::mem::take(tx))),
+        if let Some((_, l)) = h.by_dev.iter_mut().find(|(d, _)| Arc::ptr_eq(d, dev)) {
+            l.append(tx);
+        } else {
+            // A list kept from an earlier flush: `tx` keeps its capacity for the thread's
+            // next engine call.
+            let mut l = h.spare.pop().unwrap_or_default();
+            l.append(tx);
+            h.by_dev.push((dev.clone(), l));
         }
         Some(h.count >= crate::sys::MAX_SEGMENTS)
     });
@@ -1210,18 +1233,36 @@ pub(crate) fn holding() -> bool {
 /// Sends the datagrams this thread's send batch holds. Called before the thread waits in
 /// rcm, so a batch never holds back what the wait is for.
 pub(crate) fn flush_held() {
-    let Ok(lists) = HELD.try_with(|h| {
+    let Ok(mut lists) = HELD.try_with(|h| {
         let mut h = h.borrow_mut();
         h.count = 0;
         std::mem::take(&mut h.by_dev)
     }) else {
         return;
     };
-    // The devices are not kept past this (a removed one is freed).
-    for (d, l) in lists {
+    // The devices are not kept past this (a removed one is freed); the lists are, emptied,
+    // for their capacity.
+    for (d, mut l) in lists.drain(..) {
         d.send_all(&l);
+        drop(d);
+        l.clear();
+        let _ = HELD.try_with(|h| {
+            let mut h = h.borrow_mut();
+            if h.spare.len() < MAX_SPARE_LISTS {
+                h.spare.push(l);
+            }
+        });
     }
+    let _ = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        if h.by_dev.capacity() < lists.capacity() && h.by_dev.is_empty() {
+            h.by_dev = lists;
+        }
+    });
 }
+
+/// Emptied send lists a thread keeps (see `Held::spare`).
+const MAX_SPARE_LISTS: usize = 4;
 
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
@@ -1235,6 +1276,9 @@ std::thread_local! {
     static HELD: std::cell::RefCell<Held> = std::cell::RefCell::new(Held::default());
     /// The thread's list of datagrams an engine call queued (see `with_engine`).
     static TX_LIST: std::cell::RefCell<Vec<Transmit>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The thread's list of datagrams an engine call sent to its own device (see
+    /// `take_own`), kept for its capacity like `TX_LIST`.
+    static LOCAL_LIST: std::cell::RefCell<Vec<Transmit>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The thread's buffer for building a datagram (one per packet was most of the
     /// allocations of a connection).
     static TX_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };

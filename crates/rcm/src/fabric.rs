@@ -137,6 +137,10 @@ std::thread_local! {
     /// Slots whose callbacks this thread runs itself when its [`CallbacksHere`] ends.
     static HERE: std::cell::RefCell<Option<Vec<Arc<Slot<Event>>>>> =
         const { std::cell::RefCell::new(None) };
+    /// The list the last outermost guard emptied, kept for its capacity (a guard per
+    /// received batch and per call would otherwise allocate one each).
+    static HERE_SPARE: std::cell::Cell<Vec<Arc<Slot<Event>>>> =
+        const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// While it lives, the callbacks that this thread's calls schedule (an event its call
@@ -180,7 +184,11 @@ impl CallbacksHere {
                     _thread_bound: std::marker::PhantomData,
                 }
             } else {
-                *h = Some(Vec::new());
+                *h = Some(
+                    HERE_SPARE
+                        .try_with(std::cell::Cell::take)
+                        .unwrap_or_default(),
+                );
                 CallbacksHere {
                     outermost: true,
                     _thread_bound: std::marker::PhantomData,
@@ -200,16 +208,24 @@ impl Drop for CallbacksHere {
             return;
         }
         // Taken first: what these callbacks schedule in turn goes to the dispatcher.
-        let slots = HERE
+        let mut slots = HERE
             .try_with(|h| h.borrow_mut().take())
             .ok()
             .flatten()
             .unwrap_or_default();
-        for s in slots {
+        for s in slots.drain(..) {
             // Each was scheduled (its `scheduled` flag set) for this thread alone, so no
             // dispatcher thread runs it meanwhile: this is the dispatcher's own loop.
             s.drain();
         }
+        let _ = HERE_SPARE.try_with(|c| {
+            let spare = c.take();
+            c.set(if spare.capacity() >= slots.capacity() {
+                spare
+            } else {
+                slots
+            });
+        });
     }
 }
 

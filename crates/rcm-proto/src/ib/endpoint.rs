@@ -77,6 +77,11 @@ pub struct Endpoint {
     listeners: foldhash::HashMap<CepHandle, Listener>,
     listen_exact: BTreeMap<u64, CepHandle>,
     timers: Timers,
+    /// Retransmission records of answered messages, kept for reuse (one allocation per
+    /// tracked message otherwise). Boxed: a `Cep` holds its record by pointer, and the
+    /// boxes themselves are what is reused.
+    #[allow(clippy::vec_box)]
+    spare_out: Vec<Box<Outstanding>>,
     transmits: VecDeque<Transmit>,
     events: VecDeque<(CepHandle, CmEvent)>,
     stats: Stats,
@@ -98,6 +103,9 @@ fn is_half_open(s: State) -> bool {
 /// the peer's REQ's, up to 4.096 µs × 2^31 (2.4 hours) that a peer could make every
 /// connection it ends hold. 30 s is longer than any ACK timeout Linux's rdma_cm sets.
 pub const MAX_TIMEWAIT: Duration = Duration::from_secs(30);
+
+/// Retransmission records an endpoint keeps for reuse.
+const SPARE_OUT: usize = 64;
 
 /// The backlog a listener gets when the caller passes 0 (Linux's iWARP default, ucma's cap
 /// is 1024).
@@ -123,6 +131,7 @@ impl Endpoint {
             listeners: foldhash::HashMap::default(),
             listen_exact: BTreeMap::new(),
             timers: Timers::default(),
+            spare_out: Vec::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: Stats::default(),
@@ -196,6 +205,28 @@ impl Endpoint {
         self.events.pop_front()
     }
 
+    /// Moves every queued MAD to the end of `out`, in order ([`Endpoint::poll_transmit`]
+    /// for all of them at once; into an empty `out` the lists trade places, nothing is
+    /// copied).
+    pub fn take_transmits(&mut self, out: &mut Vec<Transmit>) {
+        if out.is_empty() {
+            let mine = std::mem::replace(&mut self.transmits, VecDeque::from(std::mem::take(out)));
+            *out = Vec::from(mine);
+        } else {
+            out.extend(self.transmits.drain(..));
+        }
+    }
+
+    /// Moves every queued event to the end of `out`, in order ([`Endpoint::poll_event`]
+    /// for all of them at once).
+    pub fn take_events(&mut self, out: &mut VecDeque<(CepHandle, CmEvent)>) {
+        if out.is_empty() {
+            std::mem::swap(&mut self.events, out);
+        } else {
+            out.append(&mut self.events);
+        }
+    }
+
     /// When `handle_timeout` must next be called.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         let ceps = &self.ceps;
@@ -236,17 +267,22 @@ impl Endpoint {
         }
     }
 
-    /// Queues `msg` for `dst`; the MAD sent (for a tracked send to keep).
-    fn send(&mut self, dst: IpAddr, tid: u64, msg: CmMessage) -> Option<[u8; 256]> {
-        match CmMad::send(tid, msg).emit() {
-            Ok(mad) => {
-                self.stats.tx += 1;
-                self.transmits.push_back(Transmit { dst, mad });
-                Some(mad)
-            }
+    /// Queues `msg` for `dst`; whether it could be encoded (then it is the last of
+    /// `transmits`, for a tracked send to keep).
+    fn send(&mut self, dst: IpAddr, tid: u64, msg: CmMessage) -> bool {
+        // Encoded where it waits to be sent: a MAD is 256 bytes, each copy shows.
+        self.transmits.push_back(Transmit { dst, mad: [0; 256] });
+        let encoded = match self.transmits.back_mut() {
+            Some(t) => CmMad::send(tid, msg).emit_into(&mut t.mad).is_ok(),
+            None => false,
+        };
+        if encoded {
+            self.stats.tx += 1;
+        } else {
             // Only caller-supplied data can fail to encode, and commands check it first.
-            Err(_) => None,
+            self.transmits.pop_back();
         }
+        encoded
     }
 
     fn arm(&mut self, h: CepHandle, at: Instant, kind: TimerKind) {
@@ -254,7 +290,10 @@ impl Endpoint {
             let replaced = c.timer != TimerKind::None;
             c.timer_gen = c.timer_gen.wrapping_add(1);
             c.timer = kind;
-            self.timers.arm(at, h, c.timer_gen);
+            // Timewaits in a lane of their own: they last a path's ACK timeout, the other
+            // timers a message's wait (see `timers`).
+            let lane = usize::from(kind == TimerKind::Timewait);
+            self.timers.arm(at, h, c.timer_gen, lane);
             if replaced {
                 self.timer_went_stale();
             }
@@ -266,9 +305,14 @@ impl Endpoint {
             let had = c.timer != TimerKind::None;
             c.timer_gen = c.timer_gen.wrapping_add(1);
             c.timer = TimerKind::None;
-            c.out = None;
+            let out = c.out.take();
             if had {
                 self.timer_went_stale();
+            }
+            if let Some(b) = out {
+                if self.spare_out.len() < SPARE_OUT {
+                    self.spare_out.push(b);
+                }
             }
         }
     }
@@ -296,16 +340,26 @@ impl Endpoint {
     fn send_tracked(&mut self, now: Instant, h: CepHandle, msg: CmMessage) {
         let Some(c) = self.ceps.get(&h) else { return };
         let (dst, tid, timeout_ms) = (c.peer, c.tid, c.timeout_ms);
-        if let Some(mad) = self.send(dst, tid, msg) {
+        if self.send(dst, tid, msg) {
             let (wait, deadline) = self.first_wait(now, timeout_ms);
-            if let Some(c) = self.ceps.get_mut(&h) {
-                c.out = Some(Box::new(Outstanding {
-                    mad,
+            let mut out = self.spare_out.pop().unwrap_or_else(|| {
+                Box::new(Outstanding {
+                    mad: [0; 256],
                     retries_done: 0,
                     next_wait: wait,
                     deadline,
                     stretched: false,
-                }));
+                })
+            });
+            if let Some(t) = self.transmits.back() {
+                out.mad = t.mad;
+            }
+            out.retries_done = 0;
+            out.next_wait = wait;
+            out.deadline = deadline;
+            out.stretched = false;
+            if let Some(c) = self.ceps.get_mut(&h) {
+                c.out = Some(out);
             }
             self.arm(h, now + wait, TimerKind::Retransmit);
         }
@@ -356,18 +410,21 @@ impl Endpoint {
         remote_qpn: u32,
         peer: IpAddr,
     ) {
-        let rk = (remote_id, remote_guid);
-        if self.remote_ids.get(&rk) == Some(&h) {
-            self.remote_ids.remove(&rk);
+        // One hash per table (these are keyed by the peer's values, with SipHash), and
+        // none for a table that is empty (no SIDR traffic, say).
+        fn unlink<K: std::hash::Hash + Eq>(m: &mut HashMap<K, CepHandle>, k: K, h: CepHandle) {
+            if m.is_empty() {
+                return;
+            }
+            if let std::collections::hash_map::Entry::Occupied(e) = m.entry(k) {
+                if *e.get() == h {
+                    e.remove();
+                }
+            }
         }
-        let qk = (remote_qpn, remote_guid);
-        if self.remote_qps.get(&qk) == Some(&h) {
-            self.remote_qps.remove(&qk);
-        }
-        let sk = (remote_id, peer);
-        if self.sidr_remote.get(&sk) == Some(&h) {
-            self.sidr_remote.remove(&sk);
-        }
+        unlink(&mut self.remote_ids, (remote_id, remote_guid), h);
+        unlink(&mut self.remote_qps, (remote_qpn, remote_guid), h);
+        unlink(&mut self.sidr_remote, (remote_id, peer), h);
     }
 
     /// Leaves the listener's backlog (the request was answered one way or another).
@@ -1048,15 +1105,15 @@ impl Endpoint {
         };
         let tid = parsed.header.tid;
         match parsed.msg {
-            CmMessage::Req(m) => self.on_req(now, from, tid, &m),
+            CmMessage::Req(m) => self.on_req(now, from, tid, m),
             CmMessage::Mra(m) => self.on_mra(now, from, &m),
-            CmMessage::Rej(m) => self.on_rej(now, from, &m),
-            CmMessage::Rep(m) => self.on_rep(now, from, tid, &m),
+            CmMessage::Rej(m) => self.on_rej(now, from, m),
+            CmMessage::Rep(m) => self.on_rep(now, from, tid, m),
             CmMessage::Rtu(m) => self.on_rtu(from, &m),
-            CmMessage::Dreq(m) => self.on_dreq(from, tid, &m),
+            CmMessage::Dreq(m) => self.on_dreq(from, tid, m),
             CmMessage::Drep(m) => self.on_drep(now, from, &m),
-            CmMessage::SidrReq(m) => self.on_sidr_req(from, tid, &m),
-            CmMessage::SidrRep(m) => self.on_sidr_rep(from, &m),
+            CmMessage::SidrReq(m) => self.on_sidr_req(from, tid, m),
+            CmMessage::SidrRep(m) => self.on_sidr_rep(from, m),
             CmMessage::Lap(_) | CmMessage::Apr(_) => self.stats.rx_lap_apr_ignored += 1,
             CmMessage::ClassPortInfo(_) => self.on_class_port_info(from, &parsed.header),
         }
@@ -1096,14 +1153,14 @@ impl Endpoint {
         self.send(from, tid, CmMessage::Rej(rej));
     }
 
-    fn on_req(&mut self, now: Instant, from: IpAddr, tid: u64, req: &Req) {
+    fn on_req(&mut self, now: Instant, from: IpAddr, tid: u64, mut req: Req) {
         // Comm ID 0 is how this engine marks a peer it does not know yet (and never hands
         // out itself): a connection under it could not be told from one whose REP is still
         // to come, and the peer's DREQ would not end it. Refused at the door instead, with
         // the REJ reason the spec has for it (6, Invalid Communication ID; Linux's
         // IB_CM_REJ_INVALID_COMM_ID). Linux makes a comm ID 0 once in 2^32.
         if req.local_comm_id == 0 {
-            self.issue_rej(from, tid, req, RejReason::InvalidCommId, MsgCode::Req);
+            self.issue_rej(from, tid, &req, RejReason::InvalidCommId, MsgCode::Req);
             self.stats.invalid_comm_id_rejects += 1;
             return;
         }
@@ -1132,7 +1189,7 @@ impl Endpoint {
                     }
                 }
                 State::Timewait => {
-                    self.issue_rej(from, tid, req, RejReason::StaleConn, MsgCode::Req);
+                    self.issue_rej(from, tid, &req, RejReason::StaleConn, MsgCode::Req);
                     self.stats.stale_rejects += 1;
                 }
                 _ => {}
@@ -1144,7 +1201,7 @@ impl Endpoint {
         // REQ comes from that connection's peer: the QPN and CA GUID travel in the clear,
         // and from anyone else this would let any host end anyone's connection.
         if let Some(&old) = self.remote_qps.get(&(req.local_qpn, guid)) {
-            self.issue_rej(from, tid, req, RejReason::StaleConn, MsgCode::Req);
+            self.issue_rej(from, tid, &req, RejReason::StaleConn, MsgCode::Req);
             self.stats.stale_rejects += 1;
             if self
                 .ceps
@@ -1156,7 +1213,7 @@ impl Endpoint {
             return;
         }
         let Some(lh) = self.find_listener(req.service_id) else {
-            self.issue_rej(from, tid, req, RejReason::InvalidServiceId, MsgCode::Req);
+            self.issue_rej(from, tid, &req, RejReason::InvalidServiceId, MsgCode::Req);
             self.stats.no_listener_rejects += 1;
             return;
         };
@@ -1206,7 +1263,7 @@ impl Endpoint {
             hop_limit: req.primary_path.hop_limit,
             local_ack_timeout: req.primary_path.local_ack_timeout,
             srq: req.srq,
-            private_data: req.private_data.clone(),
+            private_data: std::mem::take(&mut req.private_data),
         };
         self.events.push_back((
             lh,
@@ -1218,7 +1275,7 @@ impl Endpoint {
         ));
     }
 
-    fn on_rep(&mut self, now: Instant, from: IpAddr, tid: u64, rep: &Rep) {
+    fn on_rep(&mut self, now: Instant, from: IpAddr, tid: u64, mut rep: Rep) {
         let Some(h) = self.lookup(rep.remote_comm_id, rep.local_comm_id, from) else {
             return self.unmatched();
         };
@@ -1325,7 +1382,7 @@ impl Endpoint {
             target_ack_delay: rep.target_ack_delay,
             rnr_retry_count: rep.rnr_retry_count,
             srq: rep.srq,
-            private_data: rep.private_data.clone(),
+            private_data: std::mem::take(&mut rep.private_data),
         };
         self.emit(h, CmEvent::RepReceived(Box::new(info)));
     }
@@ -1372,7 +1429,7 @@ impl Endpoint {
         );
     }
 
-    fn on_rej(&mut self, now: Instant, from: IpAddr, rej: &Rej) {
+    fn on_rej(&mut self, now: Instant, from: IpAddr, mut rej: Rej) {
         let h = if rej.remote_comm_id != 0 {
             self.lookup(rej.remote_comm_id, rej.local_comm_id, from)
         } else if rej.reason == RejReason::Timeout && rej.reject_info_length >= 8 {
@@ -1416,7 +1473,7 @@ impl Endpoint {
             CmEvent::Rejected {
                 reason: rej.reason,
                 ari: rej.ari_bytes().to_vec(),
-                private_data: rej.private_data.clone(),
+                private_data: std::mem::take(&mut rej.private_data),
             },
         );
     }
@@ -1437,7 +1494,7 @@ impl Endpoint {
         self.emit(h, CmEvent::Established);
     }
 
-    fn on_dreq(&mut self, from: IpAddr, tid: u64, dreq: &Dreq) {
+    fn on_dreq(&mut self, from: IpAddr, tid: u64, mut dreq: Dreq) {
         let found = self
             .lookup(dreq.remote_comm_id, dreq.local_comm_id, from)
             .filter(|h| self.ceps.get(h).is_some_and(|c| c.remote_id != 0));
@@ -1469,7 +1526,7 @@ impl Endpoint {
                 }
                 self.cancel_timer(h);
                 self.unlink_listener(h);
-                let pd = dreq.private_data.clone();
+                let pd = std::mem::take(&mut dreq.private_data);
                 if self.ceps.get(&h).is_some_and(|c| c.orphan) {
                     // Nobody to ask: answer at once.
                     let _ = self.orphan_drep(h);
@@ -1519,7 +1576,7 @@ impl Endpoint {
         }
     }
 
-    fn on_sidr_req(&mut self, from: IpAddr, tid: u64, req: &SidrReq) {
+    fn on_sidr_req(&mut self, from: IpAddr, tid: u64, mut req: SidrReq) {
         if self.sidr_remote.contains_key(&(req.request_id, from)) {
             return self.stats.rx_duplicates += 1;
         }
@@ -1566,12 +1623,12 @@ impl Endpoint {
                 cep: h,
                 peer: from,
                 service_id: req.service_id,
-                private_data: req.private_data.clone(),
+                private_data: std::mem::take(&mut req.private_data),
             },
         ));
     }
 
-    fn on_sidr_rep(&mut self, from: IpAddr, rep: &SidrRep) {
+    fn on_sidr_rep(&mut self, from: IpAddr, mut rep: SidrRep) {
         let h = self.local_ids.get(&rep.request_id).copied();
         let Some(h) = h.filter(|h| {
             self.ceps
@@ -1587,7 +1644,7 @@ impl Endpoint {
                 status: rep.status,
                 qpn: rep.qpn,
                 qkey: rep.qkey,
-                private_data: rep.private_data.clone(),
+                private_data: std::mem::take(&mut rep.private_data),
             },
         );
     }

@@ -306,10 +306,17 @@ impl CmMad {
     /// Writes the 256-byte MAD. The header's attribute ID is taken from the message.
     pub fn emit(&self) -> Result<[u8; MAD_LEN]> {
         let mut out = [0u8; MAD_LEN];
+        self.emit_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// [`CmMad::emit`] into `out` (all of it written: what the message leaves unused is
+    /// zero), for a caller that keeps the MAD where it will be sent from.
+    pub fn emit_into(&self, out: &mut [u8; MAD_LEN]) -> Result<()> {
+        out.fill(0);
         let mut header = self.header;
         header.attr_id = self.msg.attr_id();
-        header.emit(&mut out);
-        self.msg.emit(&mut out[MAD_HEADER_LEN..])?;
-        Ok(out)
+        header.emit(out);
+        self.msg.emit(&mut out[MAD_HEADER_LEN..])
     }
 }
