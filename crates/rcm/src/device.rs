@@ -256,7 +256,9 @@ impl DeviceInner {
             let mut p = sync::lock(&self.pending);
             ep.take_events(&mut p.events);
             drop(p);
-            (r, ep.poll_timeout())
+            // Whether the I/O thread must wake sooner than it planned: only a timer armed
+            // by this call can make it (see `run_timers`).
+            (r, ep.poll_armed())
         };
         let mut local = LOCAL_LIST
             .try_with(|l| std::mem::take(&mut *l.borrow_mut()))
@@ -274,7 +276,7 @@ impl DeviceInner {
             if local.is_empty() {
                 break;
             }
-            next = self.deliver_own(&mut local, &mut tx);
+            next = earliest(next, self.deliver_own(&mut local, &mut tx));
         }
         let _ = LOCAL_LIST.try_with(|l| {
             let mut l = l.borrow_mut();
@@ -320,7 +322,7 @@ impl DeviceInner {
 
     /// Hands `local` (emptied) to the engine as received from this device's own address;
     /// what that makes the engine send goes to `tx`, what it reports to the routing queue.
-    /// Returns the engine's next deadline.
+    /// Returns the earliest deadline this armed (see `Endpoint::poll_armed`).
     fn deliver_own(&self, local: &mut Vec<Transmit>, tx: &mut Vec<Transmit>) -> Option<Instant> {
         let n = local.len() as u64;
         let mut ep = sync::lock(&self.engine);
@@ -336,7 +338,7 @@ impl DeviceInner {
         for c in [&self.stats.looped, &self.stats.tx, &self.stats.rx] {
             c.fetch_add(n, Ordering::Relaxed);
         }
-        ep.poll_timeout()
+        ep.poll_armed()
     }
 
     fn route_pending(self: &Arc<Self>) {
@@ -1264,6 +1266,14 @@ pub(crate) fn flush_held() {
 /// Emptied send lists a thread keeps (see `Held::spare`).
 const MAX_SPARE_LISTS: usize = 4;
 
+/// The earlier of two deadlines, if any.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Datagrams handled under one engine lock.
 const BATCH: usize = 64;
 
@@ -1513,6 +1523,42 @@ mod tests {
             sent >= 3,
             "{sent} REQ(s) in 300 ms: the retransmission timer waited"
         );
+        dev.shutdown();
+    }
+
+    /// A device whose REQs retry every 20-40 ms, its thread asleep (no timer yet).
+    fn retrying_device(me: IpAddr, port: u16) -> Arc<DeviceInner> {
+        let mut cfg = EndpointConfig::new(me, 0x0200_00FF_FE00_0001, 1);
+        cfg.retry = rcm_proto::ib::RetryPolicy::Backoff {
+            initial: Duration::from_millis(20),
+            max_wait: Duration::from_millis(40),
+            deadline: Duration::from_secs(30),
+        };
+        DeviceInner::open(
+            me,
+            port,
+            Endpoint::new(cfg),
+            false,
+            Duration::ZERO,
+            false,
+            true,
+        )
+        .expect("device")
+    }
+
+    /// A command that arms a timer earlier than the I/O thread's sleep wakes it (the
+    /// thread sleeps up to 500 ms when it has no timer): the REQ is retried on time.
+    #[test]
+    fn a_timer_a_command_arms_wakes_the_sleeping_io_thread() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        let dev = retrying_device(me, 28427);
+        std::thread::sleep(Duration::from_millis(20));
+        let p = rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
+        dev.with_engine(|ep, now| ep.connect(now, &p))
+            .expect("connect");
+        std::thread::sleep(Duration::from_millis(300));
+        let sent = dev.stats.tx.load(Ordering::Relaxed);
+        assert!(sent >= 3, "{sent} REQ(s) in 300 ms: the thread slept on");
         dev.shutdown();
     }
 

@@ -237,6 +237,15 @@ impl Endpoint {
         self.timers.peek()
     }
 
+    /// The earliest deadline a timer was armed for since the last call (none: no timer
+    /// was). For a driver that sleeps until [`Endpoint::poll_timeout`] and, after each
+    /// command, only needs to know whether that sleep must end sooner: this looks at no
+    /// timer, where `poll_timeout` first skips the ones gone stale. A timer cancelled
+    /// meanwhile at most wakes the driver early; `handle_timeout` then finds nothing due.
+    pub fn poll_armed(&mut self) -> Option<Instant> {
+        self.timers.take_armed()
+    }
+
     // ----- helpers -----------------------------------------------------------------------
 
     fn new_handle(&mut self) -> CepHandle {

@@ -31,6 +31,8 @@ pub(crate) struct Timers {
     lanes: [VecDeque<Entry>; LANES],
     /// Entries made stale since the last sweep (an upper bound: some surfaced and went).
     stale: usize,
+    /// The earliest deadline armed since [`Timers::take_armed`] last looked.
+    armed: Option<Instant>,
 }
 
 /// Where the earliest entry is.
@@ -43,6 +45,7 @@ enum Source {
 impl Timers {
     /// Arms `(h, gen)` at `at` in `lane`.
     pub(crate) fn arm(&mut self, at: Instant, h: CepHandle, gen: u32, lane: usize) {
+        self.armed = Some(self.armed.map_or(at, |a| a.min(at)));
         let q = &mut self.lanes[lane.min(LANES - 1)];
         if q.back().is_none_or(|&(last, _, _)| at >= last) {
             q.push_back((at, h, gen));
@@ -69,6 +72,12 @@ impl Timers {
             Source::Heap => self.heap.pop().map(|Reverse(e)| e),
             Source::Lane(i) => self.lanes[i].pop_front(),
         }
+    }
+
+    /// The earliest deadline armed since the last call, if any (O(1): no entry is looked
+    /// at).
+    pub(crate) fn take_armed(&mut self) -> Option<Instant> {
+        self.armed.take()
     }
 
     /// The earliest entry, stale ones included (the caller re-checks on expiry).
@@ -169,6 +178,25 @@ mod tests {
         assert_eq!(drain(&mut t, ms(100)), vec![6, 2, 5]);
         assert_eq!(t.peek(), None);
         assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn take_armed_gives_the_earliest_deadline_armed_since_it_last_looked() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut t = Timers::default();
+        assert_eq!(t.take_armed(), None);
+        t.arm(ms(30), CepHandle(1), 0, 1);
+        t.arm(ms(10), CepHandle(2), 0, 0);
+        t.arm(ms(20), CepHandle(3), 0, 0);
+        assert_eq!(t.take_armed(), Some(ms(10)));
+        assert_eq!(t.take_armed(), None, "nothing armed since");
+        // Expiring and pruning arm nothing.
+        assert_eq!(drain(&mut t, ms(15)), vec![2]);
+        t.prune(|_, _| false);
+        assert_eq!(t.take_armed(), None);
+        t.arm(ms(50), CepHandle(4), 0, 0);
+        assert_eq!(t.take_armed(), Some(ms(50)));
     }
 
     #[test]
