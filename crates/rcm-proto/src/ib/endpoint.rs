@@ -209,6 +209,9 @@ impl Endpoint {
     /// for all of them at once; into an empty `out` the lists trade places, nothing is
     /// copied).
     pub fn take_transmits(&mut self, out: &mut Vec<Transmit>) {
+        if self.transmits.is_empty() {
+            return;
+        }
         if out.is_empty() {
             let mine = std::mem::replace(&mut self.transmits, VecDeque::from(std::mem::take(out)));
             *out = Vec::from(mine);
@@ -220,6 +223,9 @@ impl Endpoint {
     /// Moves every queued event to the end of `out`, in order ([`Endpoint::poll_event`]
     /// for all of them at once).
     pub fn take_events(&mut self, out: &mut VecDeque<(CepHandle, CmEvent)>) {
+        if self.events.is_empty() {
+            return;
+        }
         if out.is_empty() {
             std::mem::swap(&mut self.events, out);
         } else {
