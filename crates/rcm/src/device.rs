@@ -1248,6 +1248,10 @@ pub(crate) fn flush_held() {
         d.send_all(&l);
         drop(d);
         l.clear();
+        // One that grew past a batch (a removal rejecting thousands at once) is let go.
+        if l.capacity() > MAX_SPARE_CAPACITY {
+            continue;
+        }
         let _ = HELD.try_with(|h| {
             let mut h = h.borrow_mut();
             if h.spare.len() < MAX_SPARE_LISTS {
@@ -1263,8 +1267,10 @@ pub(crate) fn flush_held() {
     });
 }
 
-/// Emptied send lists a thread keeps (see `Held::spare`).
+/// Emptied send lists a thread keeps (see `Held::spare`), and the most datagrams the
+/// capacity of one may hold.
 const MAX_SPARE_LISTS: usize = 4;
+const MAX_SPARE_CAPACITY: usize = 4 * crate::sys::MAX_SEGMENTS;
 
 /// The earlier of two deadlines, if any.
 fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
