@@ -1500,22 +1500,7 @@ mod tests {
     #[test]
     fn timers_run_while_a_waiter_polls() {
         let me = IpAddr::from([127, 0, 0, 1]);
-        let mut cfg = EndpointConfig::new(me, 0x0200_00FF_FE00_0001, 1);
-        cfg.retry = rcm_proto::ib::RetryPolicy::Backoff {
-            initial: Duration::from_millis(20),
-            max_wait: Duration::from_millis(40),
-            deadline: Duration::from_secs(30),
-        };
-        let dev = DeviceInner::open(
-            me,
-            28426,
-            Endpoint::new(cfg),
-            false,
-            Duration::ZERO,
-            false,
-            true,
-        )
-        .expect("device");
+        let dev = retrying_device(me, 28426);
         let gate = dev.gate.clone().expect("a UDP device has a gate");
         gate.polled_for(Duration::from_secs(60));
         // Parked with no timer: until the waiter's deadline, or 500 ms (its longest sleep).
