@@ -1504,12 +1504,7 @@ mod tests {
         let gate = dev.gate.clone().expect("a UDP device has a gate");
         gate.polled_for(Duration::from_secs(60));
         // Parked with no timer: until the waiter's deadline, or 500 ms (its longest sleep).
-        std::thread::sleep(Duration::from_millis(20));
-        let p = rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
-        dev.with_engine(|ep, now| ep.connect(now, &p))
-            .expect("connect");
-        std::thread::sleep(Duration::from_millis(300));
-        let sent = dev.stats.tx.load(Ordering::Relaxed);
+        let sent = reqs_in_300_ms(&dev);
         assert!(
             sent >= 3,
             "{sent} REQ(s) in 300 ms: the retransmission timer waited"
@@ -1537,18 +1532,24 @@ mod tests {
         .expect("device")
     }
 
+    /// Connects to an address nobody answers from, 20 ms after the device's thread began
+    /// its sleep; the datagrams it sent in the 300 ms after (the REQ and its retries).
+    fn reqs_in_300_ms(dev: &Arc<DeviceInner>) -> u64 {
+        std::thread::sleep(Duration::from_millis(20));
+        let p = rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
+        dev.with_engine(|ep, now| ep.connect(now, &p))
+            .expect("connect");
+        std::thread::sleep(Duration::from_millis(300));
+        dev.stats.tx.load(Ordering::Relaxed)
+    }
+
     /// A command that arms a timer earlier than the I/O thread's sleep wakes it (the
     /// thread sleeps up to 500 ms when it has no timer): the REQ is retried on time.
     #[test]
     fn a_timer_a_command_arms_wakes_the_sleeping_io_thread() {
         let me = IpAddr::from([127, 0, 0, 1]);
         let dev = retrying_device(me, 28427);
-        std::thread::sleep(Duration::from_millis(20));
-        let p = rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
-        dev.with_engine(|ep, now| ep.connect(now, &p))
-            .expect("connect");
-        std::thread::sleep(Duration::from_millis(300));
-        let sent = dev.stats.tx.load(Ordering::Relaxed);
+        let sent = reqs_in_300_ms(&dev);
         assert!(sent >= 3, "{sent} REQ(s) in 300 ms: the thread slept on");
         dev.shutdown();
     }
