@@ -713,6 +713,37 @@ fn dreq_received_then_disconnect_sends_drep_and_timewait_expires() {
     assert_eq!(t.ep.table_sizes(), (1, 0, 0, 0, t.ep.table_sizes().4));
 }
 
+/// Destroyed in timewait, an endpoint is kept only as its comm ID and timer: a repeated
+/// DREQ still gets its DREP, nothing is reported, and the ID and the endpoint's place
+/// (`cep_count`, the comm-ID table) stay taken until the timewait ends, then are released.
+#[test]
+fn a_destroyed_endpoint_in_timewait_still_answers_and_holds_its_id_until_the_end() {
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(0x77, dreq(PEER_ID, id, 0x11));
+    t.events();
+    t.ep.disconnect(t.now, h, &[]).unwrap();
+    t.sent_one();
+    t.ep.destroy(t.now, h).unwrap();
+    assert_eq!(t.ep.state(h), None, "an orphan is not reported");
+    assert_eq!(t.ep.cep_count(), 1);
+    assert_eq!(t.ep.cep_states().get("Timewait (orphan)"), Some(&1));
+    assert_eq!(t.ep.table_sizes().0, 1, "its comm ID is held");
+    t.recv(0x78, dreq(PEER_ID, id, 0x11));
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, 0x78);
+    assert!(
+        matches!(m.msg, CmMessage::Drep(Drep { local_comm_id, remote_comm_id: PEER_ID, .. }) if local_comm_id == id)
+    );
+    assert_eq!(t.ep.destroy(t.now, h), Err(CmError::UnknownHandle));
+    t.advance(Duration::from_millis(2100));
+    assert!(t.events().is_empty());
+    t.nothing_sent();
+    assert_eq!(t.ep.cep_count(), 0);
+    assert!(t.ep.cep_states().is_empty());
+    assert_eq!(t.ep.table_sizes().0, 0, "the comm ID is free again");
+}
+
 #[test]
 fn dreq_must_name_our_qpn_and_both_comm_ids() {
     let mut t = T::new();

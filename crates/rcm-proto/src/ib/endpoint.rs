@@ -70,6 +70,9 @@ pub struct Endpoint {
     // Keyed by what this side chose (handles, local comm IDs): a fast hash. The tables a
     // peer's values are inserted into (remote IDs, QPNs) keep std's keyed SipHash.
     ceps: foldhash::HashMap<CepHandle, Cep>,
+    /// Destroyed endpoints in timewait, kept small: nothing is left of them but their local
+    /// comm ID (reserved until the timer ends) and their timer. See `park`.
+    parked: foldhash::HashMap<CepHandle, Parked>,
     local_ids: foldhash::HashMap<u32, CepHandle>,
     remote_ids: HashMap<(u32, u64), CepHandle>,
     remote_qps: HashMap<(u32, u64), CepHandle>,
@@ -92,6 +95,27 @@ pub struct Endpoint {
     /// transition in or out, so the budget is kept without a walk.
     half_open: usize,
     conn_ceps: usize,
+}
+
+/// What is left of a destroyed endpoint in timewait (see `Endpoint::park`).
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    local_id: u32,
+    timer_gen: u32,
+}
+
+/// Whether the timer entry `(h, g)` is live: the endpoint's current timer, whether it is
+/// whole or parked.
+fn timer_live(
+    ceps: &foldhash::HashMap<CepHandle, Cep>,
+    parked: &foldhash::HashMap<CepHandle, Parked>,
+    h: CepHandle,
+    g: u32,
+) -> bool {
+    match ceps.get(&h) {
+        Some(c) => c.timer_gen == g && c.timer != TimerKind::None,
+        None => parked.get(&h).is_some_and(|p| p.timer_gen == g),
+    }
 }
 
 /// Whether an endpoint in state `s` counts against the half-open budget.
@@ -124,6 +148,7 @@ impl Endpoint {
             next_index,
             next_handle: std::num::NonZeroU64::MIN,
             ceps: foldhash::HashMap::default(),
+            parked: foldhash::HashMap::default(),
             local_ids: foldhash::HashMap::default(),
             remote_ids: HashMap::new(),
             remote_qps: HashMap::new(),
@@ -178,6 +203,10 @@ impl Endpoint {
                 format!("{:?}", c.state)
             };
             *m.entry(name).or_default() += 1;
+        }
+        if !self.parked.is_empty() {
+            *m.entry(format!("{:?} (orphan)", State::Timewait))
+                .or_default() += self.parked.len();
         }
         m
     }
@@ -235,11 +264,8 @@ impl Endpoint {
 
     /// When `handle_timeout` must next be called.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
-        let ceps = &self.ceps;
-        self.timers.prune(|h, g| {
-            ceps.get(&h)
-                .is_some_and(|c| c.timer_gen == g && c.timer != TimerKind::None)
-        });
+        let (ceps, parked) = (&self.ceps, &self.parked);
+        self.timers.prune(|h, g| timer_live(ceps, parked, h, g));
         self.timers.peek()
     }
 
@@ -334,11 +360,9 @@ impl Endpoint {
 
     /// A heap entry no longer names a live timer (see `Timers::note_stale`).
     fn timer_went_stale(&mut self) {
-        let ceps = &self.ceps;
-        self.timers.note_stale(|h, g| {
-            ceps.get(&h)
-                .is_some_and(|c| c.timer_gen == g && c.timer != TimerKind::None)
-        });
+        let (ceps, parked) = (&self.ceps, &self.parked);
+        self.timers
+            .note_stale(|h, g| timer_live(ceps, parked, h, g));
     }
 
     /// The first wait and deadline for a message with classic interval `timeout_ms`.
@@ -492,6 +516,7 @@ impl Endpoint {
             self.left_half_open();
         }
         self.arm(h, now + wait, TimerKind::Timewait);
+        self.park(h);
     }
 
     fn find_listener(&self, service_id: u64) -> Option<CepHandle> {
@@ -988,6 +1013,7 @@ impl Endpoint {
                 if let Some(c) = self.ceps.get_mut(&h) {
                     c.orphan = true;
                 }
+                self.park(h);
                 return Ok(());
             }
             State::SidrReqRcvd => {
@@ -1015,12 +1041,57 @@ impl Endpoint {
         self.enter_timewait(now, h);
     }
 
+    /// Keeps only what a destroyed endpoint in timewait still needs: its local comm ID
+    /// (held in `local_ids` until the timer ends, so no new connection reuses it) and its
+    /// timer. A burst leaves hundreds of thousands of them behind for the path's ACK
+    /// timeout (seconds on loopback); whole, each kept a full endpoint in the table every
+    /// message is looked up in. Nothing else reaches them: their peer's keys went when
+    /// timewait began (`enter_timewait`), and a message naming one finds no endpoint, as
+    /// after the timewait (a repeated DREQ still gets its DREP: see `on_dreq`).
+    fn park(&mut self, h: CepHandle) {
+        let Some(c) = self.ceps.get(&h) else { return };
+        if !(c.orphan && c.state == State::Timewait && c.timer == TimerKind::Timewait) {
+            return;
+        }
+        let Some(c) = self.ceps.remove(&h) else {
+            return;
+        };
+        if let Some(b) = c.out {
+            if self.spare_out.len() < SPARE_OUT {
+                self.spare_out.push(b);
+            }
+        }
+        self.parked.insert(
+            h,
+            Parked {
+                local_id: c.local_id,
+                timer_gen: c.timer_gen,
+            },
+        );
+    }
+
+    /// A parked endpoint's timewait ended: its local comm ID is free again.
+    fn unpark(&mut self, h: CepHandle) {
+        let Some(p) = self.parked.remove(&h) else {
+            return;
+        };
+        if self.local_ids.get(&p.local_id) == Some(&h) {
+            self.local_ids.remove(&p.local_id);
+        }
+        self.conn_ceps -= 1;
+    }
+
     // ----- input: time -------------------------------------------------------------------
 
     /// Runs every timer due at `now`: retransmissions, give-ups, timewait exits.
     pub fn handle_timeout(&mut self, now: Instant) {
         while let Some((h, gen)) = self.timers.pop_due(now) {
-            let Some(c) = self.ceps.get(&h) else { continue };
+            let Some(c) = self.ceps.get(&h) else {
+                if self.parked.get(&h).is_some_and(|p| p.timer_gen == gen) {
+                    self.unpark(h);
+                }
+                continue;
+            };
             if c.timer_gen != gen {
                 continue;
             }
