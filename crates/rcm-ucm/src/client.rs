@@ -30,7 +30,6 @@ use crate::proto::{
 use crate::spin::{send_all, SpinRead};
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
 use rcm::{Error, Event, Fabric, FabricConfig, PortSpace, QpAttr, QpState};
-use std::collections::HashMap;
 use std::io::{BufReader, Read};
 use std::net::IpAddr;
 use std::os::unix::net::UnixStream;
@@ -57,9 +56,11 @@ struct Inner {
     /// blocks on the socket. The reader must not: if it did, with the daemon blocked writing
     /// to this client and the socket full both ways, the session would hang for good.
     out: mpsc::Sender<Vec<u8>>,
-    pending: Mutex<HashMap<u32, Waiter>>,
+    /// By the sequence numbers and handles this session chose or the daemon handed out (a
+    /// fast hash: neither is a value the daemon's other clients pick).
+    pending: Mutex<foldhash::HashMap<u32, Waiter>>,
     seq: AtomicU32,
-    sinks: Mutex<HashMap<u32, (Sink, Arc<QpCache>)>>,
+    sinks: Mutex<foldhash::HashMap<u32, (Sink, Arc<QpCache>)>>,
     alive: AtomicBool,
     token: u64,
     limits: Limits,
@@ -280,9 +281,9 @@ impl Client {
         let stream = s.try_clone()?;
         let inner = Arc::new_cyclic(|me| Inner {
             out,
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(foldhash::HashMap::default()),
             seq: AtomicU32::new(2),
-            sinks: Mutex::new(HashMap::new()),
+            sinks: Mutex::new(foldhash::HashMap::default()),
             alive: AtomicBool::new(true),
             token,
             limits,

@@ -165,7 +165,9 @@ struct IdCell {
 }
 
 struct Table {
-    ids: HashMap<u32, (CmId, Arc<IdCell>)>,
+    /// By the handles this daemon chose (a fast hash: a client names handles, it does not
+    /// choose them).
+    ids: foldhash::HashMap<u32, (CmId, Arc<IdCell>)>,
     next: u32,
     closed: bool,
 }
@@ -198,7 +200,7 @@ struct Queued {
 #[derive(Default)]
 struct EventQueue {
     q: VecDeque<Queued>,
-    named: HashMap<u32, u32>,
+    named: foldhash::HashMap<u32, u32>,
 }
 
 impl EventQueue {
@@ -615,7 +617,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         order,
         token: AtomicU64::new(0),
         table: Mutex::new(Table {
-            ids: HashMap::new(),
+            ids: foldhash::HashMap::default(),
             next: 0,
             closed: false,
         }),
