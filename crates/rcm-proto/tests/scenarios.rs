@@ -184,6 +184,16 @@ impl T {
         (l, c, id)
     }
 
+    /// The peer's DREQ (TID 0x77, naming our QPN `qpn`) for the established `h` with
+    /// local comm ID `id`, and our disconnect answering it: `h` is in timewait. What was
+    /// sent (the DREP).
+    fn peer_disconnects(&mut self, h: CepHandle, id: u32, qpn: u32) -> Vec<CmMad> {
+        self.recv(0x77, dreq(PEER_ID, id, qpn));
+        self.events();
+        self.ep.disconnect(self.now, h, &[]).unwrap();
+        self.sent()
+    }
+
     fn established_passive(&mut self) -> (CepHandle, u32) {
         self.established_passive_with(peer_req(PEER_ID, PEER_QPN))
     }
@@ -720,10 +730,7 @@ fn dreq_received_then_disconnect_sends_drep_and_timewait_expires() {
 fn a_destroyed_endpoint_in_timewait_still_answers_and_holds_its_id_until_the_end() {
     let mut t = T::new();
     let (h, id) = t.established_active();
-    t.recv(0x77, dreq(PEER_ID, id, 0x11));
-    t.events();
-    t.ep.disconnect(t.now, h, &[]).unwrap();
-    t.sent_one();
+    assert_eq!(t.peer_disconnects(h, id, 0x11).len(), 1, "the DREP");
     t.ep.destroy(t.now, h).unwrap();
     assert_eq!(t.ep.state(h), None, "an orphan is not reported");
     assert_eq!(t.ep.cep_count(), 1);
@@ -1278,10 +1285,7 @@ fn stale_connection_rejected_and_old_one_disconnected() {
 fn a_req_reusing_the_qpn_of_a_connection_in_timewait_is_a_new_request() {
     let mut t = T::new();
     let (c, id) = t.established_passive();
-    t.recv(0x77, dreq(PEER_ID, id, 0x22));
-    t.events();
-    t.ep.disconnect(t.now, c, &[]).unwrap();
-    t.sent();
+    t.peer_disconnects(c, id, 0x22);
     assert_eq!(t.ep.state(c), Some(State::Timewait));
     t.recv(TID + 1, CmMessage::Req(peer_req(PEER_ID + 1, PEER_QPN)));
     t.nothing_sent();

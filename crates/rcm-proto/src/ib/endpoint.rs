@@ -350,10 +350,15 @@ impl Endpoint {
             if had {
                 self.timer_went_stale();
             }
-            if let Some(b) = out {
-                if self.spare_out.len() < SPARE_OUT {
-                    self.spare_out.push(b);
-                }
+            self.recycle_out(out);
+        }
+    }
+
+    /// Keeps an answered message's retransmission record for the next tracked send.
+    fn recycle_out(&mut self, out: Option<Box<Outstanding>>) {
+        if let Some(b) = out {
+            if self.spare_out.len() < SPARE_OUT {
+                self.spare_out.push(b);
             }
         }
     }
@@ -379,29 +384,33 @@ impl Endpoint {
     fn send_tracked(&mut self, now: Instant, h: CepHandle, msg: CmMessage) {
         let Some(c) = self.ceps.get(&h) else { return };
         let (dst, tid, timeout_ms) = (c.peer, c.tid, c.timeout_ms);
-        if self.send(dst, tid, msg) {
-            let (wait, deadline) = self.first_wait(now, timeout_ms);
-            let mut out = self.spare_out.pop().unwrap_or_else(|| {
-                Box::new(Outstanding {
-                    mad: [0; 256],
-                    retries_done: 0,
-                    next_wait: wait,
-                    deadline,
-                    stretched: false,
-                })
-            });
-            if let Some(t) = self.transmits.back() {
-                out.mad = t.mad;
+        // `send` leaves the MAD it queued last in `transmits`.
+        let Some(sent) = self
+            .send(dst, tid, msg)
+            .then(|| self.transmits.back())
+            .flatten()
+        else {
+            return;
+        };
+        let (wait, deadline) = self.first_wait(now, timeout_ms);
+        let out = Outstanding {
+            mad: sent.mad,
+            retries_done: 0,
+            next_wait: wait,
+            deadline,
+            stretched: false,
+        };
+        let out = match self.spare_out.pop() {
+            Some(mut b) => {
+                *b = out;
+                b
             }
-            out.retries_done = 0;
-            out.next_wait = wait;
-            out.deadline = deadline;
-            out.stretched = false;
-            if let Some(c) = self.ceps.get_mut(&h) {
-                c.out = Some(out);
-            }
-            self.arm(h, now + wait, TimerKind::Retransmit);
+            None => Box::new(out),
+        };
+        if let Some(c) = self.ceps.get_mut(&h) {
+            c.out = Some(out);
         }
+        self.arm(h, now + wait, TimerKind::Retransmit);
     }
 
     fn insert_cep(&mut self, c: Cep) -> CepHandle {
@@ -1056,11 +1065,7 @@ impl Endpoint {
         let Some(c) = self.ceps.remove(&h) else {
             return;
         };
-        if let Some(b) = c.out {
-            if self.spare_out.len() < SPARE_OUT {
-                self.spare_out.push(b);
-            }
-        }
+        self.recycle_out(c.out);
         self.parked.insert(
             h,
             Parked {
