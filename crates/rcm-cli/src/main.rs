@@ -186,6 +186,17 @@ struct DaemonArgs {
     /// rcm::FabricConfig::loopback): no wake-up of the device's receive thread.
     #[arg(long)]
     no_loopback: bool,
+    /// Keep clients' command channels and events on their sockets: refuse to move them into
+    /// shared memory (by default a client's calls, their answers and its events pass through
+    /// rings in memfds the daemon makes and seals, with no system call while both sides
+    /// poll; the sockets stay as lifelines).
+    #[arg(long)]
+    no_shm: bool,
+    /// Threads serving the channels in shared memory (default: one per four CPUs, 1 to 16).
+    /// Each polls its rings before it sleeps: more than the CPUs left over from the clients
+    /// slow every call down.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    ring_threads: Option<u16>,
     /// Socket file permissions, octal.
     #[arg(long, default_value = "660", value_parser = parse_mode)]
     mode: u32,
@@ -252,6 +263,10 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
         max_message: a.max_message,
     };
     cfg.max_connections = a.max_connections;
+    cfg.shared_memory = !a.no_shm;
+    if let Some(n) = a.ring_threads {
+        cfg.ring_threads = n.into();
+    }
     let d = match Daemon::start(cfg) {
         Ok(d) => d,
         Err(rcm_ucm::DaemonError::Device(ip, e)) => {
@@ -290,6 +305,19 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
             );
         }
     }
+    eprintln!(
+        "rcm daemon: {} command channel(s) were mapped into shared memory{}",
+        d.mapped_channels(),
+        if a.no_shm {
+            " (--no-shm)".to_string()
+        } else {
+            format!(
+                ", served by {} ring thread(s); {} session(s) had their events mapped",
+                d.ring_threads(),
+                d.mapped_sessions()
+            )
+        }
+    );
     d.shutdown();
     ExitCode::SUCCESS
 }

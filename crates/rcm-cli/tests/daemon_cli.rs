@@ -567,18 +567,24 @@ fn daemon_callback_modes_serve_ping_and_bench() {
     assert!(err.contains("--callbacks"), "{err}");
 }
 
+/// What a daemon on 127.0.0.1 (UDP port `udp`, with `extra` arguments) logged after serving
+/// `ping_and_bench_through` and stopping cleanly on SIGTERM.
+fn one_address_daemon_log(udp: u16, extra: &[&str]) -> String {
+    let path = sock(&format!("oneaddr{udp}"));
+    let mut d = start_with(&path, udp, &["127.0.0.1"], extra);
+    ping_and_bench_through(&path, &format!("{extra:?}"));
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0, "{extra:?}");
+    d.log()
+}
+
 /// A daemon of one address serves ping and bench whose both ends are its clients, on its
 /// one device: by default the device's loopback carries their CM messages, with
 /// `--no-loopback` UDP does; the same connections either way.
 #[test]
 fn one_address_daemon_serves_both_ends_with_and_without_loopback() {
     for (extra, udp) in [(&[][..], 27833), (&["--no-loopback"][..], 27834)] {
-        let path = sock(&format!("oneaddr{udp}"));
-        let mut d = start_with(&path, udp, &["127.0.0.1"], extra);
-        ping_and_bench_through(&path, &format!("{extra:?}"));
-        sigterm(&d);
-        assert_eq!(wait_exit(&mut d), 0, "{extra:?}");
-        let log = d.log();
+        let log = one_address_daemon_log(udp, extra);
         let line = log
             .lines()
             .find(|l| l.contains("device 127.0.0.1:") && l.contains("to itself"))
@@ -594,6 +600,57 @@ fn one_address_daemon_serves_both_ends_with_and_without_loopback() {
             assert!(looped >= 5 * 210, "{line}");
         } else {
             assert_eq!(looped, 0, "{line}");
+        }
+    }
+}
+
+/// The number of command channels the daemon's stop line says it mapped.
+fn mapped_channels(log: &str) -> u64 {
+    let line = log
+        .lines()
+        .find(|l| l.contains("command channel(s) were mapped"))
+        .unwrap_or_else(|| panic!("no mapped-channels line in\n{log}"));
+    line.trim_start_matches("rcm daemon: ")
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"))
+}
+
+/// `rcm ping` and `rcm bench` through the real daemon have their command channels mapped
+/// into shared memory by default (served by as many ring threads as `--ring-threads` says),
+/// and on their sockets with `--no-shm`: the same connections either way.
+#[test]
+fn command_channels_are_in_shared_memory_unless_the_daemon_says_no() {
+    for (extra, udp) in [
+        (&[][..], 27835),
+        (&["--ring-threads", "3"][..], 27837),
+        (&["--no-shm"][..], 27836),
+    ] {
+        let log = one_address_daemon_log(udp, extra);
+        let mapped = mapped_channels(&log);
+        if extra.contains(&"--no-shm") {
+            assert_eq!(mapped, 0, "--no-shm");
+        } else {
+            // Two clients (ping's two ends, bench's two sessions), a channel each at least.
+            assert!(mapped >= 2, "{mapped} mapped");
+            let threads = if extra.is_empty() { "" } else { "3" };
+            assert!(
+                log.contains(&format!("served by {threads}")),
+                "{extra:?}: no ring-thread count in\n{log}"
+            );
+            // ping's two ends and bench, a session each at least: their events through
+            // rings too.
+            let sessions: u64 = log
+                .lines()
+                .find(|l| l.contains("command channel(s) were mapped"))
+                .unwrap_or_default()
+                .split("; ")
+                .nth(1)
+                .and_then(|w| w.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{extra:?}: no mapped-sessions count in\n{log}"));
+            assert!(sessions >= 3, "{sessions} sessions mapped");
         }
     }
 }

@@ -28,11 +28,13 @@ fn wait(ch: &EventChannel) -> Event {
 }
 
 /// One connect → accept → establish → disconnect cycle between a server and a client id
-/// (the client on device `src`, or on the other device when `None`).
+/// (the client on device `src` and the server there too, or the server on 127.0.0.1 and the
+/// client on the other device when `None`).
 fn cycle(client: &Fabric, sch: &EventChannel, port: u16, src: Option<IpAddr>) {
     let cch = EventChannel::new();
     let c = client.create_id_on(PortSpace::Tcp, &cch);
-    c.resolve_addr(src, SocketAddr::new(ip(1), port)).unwrap();
+    c.resolve_addr(src, SocketAddr::new(src.unwrap_or(ip(1)), port))
+        .unwrap();
     assert!(matches!(wait(&cch), Event::AddrResolved));
     c.resolve_route().unwrap();
     assert!(matches!(wait(&cch), Event::RouteResolved));
@@ -62,12 +64,24 @@ fn bench(c: &mut Criterion) {
     let remote_s = rcm_ucm::fabric(d.socket()).expect("session");
     let remote_c = rcm_ucm::fabric(d.socket()).expect("session");
     let local = Fabric::loopback_with(2, cfg(47902)).expect("devices");
+    // The same daemon with its command channels kept on their sockets (`--no-shm`).
+    let sock2 = std::env::temp_dir().join(format!("rcm-ucm-bench2-{}.sock", std::process::id()));
+    let mut dc = DaemonConfig::new(&sock2, vec![ip(3)]);
+    dc.fabric = cfg(47903);
+    dc.shared_memory = false;
+    let d2 = Daemon::start(dc).expect("daemon");
+    let sock_s = rcm_ucm::fabric(d2.socket()).expect("session");
+    let sock_c = rcm_ucm::fabric(d2.socket()).expect("session");
 
     let mut g = c.benchmark_group("hop");
     let lid = local.create_id_on(PortSpace::Tcp, &EventChannel::new());
     g.bench_function("query in-process", |b| b.iter(|| lid.state()));
     let rid = remote_c.create_id_on(PortSpace::Tcp, &EventChannel::new());
     g.bench_function("query through daemon", |b| b.iter(|| rid.state()));
+    let sid = sock_c.create_id_on(PortSpace::Tcp, &EventChannel::new());
+    g.bench_function("query through daemon, socket channels", |b| {
+        b.iter(|| sid.state());
+    });
     g.bench_function("create+destroy id through daemon", |b| {
         b.iter(|| {
             let id = remote_c.create_id_on(PortSpace::Tcp, &EventChannel::new());
@@ -114,10 +128,17 @@ fn bench(c: &mut Criterion) {
             7803,
             Some(ip(1)),
         ),
+        (
+            "cycle through daemon, one device, socket channels",
+            &sock_s,
+            &sock_c,
+            7805,
+            Some(ip(3)),
+        ),
     ] {
         let sch = EventChannel::new();
         let l = s.create_id_on(PortSpace::Tcp, &sch);
-        l.bind(SocketAddr::new(ip(1), port)).unwrap();
+        l.bind(SocketAddr::new(src.unwrap_or(ip(1)), port)).unwrap();
         l.listen(64).unwrap();
         g.bench_function(name, |b| b.iter(|| cycle(cl, &sch, port, src)));
         l.destroy().unwrap();
@@ -125,6 +146,10 @@ fn bench(c: &mut Criterion) {
     g.finish();
     lid.destroy().unwrap();
     rid.destroy().unwrap();
+    sid.destroy().unwrap();
+    sock_s.shutdown();
+    sock_c.shutdown();
+    d2.shutdown();
     remote_s.shutdown();
     remote_c.shutdown();
     local.shutdown();

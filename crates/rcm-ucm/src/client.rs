@@ -2,7 +2,10 @@
 //! [`rcm::Fabric`] whose ids live in the daemon; the application code is the same as with
 //! in-process devices.
 //!
-//! One connection is one daemon session. A reader thread feeds its events to the ids' sinks;
+//! One connection is one daemon session; unless the daemon declines, what it writes for the
+//! session comes through a ring in shared memory (`MAP_EVENTS`, see [`crate::shmchan`]),
+//! the socket then bringing only doorbells and the daemon's end. A reader thread feeds its
+//! events to the ids' sinks;
 //! callbacks run on the fabric's own dispatcher threads, so they may make blocking calls, or
 //! with [`rcm::CallbackMode::Inline`] on the reader itself, after each batch of events it
 //! read (one thread hop less per event; the mode's rules for callbacks apply).
@@ -27,7 +30,7 @@ use crate::proto::{
     self, decode_message, Answer, Command, Header, Limits, Message, SessionStats, WireError,
     WireEvent,
 };
-use crate::spin::{send_all, SpinRead};
+use crate::spin::{hung_up, send_all, SpinRead};
 use rcm::remote::{Op, Provider, RemoteId, Reply, Sink};
 use rcm::{Error, Event, Fabric, FabricConfig, PortSpace, QpAttr, QpState};
 use std::io::{BufReader, Read};
@@ -67,7 +70,7 @@ struct Inner {
     stream: UnixStream,
     path: PathBuf,
     /// Command channels not in use.
-    idle: Mutex<Vec<BufReader<SpinRead>>>,
+    idle: Mutex<Vec<Chan>>,
     /// Command channels open (idle or in use).
     channels: AtomicUsize,
     /// Command channels attached and not failed: while there is one, a call that must not
@@ -88,6 +91,10 @@ struct Inner {
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set when the daemon refused a channel: calls use the session's connection.
     no_channels: AtomicBool,
+    /// Set when the daemon declined to map a channel: later ones stay on their sockets too.
+    no_shm: AtomicBool,
+    /// Command channels that were mapped into shared memory.
+    mapped: AtomicUsize,
     /// No channel is attached before this (a refusal that may pass: the daemon's connection
     /// limit, a socket error), so calls meanwhile do not each knock and be turned away.
     attach_after: Mutex<Option<std::time::Instant>>,
@@ -118,6 +125,35 @@ struct RxSide {
     filled: usize,
     /// Events handled since credit was last given back.
     used: u32,
+    /// The events ring, once the daemon mapped the session's events (`MAP_EVENTS`): what
+    /// it writes for the session comes there, and the socket brings only doorbells and the
+    /// daemon's end. `buf` then holds the frame taken last.
+    ring: Option<rcm_shm::Consumer>,
+    /// Looks at the ring that found nothing since the socket was last read.
+    idle_looks: u32,
+}
+
+/// Looks at an empty events ring between two reads of the socket (for the daemon's end):
+/// one system call per this many looks of a polling thread, instead of each.
+const RING_LOOKS_PER_SOCKET_READ: u32 = 32;
+
+/// Asks the daemon to write the session's events and replies into shared memory
+/// (`MAP_EVENTS`, §2.3 of the protocol): the ring's consumer, or `None` when the daemon
+/// declines (its choice, or a daemon that does not know the command) and the socket goes
+/// on as before.
+fn map_events(s: &UnixStream) -> rcm::Result<Option<rcm_shm::Consumer>> {
+    send_all(s, &Command::MapEvents.encode(2))?;
+    let (h, body, fd) = crate::shmchan::recv_with_fd(s, MAX_FRAME)?;
+    match (decode_message(h.kind, &body), fd) {
+        (Ok(Message::Ok(_)), Some(fd)) if h.seq == 2 => crate::shmchan::events_client(&fd)
+            .map(Some)
+            .map_err(|e| Error::Remote(format!("the daemon's shared memory: {e}"))),
+        (Ok(Message::Err(e)), _) if h.seq == 2 => {
+            tracing::debug!(error = %e, "the daemon keeps the session's events on its socket");
+            Ok(None)
+        }
+        _ => Err(Error::Remote("unexpected answer to MapEvents".into())),
+    }
 }
 
 /// What one look at the session's connection found.
@@ -133,6 +169,8 @@ enum Look {
 
 /// Bytes the session's receive buffer starts with (grown for a longer frame).
 const RX_BUF: usize = 16 * 1024;
+/// Frames taken from the events ring in one look, as one socket receive brings a batch.
+const RING_BATCH: usize = 256;
 
 impl Drop for Inner {
     /// The reader holds its own descriptor of the socket: shutting it down ends the session
@@ -262,6 +300,8 @@ impl Client {
             Ok(_) => return Err(Error::Remote("unexpected answer to Hello".into())),
             Err(e) => return Err(Error::Remote(format!("bad answer to Hello: {e}"))),
         };
+        // Before the first credit, so that no event can be on the socket yet.
+        let ring = map_events(&s)?;
         send_all(&s, &Command::GetEvent(WINDOW).encode(0))?;
         let (out, frames) = mpsc::channel::<Vec<u8>>();
         let wire = s.try_clone()?;
@@ -282,7 +322,7 @@ impl Client {
         let inner = Arc::new_cyclic(|me| Inner {
             out,
             pending: Mutex::new(foldhash::HashMap::default()),
-            seq: AtomicU32::new(2),
+            seq: AtomicU32::new(3),
             sinks: Mutex::new(foldhash::HashMap::default()),
             alive: AtomicBool::new(true),
             token,
@@ -298,12 +338,16 @@ impl Client {
             idle_cond: Condvar::new(),
             reader: Mutex::new(None),
             no_channels: AtomicBool::new(false),
+            no_shm: AtomicBool::new(false),
+            mapped: AtomicUsize::new(0),
             attach_after: Mutex::new(None),
             spin,
             rx: Mutex::new(RxSide {
                 buf: vec![0; RX_BUF],
                 filled: 0,
                 used: 0,
+                ring,
+                idle_looks: 0,
             }),
             gate: rcm::remote::RxGate::new(),
             ended: AtomicBool::new(false),
@@ -349,6 +393,18 @@ impl Client {
         lock(&self.0.sinks).len()
     }
 
+    /// Command channels of this session that the daemon mapped into shared memory (see
+    /// [`crate::shmchan`]); the others carry their calls on their sockets.
+    pub fn mapped_channels(&self) -> usize {
+        self.0.mapped.load(Ordering::Relaxed)
+    }
+
+    /// Whether the daemon writes this session's events (and replies) into shared memory
+    /// (`MAP_EVENTS`, see [`crate::shmchan`]) rather than on its socket.
+    pub fn events_mapped(&self) -> bool {
+        lock(&self.0.rx).ring.is_some()
+    }
+
     /// Whether the session is still up.
     pub fn is_alive(&self) -> bool {
         self.0.alive.load(Ordering::SeqCst)
@@ -378,7 +434,7 @@ impl Inner {
     }
 
     /// An idle command channel, or a new one while fewer than [`CHANNELS`] are open.
-    fn channel(&self) -> Option<BufReader<SpinRead>> {
+    fn channel(&self) -> Option<Chan> {
         if let Some(c) = lock(&self.idle).pop() {
             return Some(c);
         }
@@ -417,7 +473,7 @@ impl Inner {
         }
     }
 
-    fn attach(&self) -> rcm::Result<BufReader<SpinRead>> {
+    fn attach(&self) -> rcm::Result<Chan> {
         let s = UnixStream::connect(&self.path)?;
         send_first(
             &s,
@@ -432,22 +488,71 @@ impl Inner {
         let mut body = Vec::new();
         let h = read_frame(&mut r, &mut body)?;
         match decode_message(h.kind, &body) {
-            Ok(Message::Ok(_)) => Ok(r),
-            Ok(Message::Err(e)) => Err(e.into_cm()),
-            _ => Err(Error::Remote("unexpected answer to Attach".into())),
+            Ok(Message::Ok(_)) => {}
+            Ok(Message::Err(e)) => return Err(e.into_cm()),
+            _ => return Err(Error::Remote("unexpected answer to Attach".into())),
+        }
+        let mut shm = None;
+        if !self.no_shm.load(Ordering::Relaxed) {
+            shm = self.map(&r)?;
+            if shm.is_none() {
+                self.no_shm.store(true, Ordering::Relaxed);
+            } else {
+                self.mapped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(Chan { sock: r, shm })
+    }
+
+    /// Asks the daemon to carry a new channel's calls in shared memory (`MAP_CHANNEL`, see
+    /// [`crate::shmchan`]): `None` when it declines (its choice, or a daemon that does not
+    /// know the command), and the channel stays on its socket.
+    fn map(&self, r: &BufReader<SpinRead>) -> rcm::Result<Option<crate::shmchan::ShmEnd>> {
+        // The daemon sends nothing on a channel unasked: the reader holds no bytes, and the
+        // answer (with the descriptor) is read from the socket itself.
+        if !r.buffer().is_empty() {
+            return Err(Error::Remote("unasked bytes on a command channel".into()));
+        }
+        let s = &r.get_ref().stream;
+        send_all(s, &Command::MapChannel.encode(2))?;
+        let (h, body, fd) = crate::shmchan::recv_with_fd(s, MAX_FRAME)?;
+        match (decode_message(h.kind, &body), fd) {
+            (Ok(Message::Ok(_)), Some(fd)) => {
+                let end = crate::shmchan::ShmEnd::client(s.try_clone()?, &fd, self.spin)
+                    .map_err(|e| Error::Remote(format!("the daemon's shared memory: {e}")))?;
+                Ok(Some(end))
+            }
+            (Ok(Message::Err(e)), _) => {
+                tracing::debug!(error = %e, "the daemon keeps command channels on their sockets");
+                Ok(None)
+            }
+            _ => Err(Error::Remote("unexpected answer to MapChannel".into())),
         }
     }
 
     /// One call on a command channel: write, then read the reply on the same connection.
-    fn call_on(&self, mut ch: BufReader<SpinRead>, cmd: &Command) -> rcm::Result<Answer> {
+    fn call_on(&self, mut ch: Chan, cmd: &Command) -> rcm::Result<Answer> {
         let seq = self.next_seq();
+        let frame = cmd.encode(seq);
+        if ch.shm.is_some()
+            && rcm_shm::Producer::footprint(frame.len()) > crate::shmchan::RING_BYTES as usize
+        {
+            // Over the daemon's message limit too (it maps channels only when its limit fits
+            // a ring): its answer on a socket, given here; the channel is left as it was.
+            lock(&self.idle).push(ch);
+            self.wake_idle_waiter();
+            return Err(Error::LimitExceeded(rcm::remote::Limit::MessageSize));
+        }
         let mut body = Vec::new();
-        let r = send_all(&ch.get_ref().stream, &cmd.encode(seq)).and_then(|()| loop {
-            let h = read_frame(&mut ch, &mut body)?;
-            if h.seq == seq {
-                break Ok(h);
-            }
-        });
+        let r = match ch.shm.as_mut() {
+            Some(end) => call_mapped(end, &frame, seq, &mut body),
+            None => send_all(&ch.sock.get_ref().stream, &frame).and_then(|()| loop {
+                let h = read_frame(&mut ch.sock, &mut body)?;
+                if h.seq == seq {
+                    break Ok(h);
+                }
+            }),
+        };
         let Ok(h) = r else {
             // The daemon is gone or closed the session; the reader sees it too.
             self.channels.fetch_sub(1, Ordering::SeqCst);
@@ -493,7 +598,7 @@ impl Inner {
     /// an idle channel when every one is busy: its answer on the session's connection would
     /// need the reader. The reader goes first. `None` for such a call means the session has
     /// no channel (left): the caller on the reader then fails.
-    fn acquire(&self, on_reader: bool) -> Option<BufReader<SpinRead>> {
+    fn acquire(&self, on_reader: bool) -> Option<Chan> {
         loop {
             if on_reader || !self.reader_waiting.load(Ordering::SeqCst) {
                 if let Some(c) = self.channel() {
@@ -594,25 +699,43 @@ impl Inner {
     }
 }
 
+/// A command channel: its socket and, once mapped, its rings in shared memory (then the
+/// socket is only the lifeline and doorbell).
+struct Chan {
+    sock: BufReader<SpinRead>,
+    shm: Option<crate::shmchan::ShmEnd>,
+}
+
+/// One call through a mapped channel: the command into the ring, the answer with its
+/// sequence number out of the other, its body into `body`.
+fn call_mapped(
+    end: &mut crate::shmchan::ShmEnd,
+    frame: &[u8],
+    seq: u32,
+    body: &mut Vec<u8>,
+) -> std::io::Result<Header> {
+    end.send(frame)?;
+    loop {
+        let f = end.recv(MAX_FRAME)?;
+        let Some(hb) = f.first_chunk::<12>() else {
+            return Err(std::io::ErrorKind::InvalidData.into());
+        };
+        let h = Header::parse(hb)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+        if f.len() != h.len as usize + 4 {
+            return Err(std::io::ErrorKind::InvalidData.into());
+        }
+        if h.seq == seq {
+            body.clear();
+            body.extend_from_slice(&f[12..]);
+            return Ok(h);
+        }
+    }
+}
+
 /// How often a call waiting for its answer on the session's connection looks for the
 /// daemon's hang-up (see `Inner::request`).
 const HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// Whether the other end of `s` is gone (or this one was shut down), whatever is still
-/// queued to be read: `POLLRDHUP` is set from the peer's close on, and `POLLHUP` once both
-/// directions are shut.
-fn hung_up(s: &UnixStream) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let mut fds = [PollFd::new(s, PollFlags::RDHUP)];
-    let zero = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
-        && fds[0]
-            .revents()
-            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
-}
 
 impl Provider for Client {
     fn create_id(&self, ps: PortSpace, sink: Sink) -> rcm::Result<Arc<dyn RemoteId>> {
@@ -794,7 +917,7 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
             let left = c.gate.polled_left();
             if !left.is_zero() {
                 drop(c);
-                std::thread::park_timeout(left);
+                std::thread::park_timeout(left.min(rcm::remote::STAND_ASIDE_RECHECK));
                 continue;
             }
         }
@@ -829,11 +952,17 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
         if !c.gate.polled_left().is_zero() {
             continue;
         }
+        if !c.prepare_sleep() {
+            continue;
+        }
         // Asleep without a hold on the session, so dropping the client still ends it (its
         // `Drop` shuts the socket down, which wakes this). Readable or hung up: the next
         // receive says which (a waiter may have taken it meanwhile).
         drop(c);
         wait_readable(s);
+        if let Some(c) = weak.upgrade() {
+            c.awake();
+        }
     }
     // The daemon is gone: a device removal for every id.
     let Some(c) = weak.upgrade() else { return };
@@ -876,7 +1005,74 @@ impl Inner {
         if self.ended.load(Ordering::SeqCst) {
             return Look::Ended;
         }
-        let look = match rustix::net::recv(
+        let look = if rx.ring.is_some() {
+            self.receive_ring(rx, by_waiter)
+        } else {
+            self.receive_socket(rx, by_waiter)
+        };
+        if look == Look::Ended {
+            self.ended.store(true, Ordering::SeqCst);
+        }
+        look
+    }
+
+    /// `receive` from the events ring: the frames it holds (a batch at most), and the
+    /// socket read when the ring was empty for a while (or after a sleep: see `awake`).
+    fn receive_ring(&self, rx: &mut RxSide, by_waiter: bool) -> Look {
+        let RxSide {
+            buf,
+            used,
+            ring,
+            idle_looks,
+            ..
+        } = rx;
+        let Some(ring) = ring.as_mut() else {
+            return Look::Ended;
+        };
+        let mut frames = 0;
+        while frames < RING_BATCH {
+            match ring.pop(buf, MAX_FRAME) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the daemon's events ring is broken");
+                    self.fail_calls();
+                    return Look::Ended;
+                }
+            }
+            let head = frame_head(buf);
+            let Ok(Some((h, total))) = head else {
+                self.fail_calls();
+                return Look::Ended;
+            };
+            if total != buf.len() || !self.handle_frame(h, &buf[12..], used) {
+                self.fail_calls();
+                return Look::Ended;
+            }
+            frames += 1;
+        }
+        if by_waiter {
+            self.polled.fetch_add(frames as u64, Ordering::Relaxed);
+        }
+        if frames > 0 {
+            *idle_looks = 0;
+            return Look::Got(frames);
+        }
+        *idle_looks += 1;
+        if *idle_looks < RING_LOOKS_PER_SOCKET_READ {
+            return Look::Nothing;
+        }
+        *idle_looks = 0;
+        if crate::shmchan::drain_doorbells(&self.stream) {
+            Look::Nothing
+        } else {
+            Look::Ended
+        }
+    }
+
+    /// `receive` from the socket.
+    fn receive_socket(&self, rx: &mut RxSide, by_waiter: bool) -> Look {
+        match rustix::net::recv(
             &self.stream,
             &mut rx.buf[rx.filled..],
             rustix::net::RecvFlags::DONTWAIT,
@@ -896,11 +1092,29 @@ impl Inner {
             }
             Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => Look::Nothing,
             Err(_) => Look::Ended,
-        };
-        if look == Look::Ended {
-            self.ended.store(true, Ordering::SeqCst);
         }
-        look
+    }
+
+    /// About to sleep on the socket: with an events ring, marks it asleep so that the
+    /// daemon rings the doorbell for the next frame. False when the reader must not sleep
+    /// now: a frame came meanwhile, or another thread is receiving.
+    fn prepare_sleep(&self) -> bool {
+        let Ok(rx) = self.rx.try_lock() else {
+            return false;
+        };
+        rx.ring
+            .as_ref()
+            .is_none_or(rcm_shm::Consumer::prepare_sleep)
+    }
+
+    /// Back from a sleep: the daemon need not ring any more, and the next look reads the
+    /// socket (the doorbell's bytes, or the daemon's end).
+    fn awake(&self) {
+        let mut rx = lock(&self.rx);
+        if let Some(r) = rx.ring.as_ref() {
+            r.awake();
+            rx.idle_looks = RING_LOOKS_PER_SOCKET_READ;
+        }
     }
 
     /// Handles the whole frames at the start of `rx.buf` and keeps the rest; returns how
@@ -1016,8 +1230,20 @@ fn ends_in_a_bad_frame(buf: &[u8]) -> bool {
 /// to the calls waiting for them), and the reader stands aside meanwhile.
 impl rcm::remote::BusyPoll for Inner {
     fn begin(&self, spin: std::time::Duration) {
-        if self.alive.load(Ordering::Relaxed) {
-            self.gate.polled_for(spin);
+        // Also once the session is over: the reader then ends it whatever the gate says.
+        self.gate.polled_for(spin);
+    }
+
+    fn end(&self) {
+        self.gate.poll_ended();
+    }
+
+    fn kick(&self) {
+        if self.gate.polled_left().is_zero() {
+            // The reader may be parked standing aside: back to the socket now.
+            if let Some(t) = self.reader_thread.get() {
+                t.unpark();
+            }
         }
     }
 

@@ -25,6 +25,7 @@ pub mod client;
 pub mod daemon;
 pub mod proto;
 pub mod raw;
+pub mod shmchan;
 mod spin;
 
 pub use client::{daemon_from_env, fabric, fabric_with, Client};

@@ -47,6 +47,11 @@ pub mod kind {
     pub const STATS: u16 = 0x07;
     /// Opens a command channel of an existing session (§2.1 of the protocol document).
     pub const ATTACH: u16 = 0x08;
+    /// Moves an attached command channel into shared memory (§2.2 of the protocol document).
+    pub const MAP_CHANNEL: u16 = 0x09;
+    /// Moves what the daemon writes on a session's connection into shared memory (§2.3 of
+    /// the protocol document).
+    pub const MAP_EVENTS: u16 = 0x0A;
     /// `set_option(REUSEADDR)`.
     pub const SET_REUSEADDR: u16 = 0x10;
     /// `bind`.
@@ -228,6 +233,14 @@ pub enum Command {
         /// The session's token (from its `HelloOk`).
         token: u64,
     },
+    /// On an attached command channel: asks the daemon to carry this channel's commands and
+    /// answers in shared memory from now on. The answer comes with the memory's file
+    /// descriptor (`SCM_RIGHTS`); see [`crate::shmchan`].
+    MapChannel,
+    /// On a session's own connection, before its first `GetEvent`: asks the daemon to
+    /// write its events and replies for this session into shared memory from now on. The
+    /// answer comes with the memory's file descriptor; see [`crate::shmchan`].
+    MapEvents,
     /// An operation on an id.
     Call(u32, Op),
 }
@@ -732,6 +745,8 @@ impl Command {
             }
             Command::Devices => w = W::frame(kind::DEVICES, seq),
             Command::Stats => w = W::frame(kind::STATS, seq),
+            Command::MapChannel => w = W::frame(kind::MAP_CHANNEL, seq),
+            Command::MapEvents => w = W::frame(kind::MAP_EVENTS, seq),
             Command::Attach { min, max, token } => {
                 w = W::frame(kind::ATTACH, seq);
                 w.u32(MAGIC);
@@ -1190,6 +1205,8 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
         },
         kind::DEVICES => Command::Devices,
         kind::STATS => Command::Stats,
+        kind::MAP_CHANNEL => Command::MapChannel,
+        kind::MAP_EVENTS => Command::MapEvents,
         kind::ATTACH => {
             if r.u32()? != MAGIC {
                 return Err(ProtoError::BadValue("magic"));

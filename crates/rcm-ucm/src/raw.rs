@@ -52,6 +52,56 @@ impl RawSession {
         Ok(self.seq)
     }
 
+    /// Sends `MAP_CHANNEL` on this (attached) connection and reads its answer, with the
+    /// shared memory the daemon sent if it mapped the channel (`None` with its refusal).
+    /// From then on the daemon reads this channel's commands from the memory's ring (see
+    /// [`crate::shmchan`]), and a byte written here is a doorbell.
+    pub fn map_channel(&mut self) -> std::io::Result<(Message, Option<rcm_shm::Region>)> {
+        self.map(&Command::MapChannel, crate::shmchan::REGION_BYTES)
+    }
+
+    /// Sends `MAP_EVENTS` on this session's connection and reads its answer, with the
+    /// shared memory the daemon sent if it mapped the session's events (`None` with its
+    /// refusal). From then on everything the daemon writes for the session is in the
+    /// memory's ring ([`crate::shmchan::EVENTS`]), and this socket brings only doorbells.
+    pub fn map_events(&mut self) -> std::io::Result<(Message, Option<rcm_shm::Region>)> {
+        self.map(&Command::MapEvents, crate::shmchan::EVENTS_REGION_BYTES)
+    }
+
+    fn map(
+        &mut self,
+        cmd: &Command,
+        len: usize,
+    ) -> std::io::Result<(Message, Option<rcm_shm::Region>)> {
+        if !self.stash.is_empty() {
+            return Err(std::io::Error::other("messages are stashed"));
+        }
+        let seq = self.send(cmd)?;
+        let (h, body, fd) = crate::shmchan::recv_with_fd(&self.stream, 1 << 20)?;
+        if h.seq != seq {
+            return Err(std::io::Error::other("an answer to another command"));
+        }
+        let m = decode_message(h.kind, &body).map_err(|e| invalid(&e))?;
+        let region = match fd {
+            Some(fd) => Some(rcm_shm::Region::open(&fd, len)?),
+            None => None,
+        };
+        Ok((m, region))
+    }
+
+    /// Whether the daemon closed this connection (its end read, within the read timeout).
+    pub fn closed_by_daemon(&mut self) -> bool {
+        let mut b = [0u8; 256];
+        loop {
+            match self.stream.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
     /// Sends raw bytes.
     pub fn send_bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
         crate::spin::send_all(&self.stream, b)

@@ -101,3 +101,18 @@ pub(crate) fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Whether the other end of `s` is gone (or this one was shut down), whatever is still
+/// queued to be read: `POLLRDHUP` is set from the peer's close on, and `POLLHUP` once both
+/// directions are shut.
+pub(crate) fn hung_up(s: &UnixStream) -> bool {
+    let mut fds = [PollFd::new(s, PollFlags::RDHUP)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+}

@@ -88,19 +88,25 @@ fn a_waiter_that_does_not_poll_leaves_the_session_to_its_reader() {
     f.shutdown();
 }
 
-/// The waiter gets its event early in a poll of a second and goes; what comes for another
-/// thread (one that does not poll) within that second wakes the reader, which stands aside
-/// until the poll's deadline and then receives it.
+/// The waiter gets its event early in a poll of a minute (cut to its wait, 10 s) and goes;
+/// what comes next for a thread that does not poll is received by the reader, which takes
+/// the session back once the waiter stopped polling (within `STAND_ASIDE_RECHECK`: the
+/// waiter was another thread), not at the poll's deadline. It stood aside until then, and a
+/// thread that got one session's event and then waited for another of its events without
+/// polling it waited out the rest of the spin: 200 µs of a 350 µs connection cycle.
 #[test]
-fn the_reader_takes_the_session_back_after_the_waiters_deadline() {
+fn the_reader_takes_the_session_back_when_the_waiter_stops_polling() {
     let d = daemon("bp-back", 47502, &[1]);
     let (c, f) = session(&d);
-    let (ids, w) = waiter(&f, Duration::from_secs(1), T);
+    let (ids, w) = waiter(&f, Duration::from_secs(60), T);
     addr_error_for(&ids, w);
     let polled = c.busy_polled();
     let (id, ch) = bound_id(&f, Duration::ZERO);
     id.resolve_addr(None, nowhere()).expect("resolve_addr");
-    let ev = ch.get_event(Some(T)).expect("the event, from the reader");
+    // Half the waiter's deadline (its poll was cut to its wait, `T`).
+    let ev = ch
+        .get_event(Some(T / 2))
+        .expect("the event, from the reader, before the poll's deadline");
     assert!(matches!(ev.event(), Event::AddrError(_)), "{ev:?}");
     assert_eq!(c.busy_polled(), polled, "nobody polled for this event");
     drop(ev);
@@ -128,16 +134,16 @@ fn the_daemons_end_found_by_a_waiter_ends_the_session_at_once() {
     f.shutdown();
 }
 
-/// After a waiter got its event from a long poll, the reader stands aside until that poll's
-/// deadline (a minute here): shutting the fabric down ends it all the same, at once.
+/// While a waiter polls (for up to a minute, for an event that does not come) the reader
+/// stands aside: shutting the fabric down ends it all the same, at once. (The waiter polls
+/// on: the shutdown destroyed its id, so no event will come; it is left to its deadline.)
 #[test]
 fn a_shutdown_does_not_wait_for_the_polls_deadline() {
     let d = daemon("bp-shut", 47504, &[1]);
-    let (c, f) = session(&d);
+    let (_c, f) = session(&d);
     let minute = Duration::from_secs(60);
-    let (ids, w) = waiter(&f, minute, minute);
-    addr_error_for(&ids, w);
-    assert!(c.busy_polled() >= 1);
+    let (_ids, _w) = waiter(&f, minute, minute);
+    std::thread::sleep(Duration::from_millis(200));
     let t0 = Instant::now();
     f.shutdown();
     assert!(t0.elapsed() < T, "the shutdown took {:?}", t0.elapsed());

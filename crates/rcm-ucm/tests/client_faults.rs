@@ -6,10 +6,9 @@
 mod common;
 
 use common::*;
-use rcm::remote::Limit;
-use rcm_ucm::proto::{self, Command, Header, Limits, Message, WireError};
+use rcm_ucm::proto::{self, Command, Message, WireError};
 use rcm_ucm::Client;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -26,30 +25,14 @@ fn frame(kind: u16, seq: u32, body: &[u8]) -> Vec<u8> {
 }
 
 /// The next command a client sent.
-fn read_command(s: &mut UnixStream) -> (u32, Command) {
-    let mut hb = [0u8; 12];
-    s.read_exact(&mut hb).expect("a command header");
-    let h = Header::parse(&hb).expect("a header");
-    let mut body = vec![0u8; h.body_len()];
-    s.read_exact(&mut body).expect("a command body");
-    (
-        h.seq,
-        proto::decode_command(h.kind, &body).expect("a command"),
-    )
-}
-
-/// The daemon's side of a session's opening: `HELLO` answered, the first credit read.
+/// The daemon's side of a session's opening: `HELLO` answered, `MAP_EVENTS` declined (so
+/// the session's frames, which these fake daemons write, go on the socket), the first
+/// credit read.
 fn open_session(s: &mut UnixStream) {
-    let (seq, hello) = read_command(s);
-    assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
-    let ok = Message::HelloOk {
-        version: proto::VERSION,
-        token: 7,
-        limits: Limits::default(),
-    };
-    s.write_all(&ok.encode(seq)).expect("hello ok");
-    let (_, credit) = read_command(s);
-    assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+    open_fake_session(s, |s, seq| {
+        let no = WireError::BadMessage("not here".into());
+        s.write_all(&Message::Err(no).encode(seq)).expect("refusal");
+    });
 }
 
 /// A fake daemon at a fresh socket path: it opens one session (the handshake and the
@@ -64,12 +47,7 @@ fn fake_daemon(name: &str) -> (std::path::PathBuf, mpsc::Receiver<UnixStream>) {
         };
         open_session(&mut s);
         let _ = tx.send(s);
-        for c in listener.incoming() {
-            let Ok(mut c) = c else { return };
-            let (seq, _) = read_command(&mut c);
-            let no = Message::Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Channels)));
-            let _ = c.write_all(&no.encode(seq));
-        }
+        refuse_channels(&listener);
     });
     (path, rx)
 }
@@ -329,6 +307,7 @@ fn session_channel_and_one_id(
     assert!(matches!(attach, Command::Attach { .. }), "{attach:?}");
     c.write_all(&Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done)).encode(seq))
         .expect("attach ok");
+    refuse_map(&mut c);
     let (seq, create) = read_command(&mut c);
     assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
     c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
@@ -341,6 +320,16 @@ fn session_channel_and_one_id(
     }
     .encode(0);
     (s, c, event)
+}
+
+/// The fake daemon's side of a channel's `MAP_CHANNEL` (the client asks right after
+/// `ATTACH`): declined, so the channel's calls stay on its socket, where the fake daemon
+/// reads them.
+fn refuse_map(c: &mut UnixStream) {
+    let (seq, map) = read_command(c);
+    assert_eq!(map, Command::MapChannel);
+    let no = WireError::BadMessage("not here".into());
+    c.write_all(&Message::Err(no).encode(seq)).expect("refusal");
 }
 
 /// A fake daemon's listening socket at a fresh path named `name`.
@@ -662,6 +651,7 @@ fn last_polled_round(round: usize) -> (Seen, u64, Option<&'static str>) {
         };
         let done = || proto::Answer::Reply(rcm::remote::Reply::Done);
         assert!(matches!(answer(&mut c, done()), Command::Attach { .. }));
+        refuse_map(&mut c);
         assert!(matches!(
             answer(&mut c, proto::Answer::Handle(1)),
             Command::CreateId(_)

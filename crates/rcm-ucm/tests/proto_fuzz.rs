@@ -257,6 +257,10 @@ fn command(
             max: rng.gen_range(0..3),
             token: token(rng),
         },
+        9 => Command::MapChannel,
+        // Mapped (only before the session's first credit), the session's frames go into a
+        // ring nobody reads here: its socket then stays silent, which the fuzzer takes.
+        10 => Command::MapEvents,
         _ => {
             let h = handle(rng);
             Command::Call(h, op(rng, addr))

@@ -856,7 +856,7 @@ fn io_loop(
         // its poll's deadline, keeping to the timers.
         let aside = gate.polled_left();
         if !aside.is_zero() {
-            std::thread::park_timeout(aside.min(wait));
+            std::thread::park_timeout(aside.min(wait).min(crate::rxgate::STAND_ASIDE_RECHECK));
             continue;
         }
         // Take what is queued, up to a batch, and feed it to the engine under one lock.
@@ -921,6 +921,7 @@ fn set_busy_poll_hint(p: &Arc<DevicePoll>) {
                 .is_some_and(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(p)));
             if !same {
                 *h = Some(Arc::downgrade(p) as Weak<dyn BusyPoll>);
+                crate::slot::hint_moved(Arc::as_ptr(p).cast());
             }
         }
     });
@@ -935,6 +936,10 @@ pub(crate) fn set_remote_poll_hint(r: &dyn crate::remote::RemoteId) {
     let _ = BUSY_POLL_HINT.try_with(|h| {
         if let Ok(mut h) = h.try_borrow_mut() {
             *h = r.busy_poll();
+            let next = h
+                .as_ref()
+                .map_or(std::ptr::null(), |w| w.as_ptr().cast::<()>());
+            crate::slot::hint_moved(next);
         }
     });
 }
@@ -968,6 +973,22 @@ impl BusyPoll for DevicePoll {
 
     fn poll(&self) -> bool {
         self.0.upgrade().is_some_and(|d| d.poll_once())
+    }
+
+    fn end(&self) {
+        if let Some(g) = self.0.upgrade().and_then(|d| d.gate.clone()) {
+            g.poll_ended();
+        }
+    }
+
+    fn kick(&self) {
+        let Some(d) = self.0.upgrade() else { return };
+        if d.gate.as_ref().is_some_and(|g| g.polled_left().is_zero()) {
+            // It may be parked standing aside: back to its socket now.
+            if let Some(h) = sync::lock(&d.thread).as_ref() {
+                h.thread().unpark();
+            }
+        }
     }
 }
 

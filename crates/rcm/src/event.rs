@@ -127,7 +127,11 @@ pub enum Event {
     /// The connection is down (DREQ received or our DREQ answered or timed out; on iWARP
     /// the stream closed: both FINs, a reset, or a Terminate).
     Disconnected,
-    /// The id's device was removed; only destroy is valid now.
+    /// The id's device was removed (through a daemon: the session with it ended); only
+    /// destroy is valid now. It is the id's last event, and it replaces the id's events
+    /// still queued, not yet delivered to a callback or taken from a channel: an event in a
+    /// running callback (or held from a channel) finishes first, the others are dropped.
+    /// (Linux's ucma instead leaves earlier events queued ahead of it.)
     DeviceRemoval,
     /// Timewait is over: the QP may be reused.
     TimewaitExit,

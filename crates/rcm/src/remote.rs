@@ -166,9 +166,18 @@ pub trait BusyPoll: Send + Sync {
     /// Receives and handles what is waiting, if anything, without blocking; true when
     /// something was.
     fn poll(&self) -> bool;
+    /// The waiter stopped polling (its event came, or its spin is over): the deadline it set
+    /// is taken back if no other waiter polls (see [`RxGate::poll_ended`]). Called once after
+    /// each `begin`. A receiving thread asleep standing aside is not woken here (that costs
+    /// the waiter a system call, and the same thread usually polls again next): see `kick`.
+    fn end(&self);
+    /// The thread that last polled this is about to wait without polling it (it sleeps, or
+    /// polls another): a receiving thread still asleep standing aside, with no waiter polling,
+    /// must resume now, or what comes meanwhile waits for the end of that poll's deadline.
+    fn kick(&self);
 }
 
-pub use crate::rxgate::{RxGate, RxTurn};
+pub use crate::rxgate::{RxGate, RxTurn, STAND_ASIDE_RECHECK};
 
 /// Where a provider delivers the events of one id. Cheap to clone; does nothing once the id
 /// is destroyed.

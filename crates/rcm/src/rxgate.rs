@@ -15,10 +15,22 @@
 //! them: one thread at a time receives and hands a batch to the engine (`enter`). And the
 //! socket is never left unattended for longer than one poll (the channel's spin, 100 µs by
 //! default): the device's thread stands aside only until the deadline the last waiter set,
-//! whatever becomes of the waiter (it may get its event and go, or be descheduled).
+//! whatever becomes of the waiter (it may be descheduled), and no longer than someone polls:
+//! the last waiter to stop ([`RxGate::poll_ended`], as soon as it has its event) takes the
+//! deadline back. Without that, a waiter whose event came early left the socket unattended
+//! for the rest of its spin: a thread that polled one device, got its event, then waited on
+//! another channel for an event of this device found it only when the deadline passed
+//! (a connection cycle of one thread through the daemon: 350 µs, 200 of them that).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// Longest a receiving thread sleeps standing aside before it looks at the gate again: a
+/// waiter on another thread may have stopped polling early (it got its event) and gone on
+/// without waiting again, so nobody wakes the thread (the same thread waiting again does,
+/// `BusyPoll::kick`); the socket is then left for at most this long instead of for the rest
+/// of a long poll. Default polls (100 µs) end before it.
+pub const STAND_ASIDE_RECHECK: Duration = Duration::from_millis(1);
 
 /// Who receives from one socket: the thread that serves it, or a thread waiting for its own
 /// answer that polls it (see [`crate::remote::BusyPoll`]). Used by rcm's RoCEv2 devices; a
@@ -31,6 +43,8 @@ pub struct RxGate {
     busy: AtomicBool,
     /// Until when (ns since `base`) a waiter polls the socket; 0: none has.
     polled_until: AtomicU64,
+    /// Waiters polling now (begun and not ended).
+    pollers: AtomicU32,
     base: Instant,
 }
 
@@ -55,6 +69,7 @@ impl RxGate {
         RxGate {
             busy: AtomicBool::new(false),
             polled_until: AtomicU64::new(0),
+            pollers: AtomicU32::new(0),
             base: Instant::now(),
         }
     }
@@ -73,10 +88,29 @@ impl RxGate {
         u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// A waiter polls for up to `spin` from now: the receiving thread stands aside until then.
+    /// A waiter polls for up to `spin` from now: the receiving thread stands aside until then,
+    /// or until the last waiter's [`RxGate::poll_ended`]. Each call must be followed by one
+    /// `poll_ended`.
     pub fn polled_for(&self, spin: Duration) {
+        self.pollers.fetch_add(1, Ordering::AcqRel);
         let until = self.nanos(Instant::now() + spin).max(1);
         self.polled_until.fetch_max(until, Ordering::Release);
+    }
+
+    /// A waiter stopped polling (it has its event, or its spin is over). True when it was the
+    /// last: the deadline is taken back and the receiving thread must resume now (wake it if
+    /// it stands aside asleep). A waiter beginning meanwhile keeps the deadline it set when it
+    /// was later; when it was not, the thread resumes beside it (both then receive, one at a
+    /// time: only the CPU is spent).
+    pub fn poll_ended(&self) -> bool {
+        let until = self.polled_until.load(Ordering::Acquire);
+        if self.pollers.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return false;
+        }
+        let _ = self
+            .polled_until
+            .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Relaxed);
+        true
     }
 
     /// How long a waiter still polls (zero when none does). Meant to be asked on every look
@@ -109,6 +143,21 @@ mod tests {
         assert!(g.enter().is_none(), "a second thread entered during a turn");
         drop(t);
         assert!(g.enter().is_some(), "the turn was not given back");
+    }
+
+    #[test]
+    fn the_last_waiter_to_stop_ends_the_standing_aside() {
+        let g = RxGate::new();
+        g.polled_for(Duration::from_secs(60));
+        g.polled_for(Duration::from_secs(60));
+        assert!(!g.poll_ended(), "one waiter still polls");
+        assert!(g.polled_left() > Duration::from_secs(59), "it still polls");
+        assert!(g.poll_ended(), "the last one");
+        assert_eq!(g.polled_left(), Duration::ZERO, "the deadline was kept");
+        // A new poll after that stands the thread aside again.
+        g.polled_for(Duration::from_secs(60));
+        assert!(g.polled_left() > Duration::from_secs(59));
+        assert!(g.poll_ended());
     }
 
     #[test]

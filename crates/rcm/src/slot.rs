@@ -797,6 +797,51 @@ impl Deadline {
     }
 }
 
+#[cfg(not(loom))]
+std::thread_local! {
+    /// What this thread polled last while waiting for an event (see `BusyPoll::kick`).
+    static LEFT_ASIDE: std::cell::RefCell<Option<std::sync::Weak<dyn BusyPoll>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// This thread is about to wait polling `next` (or, `None`, without polling): what it
+/// polled last, if something else, gets its receiving thread back now.
+#[cfg(not(loom))]
+fn left_aside(next: Option<&Arc<dyn BusyPoll>>) {
+    let Ok(Some(prev)) = LEFT_ASIDE.try_with(std::cell::RefCell::take) else {
+        return;
+    };
+    if let Some(n) = next {
+        if std::ptr::addr_eq(prev.as_ptr(), Arc::as_ptr(n)) {
+            return;
+        }
+    }
+    if let Some(p) = prev.upgrade() {
+        p.kick();
+    }
+}
+
+/// This thread called into something that is not what it polled last (its busy-poll hint
+/// moved to `next`): that one's receiving thread, if still standing aside for nobody, gets
+/// its socket back now rather than at this thread's next wait, so that what comes for it
+/// meanwhile (the answer to a call on the other side of a connection, say) is received.
+#[cfg(not(loom))]
+pub(crate) fn hint_moved(next: *const ()) {
+    let _ = LEFT_ASIDE.try_with(|l| {
+        let Ok(mut l) = l.try_borrow_mut() else {
+            return;
+        };
+        if l.as_ref()
+            .is_some_and(|p| !std::ptr::addr_eq(p.as_ptr(), next))
+        {
+            if let Some(p) = l.take().and_then(|p| p.upgrade()) {
+                drop(l);
+                p.kick();
+            }
+        }
+    });
+}
+
 /// The queue behind an event channel.
 pub(crate) struct ChannelCore<E> {
     q: Mutex<ChannelQueue<E>>,
@@ -887,19 +932,21 @@ impl<E: Send + 'static> ChannelCore<E> {
                 if !spin.is_zero() {
                     drop(q);
                     let queued = || self.queued.load(Relaxed) > 0;
-                    match busy.take().and_then(|f| f()) {
-                        Some(b) => {
-                            b.begin(spin);
-                            spin_until(spin, || queued() || (b.poll() && queued()));
-                        }
-                        None => {
-                            spin_until(spin, queued);
-                        }
+                    if let Some(b) = busy.take().and_then(|f| f()) {
+                        left_aside(Some(&b));
+                        b.begin(spin);
+                        spin_until(spin, || queued() || (b.poll() && queued()));
+                        b.end();
+                        LEFT_ASIDE.with(|l| l.replace(Some(Arc::downgrade(&b))));
+                    } else {
+                        left_aside(None);
+                        spin_until(spin, queued);
                     }
                     q = sync::lock(&self.q);
                     continue;
                 }
             }
+            left_aside(None);
             self.waiting.fetch_add(1, Relaxed);
             match end {
                 None => q = sync::wait(&self.cond, q),

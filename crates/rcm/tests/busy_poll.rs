@@ -82,6 +82,12 @@ fn connect_polling_for(port: u16, spin: Duration) -> (u64, u64) {
     let dev = f
         .device(IpAddr::from([127, 0, 0, 2]))
         .expect("client device");
+    // The device's thread counts a batch once the engine has handled it, which is after the
+    // event it made is in the channel: the waiter may look first.
+    let until = std::time::Instant::now() + T;
+    while dev.traffic().0 == 0 && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let counts = (dev.traffic().0, dev.busy_polled());
     cli.establish().expect("establish");
     f.shutdown();
@@ -155,5 +161,45 @@ fn what_arrives_after_the_waiter_left_is_received_all_the_same() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert!(matches!(next(&ch), Event::Disconnected));
+    f.shutdown();
+}
+
+/// A waiter that got its event early in a long poll (a minute, cut to its wait of 10 s)
+/// gives the device back as it stops polling: the next connection's REP, which only the device's thread receives (its
+/// client's channel does not poll), comes long before that minute is over. The thread
+/// stood aside until the poll's deadline before (a thread that polled one device, then
+/// waited without polling for another datagram of it, waited out the rest of the spin).
+#[test]
+fn a_waiter_that_got_its_event_gives_the_device_back_at_once() {
+    let f = fabric(24816);
+    let (go, went) = mpsc::channel();
+    let _srv = server(&f, went);
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(60));
+    let first = connect(&f, &ch, &go);
+    let dev = f
+        .device(IpAddr::from([127, 0, 0, 2]))
+        .expect("client device");
+    assert_eq!(dev.busy_polled(), 1, "the first REP went to the waiter");
+    let ch2 = EventChannel::new();
+    ch2.set_spin(Duration::ZERO);
+    let second = f.create_id_on(PortSpace::Tcp, &ch2);
+    second.resolve_addr(None, addr(1, 7471)).expect("resolve");
+    assert!(matches!(next(&ch2), Event::AddrResolved));
+    second.resolve_route().expect("route");
+    assert!(matches!(next(&ch2), Event::RouteResolved));
+    go.send(()).expect("the server answers at once");
+    second.connect(&ConnectOptions::default()).expect("connect");
+    // Half the first poll's deadline (its spin was cut to its wait, `T`).
+    let ev = ch2
+        .get_event(Some(T / 2))
+        .expect("the REP, received by the device's thread, before the poll's deadline")
+        .take();
+    assert!(
+        matches!(ev, Some(Event::ConnectResponse { .. })),
+        "unexpected {ev:?}"
+    );
+    assert_eq!(dev.busy_polled(), 1, "nobody polled for the second REP");
+    drop((first, second));
     f.shutdown();
 }

@@ -251,25 +251,11 @@ fn blocking_destroy_waits_for_the_running_callback_then_drops_context_once() {
 #[test]
 fn flow_destroy_stops_every_further_callback_including_device_removal() {
     let f = fabric(25004);
-    let gate = Gate::new();
-    let calls = Arc::new(Mutex::new(Vec::new()));
     let ctx = Arc::new(AtomicUsize::new(0));
-    let (entered_tx, entered_rx) = mpsc::channel();
-    let (g, c, etx) = (gate.clone(), calls.clone(), Mutex::new(entered_tx));
-    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
-        c.lock().unwrap().push(ev.name());
-        etx.lock().unwrap().send(()).unwrap();
-        g.wait();
-        Flow::Destroy
-    });
-    id.set_context(Tracked(ctx.clone()));
-    id.bind(addr(1, 0)).unwrap();
-    // Bound to 127.0.0.1: resolving an IPv6 destination is an AddrError event.
-    poke(&id, 0);
-    entered_rx.recv_timeout(T).unwrap();
-    poke(&id, 1);
-    poke(&id, 2);
-    let removal = f.remove_device(ip(1)).unwrap();
+    let (id, gate, calls, _entered, removal) =
+        removal_behind_a_running_callback(&f, Flow::Destroy, |id| {
+            id.set_context(Tracked(ctx.clone()));
+        });
     assert_eq!(
         ctx.load(Ordering::SeqCst),
         0,
@@ -286,6 +272,63 @@ fn flow_destroy_stops_every_further_callback_including_device_removal() {
     assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
     assert_eq!(f.live_ids(), 0);
     assert_eq!(f.bound_ports(), 0);
+    f.shutdown();
+}
+
+/// An id whose callback notes each event's name, says it entered, and waits for the gate to
+/// open before it returns `flow` (`prepare` sees it first), bound to 127.0.0.1, with its
+/// first ADDR_ERROR's callback running, two more queued behind it, and the device's removal
+/// begun.
+#[allow(clippy::type_complexity)]
+fn removal_behind_a_running_callback(
+    f: &Fabric,
+    flow: Flow,
+    prepare: impl FnOnce(&CmId),
+) -> (
+    CmId,
+    Arc<Gate>,
+    Arc<Mutex<Vec<&'static str>>>,
+    mpsc::Receiver<()>,
+    rcm::Removal,
+) {
+    let gate = Gate::new();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (g, c, etx) = (gate.clone(), calls.clone(), Mutex::new(entered_tx));
+    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
+        c.lock().unwrap().push(ev.name());
+        let _ = etx.lock().unwrap().send(());
+        g.wait();
+        flow
+    });
+    prepare(&id);
+    id.bind(addr(1, 0)).unwrap();
+    // Bound to 127.0.0.1: resolving an IPv6 destination is an AddrError event.
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).unwrap();
+    poke(&id, 1);
+    poke(&id, 2);
+    let removal = f.remove_device(ip(1)).unwrap();
+    (id, gate, calls, entered_rx, removal)
+}
+
+/// A device removal replaces the events still queued for an id: the callback in flight
+/// finishes, the events queued behind it are never delivered, and `DEVICE_REMOVAL` is the
+/// next and last (see `Event::DeviceRemoval`; Linux's ucma would deliver them first).
+#[test]
+fn a_device_removal_replaces_the_events_still_queued() {
+    let f = fabric(25041);
+    let (id, gate, calls, entered_rx, removal) =
+        removal_behind_a_running_callback(&f, Flow::Continue, |_| {});
+    gate.open();
+    entered_rx.recv_timeout(T).expect("the removal's callback");
+    assert!(
+        entered_rx.recv_timeout(Duration::from_millis(150)).is_err(),
+        "a callback after DEVICE_REMOVAL"
+    );
+    assert_eq!(*calls.lock().unwrap(), vec!["ADDR_ERROR", "DEVICE_REMOVAL"]);
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    removal.wait(T).expect("removal completes");
     f.shutdown();
 }
 

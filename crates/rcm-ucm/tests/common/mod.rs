@@ -1,4 +1,4 @@
-//! Helpers shared by `tests/sessions.rs` and `tests/proto_fuzz.rs`: daemons on loopback with
+//! Helpers shared by rcm-ucm's integration tests: daemons on loopback with
 //! a UDP port of their own, raw-session shorthands, rcm-API dialing and leak checks.
 #![allow(dead_code)]
 
@@ -307,4 +307,91 @@ pub fn channel(d: &Daemon, token: u64) -> RawSession {
         "attach"
     );
     c
+}
+
+/// Reads one command from a client (as a fake daemon does), with its sequence number.
+pub fn read_command(s: &mut std::os::unix::net::UnixStream) -> (u32, Command) {
+    use std::io::Read;
+    let mut hb = [0u8; 12];
+    s.read_exact(&mut hb).expect("a command header");
+    let h = rcm_ucm::proto::Header::parse(&hb).expect("a header");
+    let mut body = vec![0u8; h.body_len()];
+    s.read_exact(&mut body).expect("a command body");
+    (
+        h.seq,
+        rcm_ucm::proto::decode_command(h.kind, &body).expect("a command"),
+    )
+}
+
+/// Waits (up to `T`) for a doorbell on `s`, the socket of a mapped ring that was marked
+/// asleep, and reads it; `what` names the wait in a failure.
+pub fn wait_doorbell(s: &std::os::unix::net::UnixStream, what: &str) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(s, PollFlags::IN)];
+    let t = Timespec::try_from(T).expect("timeout");
+    let n = poll(&mut fds, Some(&t)).expect("poll");
+    assert_eq!(n, 1, "{what}: no doorbell from the daemon");
+    let mut b = [0u8; 8];
+    let got = rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT)
+        .expect("the doorbell's byte");
+    assert!(got.0 >= 1, "{what}: the daemon hung up");
+}
+
+/// The next frame in a ring a test reads as the client (waiting up to `T`), decoded, with
+/// its sequence number; the frame must be as long as its header says.
+pub fn next_frame(rx: &mut rcm_shm::Consumer) -> (u32, Message) {
+    let end = Instant::now() + T;
+    let mut f = Vec::new();
+    while !rx.pop(&mut f, 1 << 20).expect("pop") {
+        assert!(Instant::now() < end, "nothing came in the ring");
+        std::thread::yield_now();
+    }
+    let h =
+        rcm_ucm::proto::Header::parse(f.first_chunk::<12>().expect("a header")).expect("header");
+    assert_eq!(
+        f.len(),
+        4 + h.len as usize,
+        "a frame of its header's length"
+    );
+    (
+        h.seq,
+        rcm_ucm::proto::decode_message(h.kind, &f[12..]).expect("a message"),
+    )
+}
+
+/// A fake daemon's side of a session's opening: `HELLO` answered (token 7), `MAP_EVENTS`
+/// answered by `map` (given the socket and the command's seq), the first credit read.
+pub fn open_fake_session<R>(
+    s: &mut std::os::unix::net::UnixStream,
+    map: impl FnOnce(&mut std::os::unix::net::UnixStream, u32) -> R,
+) -> R {
+    use std::io::Write;
+    let (seq, hello) = read_command(s);
+    assert!(matches!(hello, Command::Hello { .. }), "{hello:?}");
+    let ok = Message::HelloOk {
+        version: rcm_ucm::proto::VERSION,
+        token: 7,
+        limits: Limits::default(),
+    };
+    s.write_all(&ok.encode(seq)).expect("hello ok");
+    let (seq, cmd) = read_command(s);
+    assert_eq!(cmd, Command::MapEvents);
+    let r = map(s, seq);
+    let (_, credit) = read_command(s);
+    assert!(matches!(credit, Command::GetEvent(_)), "{credit:?}");
+    r
+}
+
+/// A fake daemon refusing every command channel that connects to `listener` (so that the
+/// client's calls come on its session's connection), until the listener fails.
+pub fn refuse_channels(listener: &std::os::unix::net::UnixListener) {
+    use std::io::Write;
+    for c in listener.incoming() {
+        let Ok(mut c) = c else { return };
+        let (seq, _) = read_command(&mut c);
+        let no = Message::Err(WireError::Cm(rcm::Error::LimitExceeded(
+            rcm::remote::Limit::Channels,
+        )));
+        let _ = c.write_all(&no.encode(seq));
+    }
 }

@@ -1,0 +1,159 @@
+use super::*;
+use proptest::prelude::*;
+
+const LEN: usize = 3 * 4096;
+const AT: RingAt = RingAt {
+    ctl: 0,
+    data: 4096,
+    cap: 4096,
+};
+
+/// A ring's two ends, each on its own mapping of one memfd (as in two processes).
+fn ends() -> (Producer, Consumer, Arc<Region>) {
+    let (a, fd) = Region::create("rcm-shm-test", LEN).expect("create");
+    let b = Region::open(&fd, LEN).expect("open");
+    let a = Arc::new(a);
+    let p = Producer::new(a.clone(), AT).expect("producer");
+    let c = Consumer::new(Arc::new(b), AT).expect("consumer");
+    (p, c, a)
+}
+
+#[test]
+fn frames_cross_in_order_around_the_wrap() {
+    let (mut p, mut c, _) = ends();
+    let mut out = Vec::new();
+    // Sizes that do not divide the ring, so frames and their lengths straddle its end.
+    for i in 0..5000usize {
+        let f: Vec<u8> = (0..(i * 7) % 301).map(|k| (k + i) as u8).collect();
+        assert_eq!(p.push(&f), Ok(Some(false)), "frame {i}");
+        assert!(c.pop(&mut out, 4096).expect("pop"), "frame {i} missing");
+        assert_eq!(out, f, "frame {i}");
+    }
+    assert!(!c.pop(&mut out, 4096).expect("pop"));
+}
+
+#[test]
+fn a_full_ring_takes_nothing_until_the_consumer_reads() {
+    let (mut p, mut c, _) = ends();
+    let f = [9u8; 1000];
+    let mut n = 0;
+    while p.push(&f).expect("push").is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 4, "4 frames of 1,004 bytes fit in 4,096");
+    let mut out = Vec::new();
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    assert_eq!(p.push(&f), Ok(Some(false)), "room again after a read");
+    assert_eq!(
+        p.push(&[0u8; 4093]),
+        Err(Corrupt("a frame longer than the ring"))
+    );
+}
+
+#[test]
+fn a_frame_over_the_consumers_limit_is_refused() {
+    let (mut p, mut c, _) = ends();
+    p.push(&[1u8; 100]).expect("push");
+    let mut out = Vec::new();
+    assert_eq!(c.pop(&mut out, 99), Err(Corrupt("a frame over the limit")));
+}
+
+#[test]
+fn a_sleeping_consumer_is_reported_and_sees_what_came_before_it_slept() {
+    let (mut p, mut c, _) = ends();
+    assert!(c.prepare_sleep(), "nothing came: it may sleep");
+    assert_eq!(p.push(b"x"), Ok(Some(true)), "the producer sees it asleep");
+    c.awake();
+    assert_eq!(p.push(b"y"), Ok(Some(false)));
+    // Frames waiting: it must not sleep.
+    assert!(!c.prepare_sleep());
+    assert_eq!(p.push(b"z"), Ok(Some(false)), "the flag was taken back");
+    let mut out = Vec::new();
+    for want in [b"x", b"y", b"z"] {
+        assert!(c.pop(&mut out, 10).expect("pop"));
+        assert_eq!(out, want);
+    }
+}
+
+#[test]
+fn only_a_sealed_region_of_the_agreed_size_is_opened() {
+    let (_, fd) = Region::create("rcm-shm-test", LEN).expect("create");
+    assert!(Region::open(&fd, LEN + 4096).is_err(), "another size");
+    let raw = rustix::fs::memfd_create("rcm-shm-unsealed", rustix::fs::MemfdFlags::CLOEXEC)
+        .expect("memfd");
+    rustix::fs::ftruncate(&raw, LEN as u64).expect("size");
+    let e = Region::open(&raw, LEN).expect_err("an unsealed memfd");
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    assert!(
+        Region::create("rcm-shm-test", 100).is_err(),
+        "not whole pages"
+    );
+    assert!(
+        Producer::new(
+            Arc::new(Region::create("rcm-shm-test", 4096).expect("create").0),
+            AT
+        )
+        .is_err(),
+        "a ring past the region's end"
+    );
+}
+
+#[test]
+fn two_threads_pass_a_hundred_thousand_frames_in_order() {
+    const N: u32 = 100_000;
+    let (mut p, mut c, _) = ends();
+    let t = std::thread::spawn(move || {
+        for i in 0..N {
+            let f = i.to_le_bytes().repeat(1 + (i % 13) as usize);
+            while p.push(&f).expect("push").is_none() {
+                std::thread::yield_now();
+            }
+        }
+    });
+    let mut out = Vec::new();
+    for i in 0..N {
+        while !c.pop(&mut out, 4096).expect("pop") {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            out,
+            i.to_le_bytes().repeat(1 + (i % 13) as usize),
+            "frame {i}"
+        );
+    }
+    t.join().expect("producer");
+}
+
+proptest! {
+    /// Whatever the peer writes into the shared control words and data, the ends answer
+    /// with frames or errors: no panic, no access outside the region.
+    #[test]
+    fn garbage_from_the_peer_gives_errors_not_panics(
+        words in proptest::collection::vec((0usize..3, any::<u32>()), 0..8),
+        data in proptest::collection::vec((0usize..4096, any::<u8>()), 0..64),
+        frames in proptest::collection::vec(0usize..600, 0..8),
+    ) {
+        let (mut p, mut c, shared) = ends();
+        for len in &frames {
+            let _ = p.push(&vec![7u8; *len]);
+        }
+        for (w, v) in words {
+            shared.u32_at(AT.ctl + w * 64).store(v, Ordering::SeqCst);
+        }
+        for (at, v) in data {
+            shared.bytes(AT.data + at, 1)[0].store(v, Ordering::SeqCst);
+        }
+        let mut out = Vec::new();
+        for _ in 0..16 {
+            match c.pop(&mut out, 512) {
+                Ok(true) => prop_assert!(out.len() <= 512),
+                Ok(false) | Err(_) => break,
+            }
+        }
+        for len in frames {
+            if p.push(&vec![1u8; len]).is_err() {
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! Command channels in shared memory (§2.2 of `docs/ucm-protocol.md`).
+//!
+//! A call on a command channel's socket costs a send and a receive on each side, and each
+//! look of a polling side is a receive too. Once a channel is mapped, its commands and
+//! answers are the same frames, passed through two rings in a memfd that the daemon made,
+//! sealed and sent with its answer to `MAP_CHANNEL`: while the other side polls, a call
+//! makes no system call. The channel's socket stays, for two things: it is the lifeline
+//! (either side's end is seen as the socket's hang-up, as before), and a side that stopped
+//! polling sleeps in `poll(2)` on it, woken by a byte that the other side writes only when
+//! the ring says it sleeps (the doorbell). A side never trusts what the other wrote in the
+//! shared memory: see [`rcm_shm`].
+//!
+//! A session's own connection may move too (`MAP_EVENTS`, §2.3): then everything the daemon
+//! writes for the session (events, and answers to commands sent there) goes through one ring,
+//! [`EVENTS`], and the socket carries only the doorbell and the session's end.
+
+use crate::spin::hung_up;
+use rcm_shm::{Consumer, Producer, Region, RingAt};
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bytes of each ring's data area: a command and its answer are each under the daemon's
+/// message limit (4 KiB by default); a daemon whose limit does not fit refuses to map.
+pub const RING_BYTES: u32 = 64 * 1024;
+/// The whole region: a page of control blocks, then the two rings' data.
+pub const REGION_BYTES: usize = 4096 + 2 * RING_BYTES as usize;
+/// Commands, client to daemon.
+pub const COMMANDS: RingAt = RingAt {
+    ctl: 0,
+    data: 4096,
+    cap: RING_BYTES,
+};
+/// Answers, daemon to client.
+pub const ANSWERS: RingAt = RingAt {
+    ctl: 256,
+    data: 4096 + RING_BYTES as usize,
+    cap: RING_BYTES,
+};
+
+/// Bytes of the events ring's data area (§2.3): a few thousand events.
+pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
+/// A session's events region: a page for the control block, then the ring's data.
+pub const EVENTS_REGION_BYTES: usize = 4096 + EVENTS_RING_BYTES as usize;
+/// The events ring: what the daemon writes on the session's connection, daemon to client.
+pub const EVENTS: RingAt = RingAt {
+    ctl: 0,
+    data: 4096,
+    cap: EVENTS_RING_BYTES,
+};
+
+/// The daemon's end of a new events region, and the memfd to send to the client.
+pub(crate) fn events_daemon() -> io::Result<(Producer, OwnedFd)> {
+    let (r, fd) = Region::create("rcm-ucm-events", EVENTS_REGION_BYTES)?;
+    Ok((Producer::new(Arc::new(r), EVENTS)?, fd))
+}
+
+/// The client's end of the events region the daemon sent.
+pub(crate) fn events_client(fd: impl AsFd) -> io::Result<Consumer> {
+    let r = Region::open(fd, EVENTS_REGION_BYTES)?;
+    Consumer::new(Arc::new(r), EVENTS)
+}
+
+/// How long a side waits for room in a full ring before it gives the channel up. One call
+/// is in flight per channel, so the rings never fill unless the other side breaks the rules.
+const FULL_FOR: Duration = Duration::from_secs(1);
+
+/// One side of a mapped channel.
+pub(crate) struct ShmEnd {
+    tx: Producer,
+    rx: Consumer,
+    /// The channel's socket: lifeline and doorbell.
+    pub(crate) stream: UnixStream,
+    /// How long a wait polls the ring before it sleeps.
+    spin: Duration,
+    /// The last frame received.
+    buf: Vec<u8>,
+}
+
+fn corrupt(e: rcm_shm::Corrupt) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+impl ShmEnd {
+    /// The daemon's side of a new mapping, and the memfd to send to the client. A ring thread
+    /// polls it (`try_recv`), so it never waits in `recv` and has no spin of its own.
+    pub(crate) fn daemon(stream: UnixStream) -> io::Result<(ShmEnd, OwnedFd)> {
+        let (r, fd) = Region::create("rcm-ucm-channel", REGION_BYTES)?;
+        let r = Arc::new(r);
+        let end = ShmEnd {
+            tx: Producer::new(r.clone(), ANSWERS)?,
+            rx: Consumer::new(r, COMMANDS)?,
+            stream,
+            spin: Duration::ZERO,
+            buf: Vec::new(),
+        };
+        Ok((end, fd))
+    }
+
+    /// The client's side, on the memfd the daemon sent.
+    pub(crate) fn client(stream: UnixStream, fd: impl AsFd, spin: Duration) -> io::Result<ShmEnd> {
+        let r = Arc::new(Region::open(fd, REGION_BYTES)?);
+        Ok(ShmEnd {
+            tx: Producer::new(r.clone(), COMMANDS)?,
+            rx: Consumer::new(r, ANSWERS)?,
+            stream,
+            spin,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Sends one frame, ringing the doorbell if the other side sleeps.
+    pub(crate) fn send(&mut self, frame: &[u8]) -> io::Result<()> {
+        let mut since = None;
+        while !self.try_send(frame)? {
+            let t0 = *since.get_or_insert_with(Instant::now);
+            if t0.elapsed() > FULL_FOR || hung_up(&self.stream) {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the other side does not read its ring",
+                ));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Writes one frame if the ring has room now, ringing the doorbell if the other side
+    /// sleeps; false (nothing written) when it has not.
+    pub(crate) fn try_send(&mut self, frame: &[u8]) -> io::Result<bool> {
+        push_ringing(&mut self.tx, &self.stream, frame)
+    }
+
+    /// The next frame (up to `max` bytes) if one is there now.
+    pub(crate) fn try_recv(&mut self, max: usize) -> io::Result<Option<&[u8]>> {
+        Ok(self
+            .rx
+            .pop(&mut self.buf, max)
+            .map_err(corrupt)?
+            .then_some(&self.buf[..]))
+    }
+
+    /// Marks this end asleep unless a frame came meanwhile (then false, not marked); see
+    /// [`Consumer::prepare_sleep`].
+    pub(crate) fn prepare_sleep(&self) -> bool {
+        self.rx.prepare_sleep()
+    }
+
+    /// Back from a sleep (or not going to sleep after all).
+    pub(crate) fn awake(&self) {
+        self.rx.awake();
+    }
+
+    /// Waits for the next frame (up to `max` bytes): polls the ring for the spin, then sleeps
+    /// on the socket until the doorbell or the other side's end.
+    pub(crate) fn recv(&mut self, max: usize) -> io::Result<&[u8]> {
+        let mut got = Ok(false);
+        let spin = self.spin;
+        rcm::spin_until(spin, || {
+            got = self.rx.pop(&mut self.buf, max);
+            !matches!(got, Ok(false))
+        });
+        loop {
+            if got.map_err(corrupt)? {
+                return Ok(&self.buf);
+            }
+            if self.rx.prepare_sleep() {
+                let r = sleep_on(&self.stream);
+                self.rx.awake();
+                r?;
+            }
+            got = self.rx.pop(&mut self.buf, max);
+        }
+    }
+}
+
+/// Writes one frame into `p` if it has room now, ringing the doorbell on `s` if the consumer
+/// sleeps; false (nothing written) when it has not. The one way a producer writes, on a
+/// channel's ring and on a session's events ring alike.
+pub(crate) fn push_ringing(p: &mut Producer, s: &UnixStream, frame: &[u8]) -> io::Result<bool> {
+    match p.push(frame).map_err(corrupt)? {
+        None => Ok(false),
+        Some(false) => Ok(true),
+        Some(true) => ring(s).map(|()| true),
+    }
+}
+
+/// Rings the doorbell: one byte on the channel's socket. One the socket cannot take now is
+/// not needed: bytes are waiting there already.
+fn ring(s: &UnixStream) -> io::Result<()> {
+    match rustix::net::send(
+        s,
+        &[1],
+        rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+    ) {
+        Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Reads what a channel's socket holds without waiting: doorbell bytes are dropped. False
+/// when the other side is gone (end of stream or an error).
+pub(crate) fn drain_doorbells(s: &UnixStream) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        match rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) => return false,
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Sleeps until the socket has a byte (the doorbell: all are read) or the other side is gone
+/// (an error).
+fn sleep_on(s: &UnixStream) -> io::Result<()> {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(s, PollFlags::IN)];
+    match poll(&mut fds, None) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => {}
+        Err(e) => return Err(e.into()),
+    }
+    if drain_doorbells(s) {
+        Ok(())
+    } else {
+        Err(io::ErrorKind::UnexpectedEof.into())
+    }
+}
+
+/// Writes `frame` whole with `fd` attached (`SCM_RIGHTS`, with the first bytes).
+pub(crate) fn send_with_fd(s: &UnixStream, frame: &[u8], fd: impl AsFd) -> io::Result<()> {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::mem::MaybeUninit;
+    let fds = [fd.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other("no room for the descriptor"));
+    }
+    let n = loop {
+        match sendmsg(
+            s,
+            &[io::IoSlice::new(frame)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    };
+    crate::spin::send_all(s, &frame[n..])
+}
+
+/// Reads one frame from `s` (a 12-byte header, then its body) and the descriptor that came
+/// with its first bytes, if any. Nothing else may be queued on the socket before it.
+pub(crate) fn recv_with_fd(
+    s: &UnixStream,
+    max: usize,
+) -> io::Result<(crate::proto::Header, Vec<u8>, Option<OwnedFd>)> {
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    use std::io::Read;
+    use std::mem::MaybeUninit;
+    let mut hb = [0u8; 12];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let n = loop {
+        match recvmsg(
+            s,
+            &mut [io::IoSliceMut::new(&mut hb)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(m) => break m.bytes,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut fd = None;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            for f in fds {
+                // One is expected; any more are closed here.
+                fd.get_or_insert(f);
+            }
+        }
+    }
+    if n == 0 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    let mut r = s;
+    r.read_exact(&mut hb[n..])?;
+    let h = crate::proto::Header::parse(&hb)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    if h.body_len() > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "an answer longer than the limit",
+        ));
+    }
+    let mut body = vec![0u8; h.body_len()];
+    r.read_exact(&mut body)?;
+    Ok((h, body, fd))
+}

@@ -1,0 +1,305 @@
+//! A session's events in shared memory (`MAP_EVENTS`, §2.3 of `docs/ucm-protocol.md`): the
+//! client library maps them by default; the daemon's rules for the command; what the daemon
+//! writes goes into the ring in order, a full ring holds up only that session, a sleeping
+//! client is rung for; and a client never trusts what a daemon wrote in that memory.
+
+mod common;
+
+use common::*;
+use rcm::remote::Reply;
+use rcm_shm::{Consumer, Region};
+use rcm_ucm::proto::{Answer, Command, Limits, Message, WireError, WireEvent};
+use rcm_ucm::raw::RawSession;
+use rcm_ucm::shmchan::{EVENTS, EVENTS_REGION_BYTES};
+use rcm_ucm::{Client, Daemon};
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A raw session whose events are mapped: the session, its token and the events ring.
+fn mapped_session(d: &Daemon) -> (RawSession, u64, Consumer) {
+    let (mut s, token) = raw(d);
+    let (m, region) = s.map_events().expect("map events");
+    assert_eq!(m, Message::Ok(Answer::Reply(Reply::Done)), "mapped");
+    let region = Arc::new(region.expect("the memory came with the answer"));
+    (s, token, Consumer::new(region, EVENTS).expect("consumer"))
+}
+
+#[test]
+fn a_sessions_events_go_through_shared_memory_by_default() {
+    let d = daemon("ev-default", 49401, &[1]);
+    let client = Client::connect(d.socket()).expect("session");
+    assert!(
+        client.events_mapped(),
+        "the session's events were not mapped"
+    );
+    assert!(d.mapped_sessions() >= 1);
+    // Whole connections between two clients, their events all through rings.
+    round_trip(&d, sa(1, 7401));
+    assert!(d.mapped_sessions() >= 3, "{} mapped", d.mapped_sessions());
+    drop(client);
+    // A daemon that keeps sessions on their sockets: the same, over the socket.
+    let mut cfg = config("ev-off", 49402, &[1]);
+    cfg.shared_memory = false;
+    let d2 = Daemon::start(cfg).expect("daemon");
+    let client = Client::connect(d2.socket()).expect("session");
+    assert!(!client.events_mapped());
+    round_trip(&d2, sa(1, 7402));
+    assert_eq!(d2.mapped_sessions(), 0);
+    let (mut s, _) = raw(&d2);
+    let (m, region) = s.map_events().expect("map events");
+    assert!(matches!(m, Message::Err(WireError::BadMessage(_))), "{m:?}");
+    assert!(region.is_none(), "memory sent with a refusal");
+}
+
+/// `MAP_EVENTS` only on a session's own connection, before its first credit, once; after
+/// it, the session's answers come in the ring and the socket stays silent.
+#[test]
+fn map_events_rules() {
+    let d = daemon("ev-rules", 49403, &[1]);
+    // After the first GET_EVENT: too late (an event may be on the socket).
+    let (mut late, token) = raw(&d);
+    late.send(&Command::GetEvent(4)).expect("credit");
+    let (m, region) = late.map_events().expect("map events");
+    assert!(matches!(m, Message::Err(WireError::BadMessage(_))), "{m:?}");
+    assert!(region.is_none());
+    assert!(matches!(
+        ok(&mut late, &Command::Devices),
+        Answer::Devices(_)
+    ));
+    // On a command channel: refused, the channel goes on.
+    let mut c = channel(&d, token);
+    let (m, region) = c.map_events().expect("map events");
+    assert!(matches!(m, Message::Err(WireError::BadMessage(_))), "{m:?}");
+    assert!(region.is_none());
+    assert!(matches!(ok(&mut c, &Command::Devices), Answer::Devices(_)));
+    // Mapped: a second time is refused, in the ring; answers come in the ring only.
+    let (mut s, _, mut rx) = mapped_session(&d);
+    let seq = s.send(&Command::MapEvents).expect("send");
+    let (got, m) = next_frame(&mut rx);
+    assert_eq!(got, seq);
+    assert!(matches!(m, Message::Err(WireError::BadMessage(_))), "{m:?}");
+    let seq = s.send(&Command::Stats).expect("send");
+    let (got, m) = next_frame(&mut rx);
+    assert_eq!(got, seq);
+    assert!(matches!(m, Message::Ok(Answer::Stats(_))), "{m:?}");
+    assert_silent(&mut s, Duration::from_millis(200));
+    // Events too, under credit as before.
+    let seq = s
+        .send(&Command::CreateId(rcm::PortSpace::Tcp))
+        .expect("send");
+    let (got, m) = next_frame(&mut rx);
+    assert_eq!(got, seq);
+    let Message::Ok(Answer::Handle(h)) = m else {
+        panic!("{m:?}")
+    };
+    s.send(&Command::Call(
+        h,
+        rcm::remote::Op::ResolveAddr {
+            src: None,
+            dst: sa(1, 7403),
+        },
+    ))
+    .expect("send");
+    let (_, m) = next_frame(&mut rx);
+    assert!(matches!(m, Message::Ok(_)), "{m:?}");
+    assert!(!rx.has_data(), "an event without credit");
+    s.send(&Command::GetEvent(1)).expect("credit");
+    let (got, m) = next_frame(&mut rx);
+    assert_eq!(got, 0, "events carry seq 0");
+    assert!(
+        matches!(
+            m,
+            Message::Event {
+                handle,
+                event: WireEvent::AddrResolved,
+                ..
+            } if handle == h
+        ),
+        "{m:?}"
+    );
+    assert_silent(&mut s, Duration::from_millis(100));
+}
+
+/// A client whose ring sleeps is woken by a doorbell byte on the socket.
+#[test]
+fn a_sleeping_session_is_rung_for() {
+    let d = daemon("ev-bell", 49404, &[1]);
+    let (mut s, _, mut rx) = mapped_session(&d);
+    for round in 0..3 {
+        assert!(rx.prepare_sleep(), "nothing is due");
+        let seq = s.send(&Command::Devices).expect("send");
+        wait_doorbell(s.stream(), &format!("round {round}"));
+        rx.awake();
+        let (got, m) = next_frame(&mut rx);
+        assert_eq!(got, seq);
+        assert!(matches!(m, Message::Ok(Answer::Devices(_))), "{m:?}");
+    }
+}
+
+/// A client that does not read its ring: the daemon's answers wait for room (holding up
+/// that session only), an event waits in the queue, and once the client reads it gets
+/// everything in order.
+#[test]
+fn a_full_events_ring_holds_up_that_session_only() {
+    let limits = Limits {
+        max_queued_events: 10_000,
+        ..Limits::default()
+    };
+    let d = daemon_with_limits("ev-full", 49405, &[1], limits);
+    let (mut s, token, mut rx) = mapped_session(&d);
+    let seq0 = s
+        .send(&Command::CreateId(rcm::PortSpace::Tcp))
+        .expect("send");
+    let (_, m) = next_frame(&mut rx);
+    let Message::Ok(Answer::Handle(h)) = m else {
+        panic!("{m:?}")
+    };
+    s.send(&Command::GetEvent(100)).expect("credit");
+    // ~64 bytes each: 6,000 answers are more than the 256 KiB ring holds. Sent in one write
+    // (thousands of small ones would fill the socket's buffer with their overhead).
+    let n = 6000u32;
+    let first = seq0 + 100;
+    let cmds: Vec<u8> = (first..first + n)
+        .flat_map(|q| Command::Stats.encode(q))
+        .collect();
+    s.send_bytes(&cmds).expect("send");
+    // The session's reader is now held, waiting for room; a channel of the same session
+    // still carries calls, and their event waits behind the answers.
+    let mut c = channel(&d, token);
+    wait_until(
+        || {
+            let st = ok(&mut c, &Command::Stats);
+            matches!(st, Answer::Stats(st) if st.commands >= u64::from(n) / 2)
+        },
+        || "the session's commands are not read".into(),
+    );
+    assert!(matches!(
+        ok(
+            &mut c,
+            &Command::Call(
+                h,
+                rcm::remote::Op::ResolveAddr {
+                    src: None,
+                    dst: sa(1, 7405)
+                }
+            )
+        ),
+        Answer::Reply(_)
+    ));
+    // Other clients are served meanwhile.
+    round_trip(&d, sa(1, 7406));
+    let mut want = first;
+    let mut event = false;
+    while want < first + n || !event {
+        let (got, m) = next_frame(&mut rx);
+        if got == 0 {
+            assert!(
+                matches!(m, Message::Event { handle, event: WireEvent::AddrResolved, .. } if handle == h),
+                "{m:?}"
+            );
+            event = true;
+            continue;
+        }
+        assert_eq!(got, want, "answers out of order");
+        assert!(matches!(m, Message::Ok(Answer::Stats(_))), "{m:?}");
+        want += 1;
+    }
+}
+
+/// A fake daemon that maps a session's events into memory it then writes garbage into:
+/// the client ends the session (a device removal for its ids), and nothing panics.
+#[test]
+fn a_client_ends_the_session_on_a_broken_events_ring() {
+    for spoil in 0..3 {
+        let path = sock(&format!("ev-broken-{spoil}"));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).expect("listen");
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("session");
+            let region = open_fake_session(&mut s, |s, seq| {
+                let (region, fd) =
+                    Region::create("fake-events", EVENTS_REGION_BYTES).expect("memfd");
+                let done = Message::Ok(Answer::Reply(Reply::Done)).encode(seq);
+                send_with_fd(s, &done, &fd);
+                (region, fd)
+            });
+            let (region, fd) = region;
+            // Command channels are refused: the client's calls come on the session.
+            std::thread::spawn(move || refuse_channels(&listener));
+            let mut tx = rcm_shm::Producer::new(Arc::new(region), EVENTS).expect("producer");
+            // The client's CreateId, answered in the ring (a byte on the socket for its
+            // reader, asleep or not).
+            let (seq, create) = read_command(&mut s);
+            assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
+            tx.push(&Message::Ok(Answer::Handle(1)).encode(seq))
+                .expect("push")
+                .expect("room");
+            s.write_all(&[1]).expect("doorbell");
+            // Until the client has the id (an event for a handle it has not filed yet
+            // would be dropped, not delivered).
+            let (_, query) = read_command(&mut s);
+            assert!(matches!(query, Command::Call(1, _)), "{query:?}");
+            match spoil {
+                // Not a frame of the protocol.
+                0 => {
+                    tx.push(&[0xFF; 40]).expect("push");
+                }
+                // A frame whose header says another length.
+                1 => {
+                    let mut f = Message::Ok(Answer::Reply(Reply::Done)).encode(5);
+                    f.extend_from_slice(&[0; 8]);
+                    tx.push(&f).expect("push");
+                }
+                // An index out of range.
+                _ => {
+                    let r = Region::open(&fd, EVENTS_REGION_BYTES).expect("open");
+                    r.u32_at(EVENTS.ctl).store(0x7FFF_FFFF, Ordering::SeqCst);
+                }
+            }
+            let _ = s.write_all(&[1]);
+            // Held open: the client must end the session on what it read alone.
+            let mut b = [0u8; 64];
+            while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+        });
+        let client = Client::connect(&path).expect("session");
+        assert!(client.events_mapped());
+        let f = rcm::Fabric::with_provider(Arc::new(client.clone()), rcm::FabricConfig::default());
+        let ch = rcm::EventChannel::new();
+        let id = f.create_id_on(rcm::PortSpace::Tcp, &ch);
+        // Sent for the fake daemon to go on; its answer never comes, the session ends.
+        let r = id.set_reuseaddr(true);
+        assert_eq!(r, Err(rcm::Error::DeviceRemoved), "spoil {spoil}");
+        wait_until(
+            || !client.is_alive(),
+            || format!("spoil {spoil}: the session goes on"),
+        );
+        let e = next(&ch);
+        assert!(matches!(e.event(), rcm::Event::DeviceRemoval), "{e:?}");
+        drop(e);
+        f.shutdown();
+        fake.join().expect("the fake daemon");
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// Writes `frame` with `fd` attached (`SCM_RIGHTS`), as the daemon sends its memory.
+fn send_with_fd(s: &UnixStream, frame: &[u8], fd: &std::os::fd::OwnedFd) {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::os::fd::AsFd;
+    let fds = [fd.as_fd()];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+    let n = sendmsg(
+        s,
+        &[std::io::IoSlice::new(frame)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .expect("sendmsg");
+    let mut w = s;
+    w.write_all(&frame[n..]).expect("the rest");
+}
