@@ -193,8 +193,9 @@ struct DaemonArgs {
     #[arg(long)]
     no_shm: bool,
     /// Threads serving the channels in shared memory (default: one per four CPUs, 1 to 16).
-    /// Each polls its rings before it sleeps: more than the CPUs left over from the clients
-    /// slow every call down.
+    /// Each polls its rings (and, with nothing to serve, receives for the RoCEv2 devices,
+    /// whose own threads then stand aside) before it sleeps: more than the CPUs left over
+    /// from the clients slow every call down.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     ring_threads: Option<u16>,
     /// Socket file permissions, octal.

@@ -80,7 +80,8 @@ pub struct DaemonConfig {
     /// default). Off, the daemon refuses both and clients keep everything on sockets.
     pub shared_memory: bool,
     /// Threads serving the mapped channels (at least one; by default one per four CPUs, at
-    /// most 16). Each polls every ring it serves before it sleeps, so more of them than a
+    /// most 16). Each polls every ring it serves before it sleeps (receiving meanwhile for
+    /// the RoCEv2 devices, see `rcm::Device::busy_poller`), so more of them than a
     /// machine has spare CPUs slows every call; a channel goes to the one serving fewest.
     pub ring_threads: usize,
 }
@@ -1394,6 +1395,7 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
     let mut last_work = Instant::now();
     let mut last_check = Instant::now();
     FLUSH_AFTER_ROUND.with(|f| *f.borrow_mut() = Some(Vec::new()));
+    let mut devices = DevicePolls::new(sh);
     loop {
         if sh.stopping.load(Ordering::SeqCst) {
             // Dropping each (here, and the new ones as `_closing` goes) tells its channel's
@@ -1421,13 +1423,19 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             live.retain(|m| crate::shmchan::drain_doorbells(&m.end.stream));
         }
         if worked {
+            devices.end();
             last_work = now;
             continue;
         }
         if now < last_work + sh.spin {
+            if devices.poll(last_work + sh.spin - now) {
+                last_work = now;
+                continue;
+            }
             std::thread::yield_now();
             continue;
         }
+        devices.sleep();
         // Asleep in every ring before the last look at them, so no command is missed: a
         // client that pushes after our mark rings the doorbell.
         if !live.iter().all(|m| m.end.prepare_sleep()) {
@@ -1461,6 +1469,84 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
         live.retain(|m| crate::shmchan::drain_doorbells(&m.end.stream));
         last_work = Instant::now();
         last_check = last_work;
+    }
+}
+
+/// The devices a ring thread receives for while it polls its rings with nothing to do
+/// (RoCEv2 ones; see `rcm::Device::busy_poller`). Their own threads stand aside meanwhile:
+/// on two CPUs, one-at-a-time connects through a two-address daemon had five threads
+/// polling (the two device threads, this one, and the two client sessions' waiting
+/// threads) and made ~65 context switches each, nearly all of them a poller yielding to
+/// another poller; with this, ~30. The events polled here run their (never blocking)
+/// callbacks on this thread, as a command's own do, so a datagram that answers a command
+/// needs no other daemon thread.
+struct DevicePolls {
+    pollers: Vec<Arc<dyn rcm::remote::BusyPoll>>,
+    /// Between `begin` and `end` on every poller.
+    polling: bool,
+}
+
+impl DevicePolls {
+    fn new(sh: &Shared) -> Self {
+        let pollers = sh
+            .fabric
+            .device_addrs()
+            .into_iter()
+            .filter_map(|ip| sh.fabric.device(ip)?.busy_poller())
+            .collect();
+        DevicePolls {
+            pollers,
+            polling: false,
+        }
+    }
+
+    /// Receives for every device once, its poll (begun if need be) lasting `left` at most:
+    /// whether anything came.
+    fn poll(&mut self, left: Duration) -> bool {
+        if self.pollers.is_empty() {
+            return false;
+        }
+        if !self.polling {
+            self.polling = true;
+            for p in &self.pollers {
+                p.begin(left);
+            }
+        }
+        let here = rcm::CallbacksHere::begin();
+        let mut got = false;
+        for p in &self.pollers {
+            got |= p.poll();
+        }
+        drop(here);
+        if got {
+            // The next poll begins again, with a deadline from then: the devices' threads
+            // stay aside for as long as this thread is busy receiving.
+            self.end();
+        }
+        got
+    }
+
+    /// This thread stops polling the devices for now (it has commands to serve).
+    fn end(&mut self) {
+        if std::mem::take(&mut self.polling) {
+            for p in &self.pollers {
+                p.end();
+            }
+        }
+    }
+
+    /// This thread is about to sleep: the devices' own threads take their sockets back now.
+    fn sleep(&mut self) {
+        self.end();
+        for p in &self.pollers {
+            p.kick();
+        }
+    }
+}
+
+impl Drop for DevicePolls {
+    fn drop(&mut self) {
+        self.sleep();
     }
 }
 

@@ -476,3 +476,28 @@ fn several_ring_threads_serve_every_channel() {
         );
     }
 }
+
+/// A ring thread with no command to serve receives for the daemon's devices while it polls
+/// its rings (their own threads stand aside): the datagrams of a connection between two
+/// clients reach the engine through it, and the connection is made as before.
+#[test]
+fn a_ring_thread_with_nothing_to_serve_receives_for_the_devices() {
+    let mut cfg = config("shm-devpoll", 49311, &[1]);
+    // Through the device's socket, not handed to its engine directly, so that there is
+    // something to receive; and polling long enough to be polling when each comes.
+    cfg.fabric.loopback = false;
+    cfg.fabric.spin = Duration::from_millis(200);
+    let d = Daemon::start(cfg).expect("daemon");
+    let dev = d.fabric().device(ip(1)).expect("the daemon's device");
+    round_trip(&d, sa(1, 7311));
+    let (rx, _) = dev.traffic();
+    let polled = dev.busy_polled();
+    assert!(
+        rx >= 5,
+        "{rx} datagrams received: the connection went elsewhere"
+    );
+    assert!(
+        polled > 0,
+        "none of the {rx} datagrams was received by the ring thread"
+    );
+}

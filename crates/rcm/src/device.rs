@@ -845,6 +845,7 @@ fn io_loop(
     spin: Duration,
     mut batch: RxBatch,
 ) {
+    let mut nap = Duration::ZERO;
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
@@ -856,9 +857,11 @@ fn io_loop(
         // its poll's deadline, keeping to the timers.
         let aside = gate.polled_left();
         if !aside.is_zero() {
-            std::thread::park_timeout(aside.min(wait).min(crate::rxgate::STAND_ASIDE_RECHECK));
+            nap = crate::rxgate::next_nap(nap, aside);
+            std::thread::park_timeout(nap.min(wait));
             continue;
         }
+        nap = Duration::ZERO;
         // Take what is queued, up to a batch, and feed it to the engine under one lock.
         let mut turn = take_batch(gate, &mut batch, sock);
         if turn.is_none() {
@@ -993,6 +996,11 @@ impl BusyPoll for DevicePoll {
 }
 
 impl DeviceInner {
+    /// What a thread polling this device on its behalf uses (see `Device::busy_poller`).
+    pub(crate) fn poller(&self) -> Option<Arc<DevicePoll>> {
+        self.poller.clone()
+    }
+
     /// Receives what the socket holds and hands it to the engine, as the I/O thread does,
     /// unless another thread has the turn. What it makes the engine send goes out at once
     /// (held, if this thread holds a `SendBatch`, then sent together here); callbacks of

@@ -808,6 +808,27 @@ impl Device {
         self.0.stats.rx_polled.load(Ordering::Relaxed)
     }
 
+    /// Its receive side, for a thread of a provider that polls for work of its own and can
+    /// receive for the device meanwhile (the `rcm daemon`'s ring threads): while it polls
+    /// (from [`BusyPoll::begin`] to [`BusyPoll::end`]) the device's own thread stands aside
+    /// (see [`RxGate`](crate::remote::RxGate)), so that on a machine with few CPUs one
+    /// thread polls where two did. [`BusyPoll::poll`] receives and handles what is queued;
+    /// the callbacks of its events run where the fabric's mode puts events from elsewhere,
+    /// or on the polling thread inside a [`CallbacksHere`]. Call [`BusyPoll::kick`] before
+    /// the thread sleeps, or the device's thread resumes only when the poll's deadline
+    /// passes. `None` for a device whose thread must read its socket itself (iWARP, or one
+    /// verifying ICRCs on a raw socket).
+    ///
+    /// [`BusyPoll::begin`]: crate::remote::BusyPoll::begin
+    /// [`BusyPoll::end`]: crate::remote::BusyPoll::end
+    /// [`BusyPoll::poll`]: crate::remote::BusyPoll::poll
+    /// [`BusyPoll::kick`]: crate::remote::BusyPoll::kick
+    pub fn busy_poller(&self) -> Option<Arc<dyn crate::remote::BusyPoll>> {
+        self.0
+            .poller()
+            .map(|p| p as Arc<dyn crate::remote::BusyPoll>)
+    }
+
     /// (sent, received) system calls that each carried several datagrams: sends of a
     /// [`SendBatch`] or of one engine call to one peer, and receives the kernel coalesced
     /// (`UDP_GRO`). Both stay 0 where the kernel does not segment UDP.

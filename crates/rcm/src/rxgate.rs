@@ -32,6 +32,23 @@ use std::time::{Duration, Instant};
 /// of a long poll. Default polls (100 µs) end before it.
 pub const STAND_ASIDE_RECHECK: Duration = Duration::from_millis(1);
 
+/// How long a receiving thread standing aside sleeps before it looks at the gate again,
+/// given its sleep before (`prev`, zero when it was receiving) and what is left of the
+/// waiters' poll (`left`, not zero). The first sleep ends with the poll; a thread that wakes
+/// to find the poll renewed again and again (a waiter, or a daemon's ring thread, that polls
+/// whenever it has nothing else to do) sleeps twice as long each time, up to
+/// [`STAND_ASIDE_RECHECK`]: each wake-up takes a CPU from the thread doing the work. The
+/// socket is still polled all that time, by the waiter; one that stops for good without a
+/// word ([`crate::remote::BusyPoll::kick`]) leaves it for at most the last sleep.
+pub fn next_nap(prev: Duration, left: Duration) -> Duration {
+    let next = if prev.is_zero() {
+        left
+    } else {
+        (prev * 2).max(left)
+    };
+    next.min(STAND_ASIDE_RECHECK)
+}
+
 /// Who receives from one socket: the thread that serves it, or a thread waiting for its own
 /// answer that polls it (see [`crate::remote::BusyPoll`]). Used by rcm's RoCEv2 devices; a
 /// provider whose ids offer busy polling can use it the same way: its receiving thread
@@ -158,6 +175,24 @@ mod tests {
         g.polled_for(Duration::from_secs(60));
         assert!(g.polled_left() > Duration::from_secs(59));
         assert!(g.poll_ended());
+    }
+
+    #[test]
+    fn a_thread_finding_the_poll_renewed_sleeps_longer_each_time_up_to_the_recheck() {
+        let us = Duration::from_micros;
+        // The first sleep ends with the poll.
+        assert_eq!(next_nap(Duration::ZERO, us(100)), us(100));
+        // Renewed: twice as long, then again, never past the recheck.
+        assert_eq!(next_nap(us(100), us(100)), us(200));
+        assert_eq!(next_nap(us(200), us(90)), us(400));
+        assert_eq!(next_nap(us(800), us(100)), STAND_ASIDE_RECHECK);
+        assert_eq!(next_nap(STAND_ASIDE_RECHECK, us(100)), STAND_ASIDE_RECHECK);
+        // A longer poll than the doubled sleep is slept to its end (up to the recheck).
+        assert_eq!(next_nap(us(100), us(300)), us(300));
+        assert_eq!(
+            next_nap(Duration::ZERO, Duration::from_secs(60)),
+            STAND_ASIDE_RECHECK
+        );
     }
 
     #[test]
