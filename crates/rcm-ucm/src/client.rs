@@ -911,16 +911,19 @@ std::thread_local! {
 /// aside until that poll's deadline, so one polling thread fewer shares the CPUs: the
 /// waiter receives, handles, and takes its event itself (see `BusyPoll for Inner`).
 fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
+    let mut nap = std::time::Duration::ZERO;
     loop {
         let Some(c) = weak.upgrade() else { return };
         if !c.ended.load(Ordering::SeqCst) {
             let left = c.gate.polled_left();
             if !left.is_zero() {
                 drop(c);
-                std::thread::park_timeout(left.min(rcm::remote::STAND_ASIDE_RECHECK));
+                nap = rcm::remote::next_nap(nap, left);
+                std::thread::park_timeout(nap);
                 continue;
             }
         }
+        nap = std::time::Duration::ZERO;
         // Opened before the receive, so the deliveries of the batch land here and their
         // callbacks run when it closes, before this thread reads again. Decided at each
         // receive, not once before the spin: the first command channel may attach while

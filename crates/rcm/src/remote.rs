@@ -177,7 +177,7 @@ pub trait BusyPoll: Send + Sync {
     fn kick(&self);
 }
 
-pub use crate::rxgate::{RxGate, RxTurn, STAND_ASIDE_RECHECK};
+pub use crate::rxgate::{next_nap, RxGate, RxTurn, STAND_ASIDE_RECHECK};
 
 /// Where a provider delivers the events of one id. Cheap to clone; does nothing once the id
 /// is destroyed.

@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 /// of a long poll. Default polls (100 µs) end before it.
 pub const STAND_ASIDE_RECHECK: Duration = Duration::from_millis(1);
 
-/// How long a receiving thread standing aside sleeps before it looks at the gate again,
+/// How long a receiving thread standing aside (a device's, a daemon session's reader)
+/// sleeps before it looks at the gate again,
 /// given its sleep before (`prev`, zero when it was receiving) and what is left of the
 /// waiters' poll (`left`, not zero). The first sleep ends with the poll; a thread that wakes
 /// to find the poll renewed again and again (a waiter, or a daemon's ring thread, that polls
