@@ -100,7 +100,8 @@ pub struct Report {
     /// sleeping in `recv` as ordinary programs do.
     pub udp_rtt_p50_us: f64,
     /// The same round trip with both ends polling for up to the run's spin time before they
-    /// sleep, as rcm's threads do (the floor for rcm's own waiting; 0 when not measured).
+    /// sleep, as rcm's threads do, each on a CPU of its own where there are two (the floor
+    /// for rcm's own waiting; 0 when not measured).
     pub udp_rtt_poll_p50_us: f64,
     /// The per-step table.
     pub steps: Vec<Step>,
@@ -905,9 +906,47 @@ fn percentiles(lat: &[f64]) -> (f64, f64) {
     (pct(0.5), pct(0.99))
 }
 
+/// Two CPUs this process may run on, for the ends of a polling round trip.
+fn two_cpus() -> Option<(usize, usize)> {
+    let set = rustix::thread::sched_getaffinity(None).ok()?;
+    let mut cpus = (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| set.is_set(c));
+    Some((cpus.next()?, cpus.next()?))
+}
+
+/// Runs the calling thread on `cpu` alone until the guard drops (then where it ran before).
+struct OnCpu(Option<rustix::thread::CpuSet>);
+
+impl OnCpu {
+    fn pin(cpu: Option<usize>) -> OnCpu {
+        let Some(cpu) = cpu else { return OnCpu(None) };
+        let Ok(before) = rustix::thread::sched_getaffinity(None) else {
+            return OnCpu(None);
+        };
+        let mut one = rustix::thread::CpuSet::new();
+        one.set(cpu);
+        match rustix::thread::sched_setaffinity(None, &one) {
+            Ok(()) => OnCpu(Some(before)),
+            Err(_) => OnCpu(None),
+        }
+    }
+}
+
+impl Drop for OnCpu {
+    fn drop(&mut self) {
+        if let Some(before) = &self.0 {
+            let _ = rustix::thread::sched_setaffinity(None, before);
+        }
+    }
+}
+
 /// Median loopback UDP round trip between two sockets, in microseconds. With a nonzero
-/// `spin`, each end polls its socket for up to `spin` before it sleeps in `recv`.
+/// `spin`, each end polls its socket for up to `spin` before it sleeps in `recv`, and the
+/// two ends run on two different CPUs where the process has two: two polling ends that the
+/// scheduler happens to put on one CPU take turns through `sched_yield` at every hop, which
+/// on the 2-core VMs made the median 11-15 µs instead of 7-9, at random from run to run
+/// (so the connect latency's ratio to it swung between 1.4 and 2.7 for the same p50).
 pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::Result<f64> {
+    let cpus = if spin.is_zero() { None } else { two_cpus() };
     let s1 = UdpSocket::bind(SocketAddr::new(a, 0))?;
     let s2 = UdpSocket::bind(SocketAddr::new(b, 0))?;
     s1.set_read_timeout(Some(Duration::from_secs(1)))?;
@@ -917,6 +956,7 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::
     let stop = Arc::new(AtomicBool::new(false));
     let st = stop.clone();
     let echo = std::thread::spawn(move || {
+        let _on = OnCpu::pin(cpus.map(|c| c.1));
         let mut buf = [0u8; 512];
         while !st.load(Ordering::Relaxed) {
             if let Ok(n) = recv_polling(&s2, &mut buf, spin) {
@@ -924,18 +964,26 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::
             }
         }
     });
+    let on = OnCpu::pin(cpus.map(|c| c.0));
     let msg = [0u8; 280];
     let mut buf = [0u8; 512];
     let mut v = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let t = Instant::now();
-        s1.send_to(&msg, b2)?;
-        recv_polling(&s1, &mut buf, spin)?;
-        v.push(t.elapsed().as_secs_f64() * 1e6);
-    }
+    let mut pings = || -> std::io::Result<()> {
+        for _ in 0..rounds {
+            let t = Instant::now();
+            s1.send_to(&msg, b2)?;
+            recv_polling(&s1, &mut buf, spin)?;
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(())
+    };
+    let done = pings();
+    drop(on);
+    // The echo thread ends on a failed round too (it would otherwise poll forever).
     stop.store(true, Ordering::Relaxed);
     let _ = UdpSocket::bind(SocketAddr::new(a, 0)).and_then(|s| s.send_to(&[0], b2));
     let _ = echo.join();
+    done?;
     v.sort_by(f64::total_cmp);
     Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
 }
@@ -1358,7 +1406,7 @@ pub fn print_table(r: &Report) {
             String::new()
         };
         println!(
-            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, see --spin-us{ratio})",
+            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, on two CPUs, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
         );
     }
@@ -1452,6 +1500,34 @@ pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<(
 
 #[cfg(test)]
 mod tests {
+    /// A pinned thread runs on its one CPU, and where it ran before once the guard drops.
+    #[test]
+    fn a_pinned_thread_runs_on_one_cpu_and_goes_back_after() {
+        let before = rustix::thread::sched_getaffinity(None).expect("affinity");
+        let Some((a, b)) = super::two_cpus() else {
+            eprintln!("one CPU here: nothing to pin apart");
+            return;
+        };
+        assert_ne!(a, b);
+        for cpu in [a, b] {
+            let on = super::OnCpu::pin(Some(cpu));
+            let now = rustix::thread::sched_getaffinity(None).expect("affinity");
+            assert_eq!(now.count(), 1);
+            assert!(now.is_set(cpu));
+            drop(on);
+            assert_eq!(
+                rustix::thread::sched_getaffinity(None).expect("affinity"),
+                before
+            );
+        }
+        // No CPU asked: nothing changes.
+        drop(super::OnCpu::pin(None));
+        assert_eq!(
+            rustix::thread::sched_getaffinity(None).expect("affinity"),
+            before
+        );
+    }
+
     #[test]
     fn percentiles_keep_fractions_of_a_microsecond() {
         let lat: Vec<f64> = (0..100).map(|k| 15.9 + f64::from(k) * 0.01).collect();
