@@ -55,6 +55,9 @@ pub struct BenchOpts {
     /// Send datagrams together where calls come in a row (`rcm::SendBatch`), and run the
     /// server's callbacks on its device threads (`rcm::CallbackMode::Inline`).
     pub send_batch: bool,
+    /// Put the fabric's threads on one CPU and this thread (the client's calls and event
+    /// loop) on another (`--pin`; the embedded default only).
+    pub pin: bool,
 }
 
 /// One row of the table.
@@ -125,6 +128,9 @@ pub struct Report {
     /// received itself while it polled for its events (busy polling; see
     /// `rcm::EventChannel::set_spin`), not its device's or session's reader thread.
     pub busy_polled: u64,
+    /// With `--pin`: the CPU of the calling thread and the CPU of the fabric's threads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<[usize; 2]>,
     /// Connect latencies (for plots), microseconds.
     #[serde(skip)]
     pub latencies_us: Vec<f64>,
@@ -681,6 +687,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         baseline_conn_per_s: None,
         failures,
         busy_polled: fabric.busy_polled(),
+        pinned_cpus: None,
         latencies_us: lat,
     }
 }
@@ -904,6 +911,20 @@ fn percentiles(lat: &[f64]) -> (f64, f64) {
     }
     let pct = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
     (pct(0.5), pct(0.99))
+}
+
+/// `--pin` places the threads of the embedded default, whose server and client share a
+/// process; elsewhere the other side's threads are not this process's to place.
+fn refuse_pin(o: &BenchOpts) -> Result<(), String> {
+    if o.pin {
+        return Err(
+            "--pin applies to the embedded default (server and client in this \
+                    process), not to --daemon, --server or --listen: run those under \
+                    taskset instead"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// Two CPUs this process may run on, for the ends of a polling round trip.
@@ -1135,6 +1156,7 @@ pub struct ServeReport {
 /// interrupted, or with `serve` until that many were served (then prints its own report and
 /// returns `None`); `--server` runs the client from `--bind`.
 pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
+    refuse_pin(o)?;
     if o.listen && o.bind.len() > 1 {
         return Err("--listen serves on one --bind address".into());
     }
@@ -1225,6 +1247,7 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
 /// it (as two processes would be); the server listens on the daemon's first device and the
 /// client connects from the others (or the same one, when it has only one).
 pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
+    refuse_pin(o)?;
     let (sf, server_ips) = side_fabric(o, &o.bind)?;
     let server_ip = *server_ips.first().ok_or("the daemon has no devices")?;
     let (cf, _) = side_fabric(o, &[])?;
@@ -1316,6 +1339,14 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).
     let client_devices = o.connections.div_ceil(25_000).clamp(1, 200) as u8;
+    // `--pin`: the fabric's threads inherit the CPU this thread is on while it opens the
+    // devices (they are all started then); then this thread moves to the other CPU.
+    let cpus = if o.pin {
+        Some(two_cpus().ok_or("--pin needs two CPUs this process may run on")?)
+    } else {
+        None
+    };
+    let on_fabric_cpu = OnCpu::pin(cpus.map(|c| c.1));
     let fabric = if o.iwarp {
         Fabric::loopback_iwarp(1 + client_devices, cfg)
             .map_err(|e| format!("cannot open loopback iWARP devices: {e}"))?
@@ -1323,6 +1354,8 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         Fabric::loopback_with(1 + client_devices, cfg)
             .map_err(|e| crate::device_error("cannot open the loopback devices", &e))?
     };
+    drop(on_fabric_cpu);
+    let on_client_cpu = OnCpu::pin(cpus.map(|c| c.0));
     if o.iwarp {
         // A TCP socket at each end of every connection.
         // `main` raised the limit already: only read it.
@@ -1353,6 +1386,8 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     );
     let _ = srv.destroy();
     fabric.shutdown();
+    drop(on_client_cpu);
+    r.pinned_cpus = cpus.map(|(a, b)| [a, b]);
     measure_rtt(
         &mut r,
         IpAddr::from([127, 0, 0, 2]),
@@ -1408,6 +1443,11 @@ pub fn print_table(r: &Report) {
         println!(
             "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, on two CPUs, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
+        );
+    }
+    if let Some([a, b]) = r.pinned_cpus {
+        println!(
+            "pinned: the client's calls and event loop on CPU {a}, the fabric's threads on CPU {b}"
         );
     }
     if r.busy_polled > 0 {

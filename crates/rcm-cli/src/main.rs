@@ -52,6 +52,11 @@ enum Cmd {
     /// Logs to stderr (RUST_LOG=debug for more). SIGTERM or SIGINT: destroys every id
     /// gracefully (peers see DREQ or REJ), removes the socket, exits 0.
     ///
+    /// On a host with few CPUs, give the daemon a CPU its clients do not use (`taskset -c 1
+    /// rcm daemon ...`, clients under `taskset -c 0`): its thread then never waits behind a
+    /// client's polling thread (on a 2-vCPU VM, bench bursts through it 23-25k -> 30-33k
+    /// conn/s).
+    ///
     /// Exit status: 0 after a clean shutdown; 2 when it cannot start (bad usage, a live daemon
     /// on the socket, a device that cannot be opened).
     Daemon(DaemonArgs),
@@ -142,6 +147,14 @@ struct BenchArgs {
     /// --daemon, on the session's reader thread).
     #[arg(long)]
     no_send_batch: bool,
+    /// Put the fabric's threads (the server's device thread among them) on one CPU and the
+    /// client's calls and event loop on another, as the polling round trip's two ends are
+    /// (the embedded default only; needs two CPUs). Unpinned, a scheduler may put the two
+    /// polling ends of a one-at-a-time connect on one CPU, which then take turns through
+    /// sched_yield at every hop (on a 2-vCPU VM whose kernel packs threads, --serial p50
+    /// 17-21 µs that way against 11-12 pinned)
+    #[arg(long)]
+    pin: bool,
 }
 
 #[derive(clap::Args)]
@@ -645,6 +658,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         iwarp: a.transport == "iwarp",
         spin: std::time::Duration::from_micros(a.spin_us),
         send_batch: !a.no_send_batch,
+        pin: a.pin,
     };
     // Created before the run: a long run must not end in "cannot write".
     let mut plot = match &a.plot {

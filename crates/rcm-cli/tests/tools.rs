@@ -231,6 +231,63 @@ fn bench_usage_errors_are_clear() {
     }
 }
 
+/// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
+/// the report, and is refused where the other side's threads are not this process's.
+#[test]
+fn bench_pin_places_the_two_sides_on_two_cpus() {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--serial",
+        "-c",
+        "50",
+        "--pin",
+        "--udp-port",
+        "26812",
+        "--json",
+    ]);
+    if cpus < 2 {
+        assert_eq!(code, 2, "{out}\n{err}");
+        assert!(err.contains("two CPUs"), "{err}");
+        return;
+    }
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 50);
+    let pinned: Vec<u64> = v["pinned_cpus"]
+        .as_array()
+        .expect("pinned_cpus")
+        .iter()
+        .map(|c| c.as_u64().unwrap())
+        .collect();
+    assert_eq!(pinned.len(), 2);
+    assert_ne!(pinned[0], pinned[1]);
+    // Without --pin the report does not claim a placement.
+    let (code, out, err) = rcm(&["bench", "-c", "20", "--udp-port", "26812", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v.get("pinned_cpus").is_none(), "{out}");
+    for args in [
+        vec!["bench", "--pin", "--daemon", "/nonexistent-rcm.sock"],
+        vec![
+            "bench",
+            "--pin",
+            "--server",
+            "127.0.0.1",
+            "--udp-port",
+            "26812",
+        ],
+        vec!["bench", "--pin", "--listen", "--udp-port", "26812"],
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(
+            err.contains("--pin applies to the embedded default"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// A device's UDP port another socket holds: every command that opens devices says what
 /// usually holds it and the ways past it, and exits 2 (it said only "Address already in
 /// use" before, and the daemon and stress not even which port). So for an address the
