@@ -1002,8 +1002,9 @@ impl DeviceInner {
     }
 
     /// Receives what the socket holds and hands it to the engine, as the I/O thread does,
-    /// unless another thread has the turn. What it makes the engine send goes out at once
-    /// (held, if this thread holds a `SendBatch`, then sent together here); callbacks of
+    /// unless another thread has the turn. What it makes the engine send goes out at once,
+    /// or is held if this thread holds a `SendBatch` (its waiter sends it when it goes on
+    /// waiting, after taking the event the poll brought if one came); callbacks of
     /// its events run where the fabric's mode puts events from elsewhere (the callback
     /// threads), never on this thread.
     fn poll_once(self: &Arc<Self>) -> bool {
@@ -1028,9 +1029,6 @@ impl DeviceInner {
                 self.stats.rx_polled.fetch_add(n as u64, Ordering::Relaxed);
                 batch.clear();
                 drop(turn);
-                // What the engine sent is held if this thread holds a batch: out now, as
-                // before any wait.
-                crate::fabric::before_wait();
                 true
             })
             .unwrap_or(false)

@@ -164,7 +164,8 @@ pub trait BusyPoll: Send + Sync {
     /// then, see [`RxGate::polled_for`]).
     fn begin(&self, spin: std::time::Duration);
     /// Receives and handles what is waiting, if anything, without blocking; true when
-    /// something was.
+    /// something was. What the handling sends stays held if this thread holds a
+    /// [`crate::SendBatch`]: the waiter sends it when it goes on waiting.
     fn poll(&self) -> bool;
     /// The waiter stopped polling (its event came, or its spin is over): the deadline it set
     /// is taken back if no other waiter polls (see [`RxGate::poll_ended`]). Called once after

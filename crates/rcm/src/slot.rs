@@ -935,7 +935,23 @@ impl<E: Send + 'static> ChannelCore<E> {
                     if let Some(b) = busy.take().and_then(|f| f()) {
                         left_aside(Some(&b));
                         b.begin(spin);
-                        spin_until(spin, || queued() || (b.poll() && queued()));
+                        spin_until(spin, || {
+                            if queued() {
+                                return true;
+                            }
+                            if !b.poll() {
+                                return false;
+                            }
+                            // What the handling sent is held if this thread holds a
+                            // `SendBatch` (the RTU of a connection whose REP this poll
+                            // brought, with a QP attached): it goes out at this thread's
+                            // next wait, after its event is taken, when one came; now, as
+                            // before any wait, when it goes on waiting.
+                            queued() || {
+                                crate::fabric::before_wait();
+                                false
+                            }
+                        });
                         b.end();
                         LEFT_ASIDE.with(|l| l.replace(Some(Arc::downgrade(&b))));
                     } else {

@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28410.
+//! 28400–28411.
 #![cfg(not(loom))]
 
 mod common;
@@ -442,4 +442,57 @@ fn shutdown_sends_the_held_disconnects_before_the_devices_close() {
     let ev = next(&srv_ch, Duration::from_secs(2));
     assert!(matches!(ev, Some(Event::Disconnected)), "{ev:?}");
     server.shutdown();
+}
+
+/// A thread holding a batch whose own poll brings the REP of a connection with a QP attached
+/// takes its ESTABLISHED first: the RTU the handling sent is held until the thread waits
+/// again, which sends it before waiting (nothing lost, and the peer's ESTABLISHED follows).
+/// The server accepts 30 ms after the request, and the channel polls for 2 s, so the REP
+/// comes while the waiter polls its device and is received by it.
+#[test]
+fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
+    let f = Fabric::new(slow_retry(28411));
+    let d1 = f.add_device(common::ip(1)).expect("device 1");
+    let d2 = f.add_device(common::ip(2)).expect("device 2");
+    let up = Arc::new(AtomicUsize::new(0));
+    let up2 = up.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                std::thread::sleep(Duration::from_millis(30));
+                id.accept(&AcceptOptions::default()).expect("accept");
+            }
+            Event::Established { .. } => {
+                up2.fetch_add(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+        Flow::Continue
+    });
+    l.bind(common::addr(1, SERVICE)).expect("bind");
+    l.listen(16).expect("listen");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(2));
+    let ids = resolved(&f, &ch, 1, common::addr(1, SERVICE));
+    ids[0].create_qp().expect("a soft QP");
+    let polled0 = d2.busy_polled();
+    let b = SendBatch::begin();
+    ids[0].connect(&ConnectOptions::default()).expect("connect");
+    let (_, tx0) = d2.traffic();
+    let ev = next(&ch, common::T);
+    assert!(matches!(ev, Some(Event::Established { .. })), "{ev:?}");
+    assert_eq!(d2.busy_polled(), polled0 + 1, "the waiter received the REP");
+    // The REQ went out before the wait; the RTU is still held.
+    assert_eq!(d2.traffic().1, tx0 + 1, "the REQ only");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(up.load(Ordering::SeqCst), 0, "the server has no RTU yet");
+    assert_eq!(d1.engine_cep_states().get("RepSent"), Some(&1));
+    // The next wait sends it first.
+    assert!(next(&ch, Duration::from_millis(20)).is_none());
+    assert_eq!(d2.traffic().1, tx0 + 2, "the RTU left");
+    wait_until("the server's ESTABLISHED", || {
+        up.load(Ordering::SeqCst) == 1
+    });
+    drop(b);
+    f.shutdown();
 }
