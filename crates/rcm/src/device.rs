@@ -666,6 +666,11 @@ impl DeviceInner {
         sync::lock(&self.sock).take();
     }
 
+    /// See `Endpoint::sweep_timers`.
+    pub(crate) fn sweep_timers(&self) {
+        sync::lock(&self.engine).sweep_timers();
+    }
+
     /// Connection endpoints by state (see `Endpoint::cep_states`).
     pub(crate) fn cep_states(&self) -> std::collections::BTreeMap<String, usize> {
         sync::lock(&self.engine).cep_states()

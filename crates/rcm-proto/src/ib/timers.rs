@@ -126,14 +126,27 @@ impl Timers {
         if self.stale < SWEEP_MIN || self.stale * 2 < self.len() {
             return;
         }
+        self.drop_stale(live, SWEEP_MIN);
+    }
+
+    /// Drops every entry `live` rejects now and gives back the room beyond twice what is
+    /// left, however few entries were stale (what [`Timers::note_stale`] does once enough
+    /// are).
+    pub(crate) fn sweep(&mut self, live: impl Fn(CepHandle, u32) -> bool) {
+        self.drop_stale(live, 0);
+    }
+
+    /// Drops every entry `live` rejects; a queue with more room than twice its entries and
+    /// `slack` more gives it back.
+    fn drop_stale(&mut self, live: impl Fn(CepHandle, u32) -> bool, slack: usize) {
         self.heap.retain(|Reverse((_, h, g))| live(*h, *g));
-        if self.heap.capacity() > 2 * self.heap.len() + SWEEP_MIN {
+        if self.heap.capacity() > 2 * self.heap.len() + slack {
             self.heap.shrink_to_fit();
         }
         // Filtering keeps a lane in deadline order.
         for q in &mut self.lanes {
             q.retain(|&(_, h, g)| live(h, g));
-            if q.capacity() > 2 * q.len() + SWEEP_MIN {
+            if q.capacity() > 2 * q.len() + slack {
                 q.shrink_to_fit();
             }
         }
@@ -224,5 +237,30 @@ mod tests {
         let want: Vec<u64> = (1..=n).filter(|h| h % 2 == 1).collect();
         let live_got: Vec<u64> = got.into_iter().filter(|h| h % 2 == 1).collect();
         assert_eq!(live_got, want);
+    }
+
+    /// A sweep asked for drops the stale entries however few there are, and gives their
+    /// room back; the live ones keep their order.
+    #[test]
+    fn a_sweep_asked_for_drops_every_stale_entry_and_its_room() {
+        let t0 = Instant::now();
+        let mut t = Timers::default();
+        for i in 1..=100u64 {
+            t.arm(t0 + Duration::from_micros(i), CepHandle(i), 0, 0);
+        }
+        let live = |h: super::CepHandle, _| h.0.get() % 10 == 0;
+        for _ in 0..90 {
+            t.note_stale(live);
+        }
+        assert_eq!(t.len(), 100, "too few stale entries for a sweep of its own");
+        t.sweep(live);
+        assert_eq!(t.len(), 10);
+        assert!(
+            t.lanes[0].capacity() <= 20,
+            "room kept: {}",
+            t.lanes[0].capacity()
+        );
+        let got = drain(&mut t, t0 + Duration::from_secs(1));
+        assert_eq!(got, (1..=10).map(|k| k * 10).collect::<Vec<u64>>());
     }
 }
