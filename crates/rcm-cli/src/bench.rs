@@ -58,6 +58,10 @@ pub struct BenchOpts {
     /// Put the fabric's threads on one CPU and this thread (the client's calls and event
     /// loop) on another (`--pin`; the embedded default only).
     pub pin: bool,
+    /// The client's ids get a soft QP each (`CmId::create_qp`, as `rdma_create_qp`): rcm
+    /// moves it and sends the RTU itself, so a connect ends with ESTABLISHED (`--qp
+    /// attached`). Otherwise QPs are mimicked as cmtime does (`--qp mimic`).
+    pub attached_qp: bool,
 }
 
 /// One row of the table.
@@ -91,6 +95,11 @@ pub struct Report {
     pub errors: usize,
     /// Whether connections were made one at a time.
     pub serial: bool,
+    /// How the client's QPs were made: "mimic" (cmtime's: an invented QPN; the connect ends
+    /// with CONNECT_RESPONSE and the tool moves the QP and calls establish) or "attached"
+    /// (a soft QP on each id: rcm moves it and sends the RTU, the connect ends with
+    /// ESTABLISHED; the init/rtr/rts and establish rows are then not measured).
+    pub qp: &'static str,
     /// Connections per second: connections / wall time from first resolve to last established.
     pub conn_per_s: f64,
     /// Full cycles (connect + private-data exchange + disconnect) per second.
@@ -456,25 +465,39 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         t_route += s.elapsed();
         // create qp: as cmtime -m, QPs are mimicked: a QPN is invented, no QP is attached, so
         // the active side gets CONNECT_RESPONSE and finishes with RTR/RTS + establish.
+        // With --qp attached each id gets a soft QP here, which rcm moves to INIT itself.
         let s = Instant::now();
-        for k in 0..chunk_ids.len() {
-            qp_timing.begin(chunk_start + k);
-            qp_timing.end(chunk_start + k);
+        for (k, id) in chunk_ids.iter().enumerate() {
+            let i = chunk_start + k;
+            qp_timing.begin(i);
+            if o.attached_qp {
+                if let Err(e) = id.create_qp() {
+                    failures.push(format!("create qp #{i}: {e}"));
+                    failed[i] = true;
+                }
+            }
+            qp_timing.end(i);
         }
         qp_create += s.elapsed();
         let s = Instant::now();
-        for (k, id) in chunk_ids.iter().enumerate() {
-            init_timing.begin(chunk_start + k);
-            let _ = id.init_qp_attr(QpState::Init);
-            init_timing.end(chunk_start + k);
+        if !o.attached_qp {
+            for (k, id) in chunk_ids.iter().enumerate() {
+                init_timing.begin(chunk_start + k);
+                let _ = id.init_qp_attr(QpState::Init);
+                init_timing.end(chunk_start + k);
+            }
         }
         init_attr += s.elapsed();
         // cm connect: REQ out, REP back (CONNECT_RESPONSE).
         let s = Instant::now();
         // The connection answered: connect ends, the QP goes to RTR and RTS (mimicked, as
-        // cmtime -m), and establish starts.
+        // cmtime -m), and establish starts. An attached QP rcm moved itself.
         let qp_steps = |i: usize, id: &CmId| {
             connect.end(i);
+            if o.attached_qp {
+                establish.begin(i);
+                return;
+            }
             rtr.begin(i);
             let _ = id.init_qp_attr(QpState::Rtr);
             rtr.end(i);
@@ -651,6 +674,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         established,
         errors: failed.iter().filter(|f| **f).count().max(n - established),
         serial: o.serial,
+        qp: if o.attached_qp { "attached" } else { "mimic" },
         conn_per_s: if full.is_zero() {
             0.0
         } else {
@@ -1402,6 +1426,7 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
 pub fn print_table(r: &Report) {
     println!("cm_conn {}", r.connections);
     println!("mode {}", if r.serial { "serial" } else { "burst" });
+    println!("qp {}", r.qp);
     println!(
         "{:<14} {:>10} {:>12} {:>10} {:>12} {:>10} {:>10}",
         "step", "avg/conn", "total(us)", "us/conn", "sum(us)", "max(us)", "min(us)"

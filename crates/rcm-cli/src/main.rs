@@ -155,6 +155,13 @@ struct BenchArgs {
     /// 17-21 µs that way against 11-12 pinned)
     #[arg(long)]
     pin: bool,
+    /// The client's QPs: mimic (as cmtime: a QPN is invented, the connect ends with
+    /// CONNECT_RESPONSE, then the tool takes the RTR and RTS attributes and calls establish,
+    /// which sends the RTU) or attached (a soft QP on each id, as rdma_create_qp: rcm moves
+    /// it and sends the RTU itself, and the connect ends with ESTABLISHED; the init, rtr,
+    /// rts and establish rows are then empty).
+    #[arg(long, default_value = "mimic", value_parser = ["mimic", "attached"], conflicts_with = "listen")]
+    qp: String,
 }
 
 #[derive(clap::Args)]
@@ -659,6 +666,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         spin: std::time::Duration::from_micros(a.spin_us),
         send_batch: !a.no_send_batch,
         pin: a.pin,
+        attached_qp: a.qp == "attached",
     };
     // Created before the run: a long run must not end in "cannot write".
     let mut plot = match &a.plot {

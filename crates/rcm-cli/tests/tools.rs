@@ -231,6 +231,51 @@ fn bench_usage_errors_are_clear() {
     }
 }
 
+/// `--qp attached` gives each client id a soft QP that rcm moves itself: every connection
+/// comes up, the connect ends with ESTABLISHED (no CONNECT_RESPONSE for the tool to
+/// finish), so the init/rtr/rts rows stay empty, where the default (mimicked, as cmtime)
+/// fills them; one at a time and over iWARP too. A server has no client QPs to attach.
+#[test]
+fn bench_with_attached_qps_leaves_the_qp_steps_to_rcm() {
+    let row = |v: &serde_json::Value, name: &str| -> f64 {
+        v["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .find(|s| s["step"] == name)
+            .unwrap_or_else(|| panic!("no {name} row"))["sum_us"]
+            .as_f64()
+            .expect("sum_us")
+    };
+    for extra in [
+        &["-c", "40"][..],
+        &["-c", "20", "--serial"][..],
+        &["-c", "20", "--transport", "iwarp", "--port", "7481"][..],
+    ] {
+        let mut args = vec!["bench", "--qp", "attached", "--udp-port", "26813", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{args:?}\n{out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let n = v["connections"].as_u64().unwrap();
+        assert_eq!(v["established"], n, "{out}");
+        assert_eq!(v["errors"], 0, "{out}");
+        assert_eq!(v["qp"], "attached");
+        for step in ["init qp attr", "rtr qp attr", "rts qp attr"] {
+            assert_eq!(row(&v, step), 0.0, "{step} in {args:?}: {out}");
+        }
+        assert!(row(&v, "cm connect") > 0.0, "{out}");
+    }
+    let (code, out, err) = rcm(&["bench", "-c", "20", "--udp-port", "26813", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["qp"], "mimic");
+    assert!(row(&v, "rtr qp attr") > 0.0, "{out}");
+    let (code, _, err) = rcm(&["bench", "--listen", "--qp", "attached"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--qp"), "{err}");
+}
+
 /// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
 /// the report, and is refused where the other side's threads are not this process's.
 #[test]
