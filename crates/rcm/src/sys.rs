@@ -117,18 +117,21 @@ pub(crate) const RECV_MANY: usize = 2;
 /// datagrams it is made of (its length when it is one).
 pub(crate) type Received = (std::net::SocketAddr, usize, usize);
 
-/// Up to one datagram into each of `bufs`, in one system call (`recvmmsg`), never waiting;
-/// `out[i]` says what `bufs[i]` got, and the result how many were filled. Fewer than
-/// `bufs.len()` means the socket had no more queued: the caller need not ask again, which
-/// saves the receive that would find nothing (half a µs, on the path of every answer).
+/// Up to one datagram into each of the first `want` of `bufs` (1 to [`RECV_MANY`]), in one
+/// system call (`recvmmsg`), never waiting; `out[i]` says what `bufs[i]` got, and the
+/// result how many were filled. Fewer than `want` means the socket had no more queued: the
+/// caller need not ask again, which saves the receive that would find nothing (half a µs,
+/// on the path of every answer).
 /// With `UDP_GRO` a datagram may be a coalesced run of one sender's datagrams, so each
 /// buffer should hold 64 KiB.
 pub(crate) fn recv_many(
     sock: &UdpSocket,
     bufs: [&mut [u8]; RECV_MANY],
     out: &mut [Option<Received>; RECV_MANY],
+    want: usize,
 ) -> usize {
     use std::os::fd::AsRawFd;
+    let want = want.clamp(1, RECV_MANY);
     // Room for the `UDP_GRO` control message (one int) of each datagram, aligned for
     // `cmsghdr`.
     let mut cmsg = [[0u64; 4]; RECV_MANY];
@@ -155,7 +158,7 @@ pub(crate) fn recv_many(
         libc::recvmmsg(
             sock.as_raw_fd(),
             hdrs.as_mut_ptr(),
-            RECV_MANY as libc::c_uint,
+            want as libc::c_uint,
             libc::MSG_DONTWAIT,
             std::ptr::null_mut(),
         )
@@ -163,7 +166,7 @@ pub(crate) fn recv_many(
     let Ok(n) = usize::try_from(n) else {
         return 0;
     };
-    let n = n.min(RECV_MANY);
+    let n = n.min(want);
     for (i, (h, name)) in hdrs.iter().zip(&names).enumerate().take(n) {
         let len = (h.msg_len as usize).min(iovs[i].iov_len);
         // SAFETY: the kernel filled `name` (of the length it reports) for this datagram.
@@ -230,7 +233,7 @@ mod tests {
         let take = |areas: &mut [[u8; 64]; RECV_MANY]| {
             let mut out = [None; RECV_MANY];
             let [a, b] = areas;
-            let n = recv_many(&rx, [&mut a[..], &mut b[..]], &mut out);
+            let n = recv_many(&rx, [&mut a[..], &mut b[..]], &mut out, RECV_MANY);
             (n, out)
         };
         let (n, out) = take(&mut areas);
