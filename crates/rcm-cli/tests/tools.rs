@@ -262,7 +262,7 @@ fn bench_with_attached_qps_leaves_the_qp_steps_to_rcm() {
         assert_eq!(v["errors"], 0, "{out}");
         assert_eq!(v["qp"], "attached");
         for step in ["init qp attr", "rtr qp attr", "rts qp attr"] {
-            assert_eq!(row(&v, step), 0.0, "{step} in {args:?}: {out}");
+            assert!(row(&v, step) <= 0.0, "{step} in {args:?}: {out}");
         }
         assert!(row(&v, "cm connect") > 0.0, "{out}");
     }
