@@ -166,19 +166,38 @@ impl Timing {
     fn now(&self) -> u64 {
         u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
     }
+    /// `at` as this timing counts it (see `start`).
+    fn since_base(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX - 1)
+            + 1
+    }
     fn begin(&self, i: usize) {
         if let Some(s) = self.start.get(i) {
             s.store(self.now(), Ordering::Release);
         }
     }
+    /// Starts connection `i` at `at`: one reading of the clock for several steps that start
+    /// or end at the same instant, which keeps the readings out of what they time.
+    fn begin_at(&self, i: usize, at: Instant) {
+        if let Some(s) = self.start.get(i) {
+            s.store(self.since_base(at), Ordering::Release);
+        }
+    }
     /// Ends connection `i` (the first end counts).
     fn end(&self, i: usize) {
+        self.end_ns(i, self.now());
+    }
+    /// Ends connection `i` at `at` (see `begin_at`).
+    fn end_at(&self, i: usize, at: Instant) {
+        self.end_ns(i, self.since_base(at));
+    }
+    fn end_ns(&self, i: usize, now: u64) {
         let (Some(s), Some(d)) = (self.start.get(i), self.dur.get(i)) else {
             return;
         };
         let s = s.load(Ordering::Acquire);
         if s != 0 {
-            let took = self.now().saturating_sub(s) + 1;
+            let took = now.saturating_sub(s) + 1;
             let _ = d.compare_exchange(0, took, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
@@ -492,32 +511,43 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         let s = Instant::now();
         // The connection answered: connect ends, the QP goes to RTR and RTS (mimicked, as
         // cmtime -m), and establish starts. An attached QP rcm moved itself.
-        let qp_steps = |i: usize, id: &CmId| {
-            connect.end(i);
+        // One reading of the clock where one step ends and the next starts.
+        let qp_steps = |i: usize, id: &CmId, at: Instant| {
+            connect.end_at(i, at);
             if o.attached_qp {
-                establish.begin(i);
+                establish.begin_at(i, at);
                 return;
             }
-            rtr.begin(i);
+            rtr.begin_at(i, at);
             let _ = id.init_qp_attr(QpState::Rtr);
-            rtr.end(i);
-            rts.begin(i);
+            let at = Instant::now();
+            rtr.end_at(i, at);
+            rts.begin_at(i, at);
             let _ = id.init_qp_attr(QpState::Rts);
-            rts.end(i);
-            establish.begin(i);
+            let at = Instant::now();
+            rts.end_at(i, at);
+            establish.begin_at(i, at);
         };
         let issue = |k: usize, id: &CmId| {
             let i = chunk_start + k;
-            connect.begin(i);
-            latency.begin(i);
             // A fresh soft QPN each (not a fixed range): a second run against the same
             // long-lived server would otherwise reuse QPNs still in timewait there and be
             // rejected as stale connections (IBTA 12.9.8.3.1), as happened through a daemon.
+            // Made before the clock starts: the call is what is timed.
             let opts = ConnectOptions {
                 private_data: b"rcm bench connect".to_vec(),
                 ..ConnectOptions::default()
             };
-            id.connect(&opts).err().map(|e| format!("connect: {e}"))
+            let at = Instant::now();
+            connect.begin_at(i, at);
+            latency.begin_at(i, at);
+            let r = id.connect(&opts).err().map(|e| format!("connect: {e}"));
+            if o.serial {
+                // One at a time there is nothing to send with the REQ: out now, not when
+                // the wait for its answer begins.
+                rcm::SendBatch::flush();
+            }
+            r
         };
         run_step(
             "cm connect",
@@ -532,25 +562,27 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
                 // the same instant (what cmtime shows on siw). Told apart by the missing
                 // response, so it also works through a daemon whose transport we don't know.
                 Event::Established { .. } if !responded[i] => {
-                    qp_steps(i, id);
-                    establish.end(i);
-                    latency.end(i);
-                    full_conn.end(i);
+                    let at = Instant::now();
+                    qp_steps(i, id, at);
+                    establish.end_at(i, at);
+                    latency.end_at(i, at);
+                    full_conn.end_at(i, at);
                     early[i] = true;
                     true
                 }
                 // The RTU goes out inside establish(), so ESTABLISHED can overtake other
                 // connections' responses: note it for the next step.
                 Event::Established { .. } => {
-                    establish.end(i);
-                    latency.end(i);
-                    full_conn.end(i);
+                    let at = Instant::now();
+                    establish.end_at(i, at);
+                    latency.end_at(i, at);
+                    full_conn.end_at(i, at);
                     early[i] = true;
                     false
                 }
                 Event::ConnectResponse { .. } => {
                     responded[i] = true;
-                    qp_steps(i, id);
+                    qp_steps(i, id, Instant::now());
                     if let Err(e) = id.establish() {
                         events.call_failed(i, format!("connection {i}: establish: {e}"));
                         return false;
@@ -582,9 +614,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
             &mut skip_est,
             |i, ev, _| match ev {
                 Event::Established { .. } => {
-                    establish.end(i);
-                    latency.end(i);
-                    full_conn.end(i);
+                    let at = Instant::now();
+                    establish.end_at(i, at);
+                    latency.end_at(i, at);
+                    full_conn.end_at(i, at);
                     if let Some(pb) = &pb {
                         pb.inc(1);
                     }
