@@ -62,6 +62,9 @@ pub struct BenchOpts {
     /// moves it and sends the RTU itself, so a connect ends with ESTABLISHED (`--qp
     /// attached`). Otherwise QPs are mimicked as cmtime does (`--qp mimic`).
     pub attached_qp: bool,
+    /// Connections made one at a time before the measured run and not counted (cmtime's
+    /// warm-up), at most `connections`.
+    pub warmup: usize,
 }
 
 /// One row of the table.
@@ -100,6 +103,9 @@ pub struct Report {
     /// (a soft QP on each id: rcm moves it and sends the RTU, the connect ends with
     /// ESTABLISHED; the init/rtr/rts and establish rows are then not measured).
     pub qp: &'static str,
+    /// Connections made, established, disconnected and destroyed one at a time before the
+    /// measured run, not counted in any figure (cmtime's warm-up).
+    pub warmup: usize,
     /// Connections per second: connections / wall time from first resolve to last established.
     pub conn_per_s: f64,
     /// Full cycles (connect + private-data exchange + disconnect) per second.
@@ -332,6 +338,81 @@ pub fn serve(
     Ok(l)
 }
 
+/// cmtime's warm-up: `k` connections made, established, disconnected and destroyed one at a
+/// time before the measured run, the way the run makes them (`--qp`), so that its first
+/// connections do not pay for what a first use sets up (threads that start polling, tables,
+/// pages): without it the first ~50 serial connects took 0.1-4 ms against ~12 µs, and they
+/// were the run's p99. The first failure, if any.
+fn warm_up(
+    fabric: &Fabric,
+    ch: &EventChannel,
+    srcs: &[IpAddr],
+    dst: SocketAddr,
+    k: usize,
+    o: &BenchOpts,
+) -> Result<(), String> {
+    let next = |want: fn(&Event) -> bool, what: &str| -> Result<(), String> {
+        let e = ch
+            .get_event(Some(o.step_timeout))
+            .and_then(|mut e| e.take())
+            .ok_or_else(|| format!("warm-up: no {what} within {} s", o.step_timeout.as_secs()))?;
+        if want(&e) {
+            Ok(())
+        } else {
+            Err(format!("warm-up: {} where {what} was due", e.name()))
+        }
+    };
+    for c in 0..k {
+        let id = fabric.create_id_on(PortSpace::Tcp, ch);
+        let cycle = || -> Result<(), String> {
+            let src = srcs.get(c % srcs.len().max(1)).copied();
+            if let Some(src) = src {
+                id.bind(SocketAddr::new(src, 0))
+                    .map_err(|e| format!("warm-up: bind: {e}"))?;
+            }
+            id.resolve_addr(None, dst)
+                .map_err(|e| format!("warm-up: resolve addr: {e}"))?;
+            next(|e| matches!(e, Event::AddrResolved), "ADDR_RESOLVED")?;
+            id.resolve_route()
+                .map_err(|e| format!("warm-up: resolve route: {e}"))?;
+            next(|e| matches!(e, Event::RouteResolved), "ROUTE_RESOLVED")?;
+            if o.attached_qp {
+                id.create_qp()
+                    .map_err(|e| format!("warm-up: create qp: {e}"))?;
+            }
+            let opts = ConnectOptions {
+                private_data: b"rcm bench connect".to_vec(),
+                ..ConnectOptions::default()
+            };
+            id.connect(&opts)
+                .map_err(|e| format!("warm-up: connect: {e}"))?;
+            let e = ch
+                .get_event(Some(o.step_timeout))
+                .and_then(|mut e| e.take())
+                .ok_or("warm-up: no answer to a connect")?;
+            match e {
+                // iWARP, or an attached QP: rcm finished the connection.
+                Event::Established { .. } => {}
+                Event::ConnectResponse { .. } => {
+                    let _ = id.init_qp_attr(QpState::Rtr);
+                    let _ = id.init_qp_attr(QpState::Rts);
+                    id.establish()
+                        .map_err(|e| format!("warm-up: establish: {e}"))?;
+                    next(|e| matches!(e, Event::Established { .. }), "ESTABLISHED")?;
+                }
+                e => return Err(format!("warm-up: {} in answer to a connect", e.name())),
+            }
+            id.disconnect()
+                .map_err(|e| format!("warm-up: disconnect: {e}"))?;
+            next(|e| matches!(e, Event::Disconnected), "DISCONNECTED")
+        };
+        let r = cycle();
+        let _ = id.destroy();
+        r?;
+    }
+    Ok(())
+}
+
 /// Runs the client side against `dst` on `fabric`, all connections in flight at once (or one
 /// at a time with `serial`).
 pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOpts) -> Report {
@@ -341,6 +422,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     let pb = progress(o, n);
     let ch = EventChannel::new();
     ch.set_spin(o.spin);
+    let warmup = o.warmup.min(n);
+    if let Err(e) = warm_up(fabric, &ch, srcs, dst, warmup, o) {
+        failures.push(e);
+    }
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
     let t = Timing::new(n);
@@ -708,6 +793,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         errors: failed.iter().filter(|f| **f).count().max(n - established),
         serial: o.serial,
         qp: if o.attached_qp { "attached" } else { "mimic" },
+        warmup,
         conn_per_s: if full.is_zero() {
             0.0
         } else {
@@ -1460,6 +1546,7 @@ pub fn print_table(r: &Report) {
     println!("cm_conn {}", r.connections);
     println!("mode {}", if r.serial { "serial" } else { "burst" });
     println!("qp {}", r.qp);
+    println!("warmup {}", r.warmup);
     println!(
         "{:<14} {:>10} {:>12} {:>10} {:>12} {:>10} {:>10}",
         "step", "avg/conn", "total(us)", "us/conn", "sum(us)", "max(us)", "min(us)"

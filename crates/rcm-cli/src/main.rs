@@ -162,6 +162,14 @@ struct BenchArgs {
     /// rts and establish rows are then empty).
     #[arg(long, default_value = "mimic", value_parser = ["mimic", "attached"], conflicts_with = "listen")]
     qp: String,
+    /// Connections made, established, disconnected and destroyed one at a time before the
+    /// measured run and not counted, as cmtime's warm-up: the first connections of a
+    /// process pay for threads that start polling, tables and pages (at most -c; default
+    /// 100, and 0 with --server, whose server, started with --listen -c N, would count
+    /// them).
+    #[arg(long, value_name = "N", conflicts_with = "listen",
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    warmup: Option<u32>,
 }
 
 #[derive(clap::Args)]
@@ -667,6 +675,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         send_batch: !a.no_send_batch,
         pin: a.pin,
         attached_qp: a.qp == "attached",
+        warmup: a.warmup.unwrap_or(if a.server.is_some() { 0 } else { 100 }) as usize,
     };
     // Created before the run: a long run must not end in "cannot write".
     let mut plot = match &a.plot {

@@ -231,6 +231,36 @@ fn bench_usage_errors_are_clear() {
     }
 }
 
+/// A run first makes its warm-up connections (cmtime's), one at a time and not counted:
+/// 100 by default, never more than -c, as many as asked with --warmup, none with 0; and a
+/// server, which makes no connections, refuses the option.
+#[test]
+fn bench_warms_up_with_uncounted_connections_first() {
+    for (args, want) in [
+        (&["-c", "30"][..], 30),
+        (&["-c", "150"][..], 100),
+        (&["-c", "30", "--warmup", "4", "--serial"][..], 4),
+        (&["-c", "30", "--warmup", "0"][..], 0),
+    ] {
+        let mut a = vec!["bench", "--udp-port", "26814", "--json"];
+        a.extend_from_slice(args);
+        let (code, out, err) = rcm(&a);
+        assert_eq!(code, 0, "{a:?}\n{out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["warmup"], want, "{a:?}: {out}");
+        // The counted connections are the asked-for ones, all of them up.
+        let n = v["connections"].as_u64().unwrap();
+        assert_eq!(v["established"], n, "{out}");
+        assert_eq!(v["errors"], 0, "{out}");
+    }
+    let (code, out, _) = rcm(&["bench", "-c", "10", "--udp-port", "26814"]);
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l == "warmup 10"), "{out}");
+    let (code, _, err) = rcm(&["bench", "--listen", "--warmup", "3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--warmup"), "{err}");
+}
+
 /// `--qp attached` gives each client id a soft QP that rcm moves itself: every connection
 /// comes up, the connect ends with ESTABLISHED (no CONNECT_RESPONSE for the tool to
 /// finish), so the init/rtr/rts rows stay empty, where the default (mimicked, as cmtime)
