@@ -8,7 +8,6 @@ use rcm::{
     PortSpace, QpState,
 };
 use serde::Serialize;
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -430,7 +429,10 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
     let t = Timing::new(n);
     let mut ids = Vec::with_capacity(n);
-    let mut index: HashMap<u64, usize> = HashMap::with_capacity(n);
+    // Keyed by the ids' own keys (made by rcm, not by a peer): a fast hash, looked up for
+    // every event.
+    let mut index: foldhash::HashMap<u64, usize> =
+        foldhash::HashMap::with_capacity_and_hasher(n, foldhash::fast::RandomState::default());
     let resolve_addr = Timing::new(n);
     let resolve_route = Timing::new(n);
     let connect = Timing::new(n);
@@ -839,7 +841,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
 /// step may wait, and whether connections go one at a time.
 struct Events<'a> {
     ch: &'a EventChannel,
-    index: &'a HashMap<u64, usize>,
+    index: &'a foldhash::HashMap<u64, usize>,
     timeout: Duration,
     serial: bool,
     send_batch: bool,
