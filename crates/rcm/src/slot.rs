@@ -963,6 +963,16 @@ impl<E: Send + 'static> ChannelCore<E> {
                 }
             }
             left_aside(None);
+            // Never asleep holding datagrams: a poll above may have left some held (its
+            // event was taken to be this waiter's, then turned out to be a destroyed id's
+            // and was dropped), and nothing else would send them before an event wakes us.
+            // Sent without the queue's lock, which is then looked at again.
+            if crate::device::holding() {
+                drop(q);
+                crate::fabric::before_wait();
+                q = sync::lock(&self.q);
+                continue;
+            }
             self.waiting.fetch_add(1, Relaxed);
             match end {
                 None => q = sync::wait(&self.cond, q),
