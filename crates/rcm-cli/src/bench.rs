@@ -425,6 +425,8 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     if let Err(e) = warm_up(fabric, &ch, srcs, dst, warmup, o) {
         failures.push(e);
     }
+    // The run's own, not the warm-up's.
+    let polled_before = fabric.busy_polled();
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
     let t = Timing::new(n);
@@ -831,7 +833,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         steps,
         baseline_conn_per_s: None,
         failures,
-        busy_polled: fabric.busy_polled(),
+        busy_polled: fabric.busy_polled().saturating_sub(polled_before),
         pinned_cpus: None,
         latencies_us: lat,
     }
