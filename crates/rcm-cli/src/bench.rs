@@ -169,7 +169,7 @@ impl Timing {
         }
     }
     fn now(&self) -> u64 {
-        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
+        self.since_base(Instant::now())
     }
     /// `at` as this timing counts it (see `start`).
     fn since_base(&self, at: Instant) -> u64 {
@@ -350,11 +350,13 @@ fn warm_up(
     k: usize,
     o: &BenchOpts,
 ) -> Result<(), String> {
-    let next = |want: fn(&Event) -> bool, what: &str| -> Result<(), String> {
-        let e = ch
-            .get_event(Some(o.step_timeout))
+    let take = |what: &str| -> Result<Event, String> {
+        ch.get_event(Some(o.step_timeout))
             .and_then(|mut e| e.take())
-            .ok_or_else(|| format!("warm-up: no {what} within {} s", o.step_timeout.as_secs()))?;
+            .ok_or_else(|| format!("warm-up: no {what} within {} s", o.step_timeout.as_secs()))
+    };
+    let next = |want: fn(&Event) -> bool, what: &str| -> Result<(), String> {
+        let e = take(what)?;
         if want(&e) {
             Ok(())
         } else {
@@ -385,11 +387,7 @@ fn warm_up(
             };
             id.connect(&opts)
                 .map_err(|e| format!("warm-up: connect: {e}"))?;
-            let e = ch
-                .get_event(Some(o.step_timeout))
-                .and_then(|mut e| e.take())
-                .ok_or("warm-up: no answer to a connect")?;
-            match e {
+            match take("answer to a connect")? {
                 // iWARP, or an attached QP: rcm finished the connection.
                 Event::Established { .. } => {}
                 Event::ConnectResponse { .. } => {
