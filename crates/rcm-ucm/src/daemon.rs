@@ -1407,6 +1407,11 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             live.append(new);
         }
         let mut worked = false;
+        // The round's datagrams (a connect's REQ, an accept's REP) are held until its
+        // answers and events are in their rings, then go out together: those to one peer in
+        // one system call (`rcm::SendBatch`), which on loopback also runs the receiver's
+        // network stack and takes about a µs.
+        let batch = rcm::SendBatch::begin();
         live.retain_mut(|m| match serve_mapped(sh, m) {
             Ok(w) => {
                 worked |= w;
@@ -1418,14 +1423,25 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             }
         });
         flush_round();
+        send_held(batch);
         let now = Instant::now();
         if now >= last_check + HANG_UP_CHECK {
             last_check = now;
             live.retain(|m| crate::shmchan::drain_doorbells(&m.end.stream));
         }
         if worked {
-            devices.end();
+            // What the round sent to this daemon's own devices is in their sockets already
+            // (loopback delivers within the send): received now, not at the idle loop's
+            // turn for that device, which came one to three system calls later (a serial
+            // connect through a two-address daemon waited for it twice, once for the REQ and
+            // once for the REP). What the handling sends (an RTU) is held until the events
+            // are in their rings: the event is what the client waits for.
             last_work = now;
+            let batch = rcm::SendBatch::begin();
+            if devices.sweep(sh.spin, || live.iter().any(|m| m.end.has_command())) {
+                flush_round();
+            }
+            send_held(batch);
             continue;
         }
         if now < last_work + sh.spin {
@@ -1436,9 +1452,13 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             // p50 ~50 -> ~40 µs, 6 interleaved rounds).
             device_turn = !device_turn;
             if device_turn {
+                // As after a round: an RTU the handling sends goes after the event.
+                let batch = rcm::SendBatch::begin();
                 if devices.poll(last_work + sh.spin - now) {
                     last_work = now;
+                    flush_round();
                 }
+                send_held(batch);
                 continue;
             }
             std::thread::yield_now();
@@ -1481,6 +1501,18 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
     }
 }
 
+/// Sends what `batch` holds, then puts the events that made in their rings: a datagram to
+/// a device's own address reaches its engine within the send (`rcm::FabricConfig::loopback`,
+/// a one-address daemon's clients connecting to each other), and the callbacks of what it
+/// makes run here, as a command's own do, not on a callback thread that may have to be
+/// woken (tens of µs on these VMs).
+fn send_held(batch: rcm::SendBatch) {
+    let here = rcm::CallbacksHere::begin();
+    drop(batch);
+    drop(here);
+    flush_round();
+}
+
 /// The devices a ring thread receives for while it polls its rings with nothing to do
 /// (RoCEv2 ones; see `rcm::Device::busy_poller`). Their own threads stand aside meanwhile:
 /// on two CPUs, one-at-a-time connects through a two-address daemon had five threads
@@ -1505,6 +1537,10 @@ impl DevicePolls {
             .into_iter()
             .filter_map(|ip| sh.fabric.device(ip)?.busy_poller())
             .collect();
+        Self::of(pollers)
+    }
+
+    fn of(pollers: Vec<Arc<dyn rcm::remote::BusyPoll>>) -> Self {
         DevicePolls {
             pollers,
             polling: false,
@@ -1535,6 +1571,21 @@ impl DevicePolls {
             // The next poll begins again, with a deadline from then: the devices' threads
             // stay aside for as long as this thread is busy receiving.
             self.end();
+        }
+        got
+    }
+
+    /// Receives once for each device in turn (see `poll`), stopping early when `commands`
+    /// says one waits in a ring (it is served first; the next round sweeps again): whether
+    /// anything came. At least one device is polled, so that a stream of commands does not
+    /// keep the devices waiting.
+    fn sweep(&mut self, left: Duration, commands: impl Fn() -> bool) -> bool {
+        let mut got = false;
+        for k in 0..self.pollers.len() {
+            if k > 0 && commands() {
+                break;
+            }
+            got |= self.poll(left);
         }
         got
     }
@@ -2100,7 +2151,98 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{EventQueue, Queued};
+    use super::{DevicePolls, EventQueue, Queued};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A device's receive side as the ring thread sees it: counts what is asked of it, and
+    /// has a datagram or not.
+    #[derive(Default)]
+    struct FakeDevice {
+        begun: AtomicUsize,
+        ended: AtomicUsize,
+        polls: AtomicUsize,
+        has: AtomicBool,
+    }
+
+    impl rcm::remote::BusyPoll for FakeDevice {
+        fn begin(&self, _spin: Duration) {
+            self.begun.fetch_add(1, Ordering::SeqCst);
+        }
+        fn poll(&self) -> bool {
+            self.polls.fetch_add(1, Ordering::SeqCst);
+            self.has.swap(false, Ordering::SeqCst)
+        }
+        fn end(&self) {
+            self.ended.fetch_add(1, Ordering::SeqCst);
+        }
+        fn kick(&self) {}
+    }
+
+    fn devices(n: usize) -> (Vec<Arc<FakeDevice>>, DevicePolls) {
+        let fakes: Vec<Arc<FakeDevice>> = (0..n).map(|_| Arc::default()).collect();
+        let polls = DevicePolls::of(
+            fakes
+                .iter()
+                .map(|f| f.clone() as Arc<dyn rcm::remote::BusyPoll>)
+                .collect(),
+        );
+        (fakes, polls)
+    }
+
+    fn polls(f: &[Arc<FakeDevice>]) -> Vec<usize> {
+        f.iter().map(|d| d.polls.load(Ordering::SeqCst)).collect()
+    }
+
+    /// After a round with work every device is received from once, whichever had the
+    /// datagram (the REQ a connect just sent to the daemon's other address, say).
+    #[test]
+    fn a_sweep_receives_once_from_every_device() {
+        let (f, mut d) = devices(3);
+        f[1].has.store(true, Ordering::SeqCst);
+        assert!(d.sweep(Duration::from_millis(1), || false));
+        assert_eq!(polls(&f), [1, 1, 1]);
+        assert!(!d.sweep(Duration::from_millis(1), || false), "nothing left");
+        assert_eq!(polls(&f), [2, 2, 2]);
+    }
+
+    /// A command waiting in a ring ends the sweep after the first device: it is served
+    /// before the rest are looked at, and a stream of commands still lets a device be
+    /// received from each round.
+    #[test]
+    fn a_waiting_command_ends_a_sweep_after_one_device() {
+        let (f, mut d) = devices(3);
+        d.sweep(Duration::from_millis(1), || true);
+        assert_eq!(polls(&f).iter().sum::<usize>(), 1);
+        d.sweep(Duration::from_millis(1), || true);
+        assert_eq!(polls(&f).iter().sum::<usize>(), 2);
+        assert_eq!(
+            polls(&f).iter().filter(|&&n| n > 0).count(),
+            2,
+            "one device, twice"
+        );
+    }
+
+    /// Every poll begun is ended (the devices' own threads take their sockets back) when
+    /// the ring thread goes to sleep, however the sweeps went.
+    #[test]
+    fn sweeps_leave_every_begin_ended_at_sleep() {
+        let (f, mut d) = devices(2);
+        for k in 0..5 {
+            f[k % 2].has.store(true, Ordering::SeqCst);
+            d.sweep(Duration::from_millis(1), || false);
+        }
+        d.sleep();
+        for (k, dev) in f.iter().enumerate() {
+            let (b, e) = (
+                dev.begun.load(Ordering::SeqCst),
+                dev.ended.load(Ordering::SeqCst),
+            );
+            assert!(b > 0, "device {k} never polled");
+            assert_eq!(b, e, "device {k}: {b} polls begun, {e} ended");
+        }
+    }
 
     fn q(handle: u32, listener: Option<u32>) -> Queued {
         Queued {

@@ -142,6 +142,11 @@ impl ShmEnd {
             .then_some(&self.buf[..]))
     }
 
+    /// Whether a frame waits to be read (the other side's command, on the daemon's end).
+    pub(crate) fn has_command(&self) -> bool {
+        self.rx.has_data()
+    }
+
     /// Marks this end asleep unless a frame came meanwhile (then false, not marked); see
     /// [`Consumer::prepare_sleep`].
     pub(crate) fn prepare_sleep(&self) -> bool {

@@ -501,3 +501,25 @@ fn a_ring_thread_with_nothing_to_serve_receives_for_the_devices() {
         "none of the {rx} datagrams was received by the ring thread"
     );
 }
+
+/// Between the two devices of a two-address daemon, what the ring thread's commands send to
+/// the other device is received by the ring thread too (it receives from every device right
+/// after a round with work, see `ring_loop`): the REQ on the listener's device, the REP on
+/// the client's; and the connection is made as before.
+#[test]
+fn a_ring_thread_receives_what_its_commands_sent_to_its_other_device() {
+    let mut cfg = config("shm-devsweep", 49312, &[1, 2]);
+    cfg.fabric.spin = Duration::from_millis(200);
+    let d = Daemon::start(cfg).expect("daemon");
+    let devs = [ip(1), ip(2)].map(|a| d.fabric().device(a).expect("the daemon's device"));
+    round_trip(&d, sa(2, 7312));
+    for (k, dev) in devs.iter().enumerate() {
+        let (rx, _) = dev.traffic();
+        let polled = dev.busy_polled();
+        assert!(rx >= 2, "device {k}: {rx} datagrams received");
+        assert!(
+            polled > 0,
+            "device {k}: none of its {rx} datagrams was received by the ring thread"
+        );
+    }
+}
