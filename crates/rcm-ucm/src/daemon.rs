@@ -2209,7 +2209,7 @@ mod tests {
 
     /// A command waiting in a ring ends the sweep after the first device: it is served
     /// before the rest are looked at, and a stream of commands still lets a device be
-    /// received from each round.
+    /// received from each round, each device in its turn.
     #[test]
     fn a_waiting_command_ends_a_sweep_after_one_device() {
         let (f, mut d) = devices(3);
@@ -2220,7 +2220,7 @@ mod tests {
         assert_eq!(
             polls(&f).iter().filter(|&&n| n > 0).count(),
             2,
-            "one device, twice"
+            "the second sweep began at the next device"
         );
     }
 
