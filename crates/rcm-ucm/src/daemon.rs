@@ -1590,7 +1590,8 @@ impl DevicePolls {
         got
     }
 
-    /// This thread stops polling the devices for now (it has commands to serve).
+    /// This thread stops polling the devices for now: their own threads may take their
+    /// sockets back (when a poll got something, the next begins anew; before a sleep).
     fn end(&mut self) {
         if std::mem::take(&mut self.polling) {
             for p in &self.pollers {
