@@ -1406,24 +1406,22 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
         if let Some(new) = lock(&rings.new).as_mut() {
             live.append(new);
         }
-        let mut worked = false;
-        // The round's datagrams (a connect's REQ, an accept's REP) are held until its
-        // answers and events are in their rings, then go out together: those to one peer in
-        // one system call (`rcm::SendBatch`), which on loopback also runs the receiver's
-        // network stack and takes about a µs.
-        let batch = rcm::SendBatch::begin();
-        live.retain_mut(|m| match serve_mapped(sh, m) {
-            Ok(w) => {
-                worked |= w;
-                !m.target.target.ended.load(Ordering::Relaxed)
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "mapped channel ends");
-                false
-            }
+        // The round's datagrams (a connect's REQ, an accept's REP) go out after its answers
+        // and events, those to one peer together (see `events_first`).
+        let worked = events_first(|| {
+            let mut worked = false;
+            live.retain_mut(|m| match serve_mapped(sh, m) {
+                Ok(w) => {
+                    worked |= w;
+                    !m.target.target.ended.load(Ordering::Relaxed)
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "mapped channel ends");
+                    false
+                }
+            });
+            worked
         });
-        flush_round();
-        send_held(batch);
         let now = Instant::now();
         if now >= last_check + HANG_UP_CHECK {
             last_check = now;
@@ -1437,11 +1435,7 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             // once for the REP). What the handling sends (an RTU) is held until the events
             // are in their rings: the event is what the client waits for.
             last_work = now;
-            let batch = rcm::SendBatch::begin();
-            if devices.sweep(sh.spin, || live.iter().any(|m| m.end.has_command())) {
-                flush_round();
-            }
-            send_held(batch);
+            events_first(|| devices.sweep(sh.spin, || live.iter().any(|m| m.end.has_command())));
             continue;
         }
         if now < last_work + sh.spin {
@@ -1453,12 +1447,9 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             device_turn = !device_turn;
             if device_turn {
                 // As after a round: an RTU the handling sends goes after the event.
-                let batch = rcm::SendBatch::begin();
-                if devices.poll(last_work + sh.spin - now) {
+                if events_first(|| devices.poll(last_work + sh.spin - now)) {
                     last_work = now;
-                    flush_round();
                 }
-                send_held(batch);
                 continue;
             }
             std::thread::yield_now();
@@ -1501,16 +1492,23 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
     }
 }
 
-/// Sends what `batch` holds, then puts the events that made in their rings: a datagram to
-/// a device's own address reaches its engine within the send (`rcm::FabricConfig::loopback`,
-/// a one-address daemon's clients connecting to each other), and the callbacks of what it
-/// makes run here, as a command's own do, not on a callback thread that may have to be
-/// woken (tens of µs on these VMs).
-fn send_held(batch: rcm::SendBatch) {
+/// Runs `work` (a round of commands, or receives for the devices) holding what it sends
+/// (`rcm::SendBatch`): its answers and events go into their rings first, since they are what
+/// clients wait for, then its datagrams, those to one peer in one system call (on loopback a
+/// `sendto` also runs the receiver's network stack: about a µs). A datagram to a device's
+/// own address reaches its engine within that send (`rcm::FabricConfig::loopback`, a
+/// one-address daemon's clients connecting to each other): the callbacks of what it makes
+/// run here, as a command's own do, not on a callback thread that may have to be woken
+/// (tens of µs on these VMs), and their events go out after. Returns what `work` did.
+fn events_first<R>(work: impl FnOnce() -> R) -> R {
+    let batch = rcm::SendBatch::begin();
+    let r = work();
+    flush_round();
     let here = rcm::CallbacksHere::begin();
     drop(batch);
     drop(here);
     flush_round();
+    r
 }
 
 /// The devices a ring thread receives for while it polls its rings with nothing to do
