@@ -230,6 +230,8 @@ struct Conn {
     outcome: Option<Outcome>,
     established: bool,
     establish_called: bool,
+    /// Connected with `establish_on_rep`: the engine answers the REP itself.
+    establish_on_rep: bool,
     mra_called: bool,
     destroyed: bool,
     destroyed_in: Option<Phase>,
@@ -265,6 +267,7 @@ impl Conn {
             outcome: None,
             established: false,
             establish_called: false,
+            establish_on_rep: false,
             mra_called: false,
             destroyed: false,
             destroyed_in: None,
@@ -1074,10 +1077,23 @@ impl World {
                         )
                     )
                 );
+                ensure!(
+                    info.established == self.conns[i].establish_on_rep,
+                    "{}",
+                    self.fail(
+                        i,
+                        "RepReceived's `established` is not what the connect asked"
+                    )
+                );
                 let c = &mut self.conns[i];
                 c.phase = Phase::GotRep;
                 c.partner = Some(p);
                 c.peer_qpn = Some(info.remote_qpn);
+                if c.establish_on_rep {
+                    // The RTU went out with this event; `Established` comes next.
+                    c.establish_called = true;
+                    return Ok(());
+                }
                 let o = self.o.clone();
                 let r: f64 = self.rng.gen();
                 let d = self.delay(200);
@@ -1387,6 +1403,9 @@ impl World {
                 p.max_cm_retries = self.o.max_cm_retries;
                 let extra = self.rng.gen_range(0..=80);
                 p.private_data = token(TOK_REQ, id, extra);
+                // Some connects as rdma_cm makes them for an id with a QP: the engine answers
+                // the REP with the RTU itself.
+                p.establish_on_rep = self.rng.gen_bool(0.25);
                 let h = match self.sim.ep(from).connect(now, &p) {
                     Ok(h) => h,
                     Err(CmError::NoResources) => return self.no_resources(from),
@@ -1405,6 +1424,7 @@ impl World {
                     .local_comm_id(h)
                     .ok_or("connect handle without comm ID")?;
                 c.qpn = qpn;
+                c.establish_on_rep = p.establish_on_rep;
                 let i = self.add_conn(c);
                 self.touched.push(i);
                 self.c.connects += 1;

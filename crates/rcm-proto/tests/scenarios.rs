@@ -319,6 +319,61 @@ fn rep_then_establish_sends_rtu() {
 }
 
 #[test]
+fn establish_on_rep_answers_the_rep_with_the_rtu_in_the_same_call() {
+    let mut t = T::new();
+    let mut p = ConnectParams::new(ip(PEER), SID, 0x11);
+    p.establish_on_rep = true;
+    let h = t.ep.connect(t.now, &p).unwrap();
+    let m = t.sent_one();
+    let tid = m.header.tid;
+    let CmMessage::Req(req) = m.msg else { panic!() };
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, tid, "the RTU reuses the REQ's TID");
+    let CmMessage::Rtu(rtu) = m.msg else {
+        panic!("{:?}", m.msg.name())
+    };
+    assert_eq!(
+        (rtu.local_comm_id, rtu.remote_comm_id),
+        (req.local_comm_id, PEER_ID)
+    );
+    let ev = t.events();
+    let [(a, CmEvent::RepReceived(info)), (b, CmEvent::Established)] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    assert_eq!((*a, *b), (h, h));
+    assert!(info.established);
+    assert_eq!(info.remote_qpn, PEER_QPN);
+    assert_eq!(t.ep.state(h), Some(State::Established));
+    assert_eq!(
+        t.ep.establish(h),
+        Err(CmError::InvalidState(State::Established)),
+        "nothing is left for the caller to establish"
+    );
+    // Neither the REQ nor the RTU is retried, and a repeated REP is answered with the RTU
+    // again, as after an establish of the caller's.
+    t.advance(Duration::from_secs(120));
+    t.nothing_sent();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    assert!(matches!(t.sent_one().msg, CmMessage::Rtu(_)));
+    assert!(t.events().is_empty());
+}
+
+#[test]
+fn without_establish_on_rep_the_rep_waits_for_the_caller() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    let ev = t.events();
+    let [(_, CmEvent::RepReceived(info))] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    assert!(!info.established);
+    t.nothing_sent();
+    assert_eq!(t.ep.state(h), Some(State::RepRcvd));
+}
+
+#[test]
 fn rep_received_event_carries_the_offer() {
     let mut t = T::new();
     let (h, req, tid) = t.connect();

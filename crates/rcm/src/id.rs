@@ -1153,7 +1153,7 @@ impl CmId {
             return self.iw_connect(&dev, opts);
         }
         let psn = rand::random::<u32>() & 0xFF_FFFF;
-        let (dst, dev, qpn, path, pd) = {
+        let (dst, dev, qpn, path, pd, attached) = {
             let mut g = self.usable()?;
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
@@ -1192,7 +1192,7 @@ impl CmId {
             g.conn.retry_count = opts.retry_count.min(7);
             g.conn.rnr_retry_count = opts.rnr_retry_count.min(7);
             g.conn.ack_timeout = ib::cm_ack_timeout(15, g.path.packet_life_time);
-            (dst, dev, qpn, g.path, pd)
+            (dst, dev, qpn, g.path, pd, g.qp.is_some())
         };
         if is_ud(self.0.ps) {
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
@@ -1214,6 +1214,9 @@ impl CmId {
         p.rnr_retry_count = opts.rnr_retry_count.min(7);
         p.path = path;
         p.starting_psn = Some(psn);
+        // A QP attached: the engine sends the RTU when the REP comes, as rdma_cm does for
+        // one (see `on_engine_event`), not a second engine call from the REP's routing.
+        p.establish_on_rep = attached;
         let r = if is_ud(self.0.ps) {
             let sp = SidrParams {
                 dst: dst.ip(),
@@ -2086,8 +2089,12 @@ pub(crate) fn on_engine_event(
                     g.conn.remote_psn = info.starting_psn;
                     g.conn.responder_resources = info.initiator_depth;
                     g.conn.initiator_depth = info.responder_resources;
-                    if g.qp.is_some() {
-                        // A QP is attached: move it along and send the RTU ourselves.
+                    if info.established {
+                        // The engine sent the RTU (a QP was attached at connect, see
+                        // `ConnectParams::establish_on_rep`): `Established` follows.
+                    } else if g.qp.is_some() {
+                        // A QP attached after the REQ left: move it along and send the RTU
+                        // ourselves.
                         if let Some(c) = cep {
                             after = After::Establish(c);
                         }

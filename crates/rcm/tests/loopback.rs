@@ -296,6 +296,72 @@ fn channel_mode_connect_and_held_events() {
     f.shutdown();
 }
 
+/// With a QP attached the client sees ESTABLISHED, never CONNECT_RESPONSE, and the server
+/// gets the RTU: whether the QP was attached before `connect` (the engine answers the REP
+/// with the RTU itself) or only after it, while the REQ was out (the id's REP handling
+/// sends the RTU).
+#[test]
+fn an_attached_qp_is_established_on_the_rep_whenever_it_was_attached() {
+    let f = fabric(24817);
+    let ch = EventChannel::new();
+    let srv = f.create_id_on(PortSpace::Tcp, &ch);
+    srv.bind(addr(1, 7473)).unwrap();
+    srv.listen(4).unwrap();
+    for qp_before_connect in [true, false] {
+        let cli = f.create_id_on(PortSpace::Tcp, &ch);
+        if qp_before_connect {
+            cli.create_qp().unwrap();
+        }
+        cli.resolve_addr(None, addr(1, 7473)).unwrap();
+        let (mut child, mut client_up, mut server_up) = (None, false, false);
+        while !(client_up && server_up) {
+            let mut e = ch.get_event(Some(T)).expect("event");
+            let id = e.id().clone();
+            match e.take().unwrap() {
+                Event::AddrResolved => id.resolve_route().unwrap(),
+                Event::RouteResolved => {
+                    id.connect(&ConnectOptions::default()).unwrap();
+                    if !qp_before_connect {
+                        // The REP cannot come before this thread accepts, below.
+                        id.create_qp().unwrap();
+                    }
+                }
+                Event::ConnectRequest { .. } => {
+                    id.accept(&AcceptOptions::default()).unwrap();
+                    child = Some(id);
+                }
+                Event::Established { .. } if id == cli => client_up = true,
+                Event::Established { .. } => {
+                    assert_eq!(Some(&id), child.as_ref());
+                    server_up = true;
+                }
+                other => panic!("qp before connect {qp_before_connect}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(cli.state(), State::Established);
+        let child = child.unwrap();
+        let (c, s) = (
+            cli.init_qp_attr(QpState::Rts).unwrap(),
+            child.init_qp_attr(QpState::Rts).unwrap(),
+        );
+        assert_eq!(
+            (c.rq_psn, s.rq_psn),
+            (s.sq_psn, c.sq_psn),
+            "each side receives from the PSN the other sends from"
+        );
+        assert_eq!(
+            cli.establish(),
+            Err(Error::InvalidState(State::Established)),
+            "nothing left to establish"
+        );
+        for id in [cli, child] {
+            assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+        }
+    }
+    assert_eq!(srv.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
+}
+
 #[test]
 fn device_removal_mid_connection() {
     let f = fabric(24796);

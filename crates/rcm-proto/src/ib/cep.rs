@@ -95,6 +95,11 @@ pub(crate) struct Cep {
     pub mra_sent: bool,
     /// An MRA from the peer was already honoured once.
     pub mra_honoured: bool,
+    /// Active side: a valid REP is answered with the RTU at once ([`ConnectParams`]'s
+    /// `establish_on_rep`).
+    ///
+    /// [`ConnectParams`]: super::ConnectParams
+    pub establish_on_rep: bool,
     pub timer_gen: u32,
     pub timer: TimerKind,
     /// The peer comm ID of a REP we rejected as stale: later copies of it are dropped, so a
@@ -125,6 +130,7 @@ impl Cep {
             mra_timeout: 0,
             mra_sent: false,
             mra_honoured: false,
+            establish_on_rep: false,
             timer_gen: 0,
             timer: TimerKind::None,
             stale_rep: None,

@@ -656,6 +656,7 @@ impl Endpoint {
         c.max_retries = req.max_cm_retries;
         c.ack_timeout = ack_timeout;
         c.packet_life_time = p.path.packet_life_time;
+        c.establish_on_rep = p.establish_on_rep;
         let h = self.insert_cep(c);
         self.send_tracked(now, h, CmMessage::Req(req));
         Ok(h)
@@ -1472,6 +1473,7 @@ impl Endpoint {
         c.remote_id = rep.local_comm_id;
         c.remote_guid = guid;
         c.remote_qpn = rep.local_qpn;
+        let establish = c.establish_on_rep;
         self.remote_ids.insert((rep.local_comm_id, guid), h);
         self.remote_qps.insert((rep.local_qpn, guid), h);
         let info = RepInfo {
@@ -1483,8 +1485,14 @@ impl Endpoint {
             rnr_retry_count: rep.rnr_retry_count,
             srq: rep.srq,
             private_data: std::mem::take(&mut rep.private_data),
+            established: establish,
         };
         self.emit(h, CmEvent::RepReceived(Box::new(info)));
+        if establish {
+            // RepRcvd → Established, the RTU queued, `Established` emitted (cannot fail:
+            // the endpoint is in RepRcvd).
+            let _ = self.establish(h);
+        }
     }
 
     fn on_mra(&mut self, now: Instant, from: IpAddr, mra: &Mra) {

@@ -171,6 +171,14 @@ pub struct ConnectParams {
     pub path: PathParams,
     /// Private data (rdma_cm puts its 36-byte header first), at most 92 bytes.
     pub private_data: Vec<u8>,
+    /// Answer a valid REP with the RTU at once, as rdma_cm does for an id with a QP
+    /// (`cma_rep_recv` moves the QP to RTR and RTS and sends the RTU before it reports
+    /// ESTABLISHED): `RepReceived` (with `established` set) is then followed by
+    /// `Established` in the same call, with no [`Endpoint::establish`] to make.
+    /// Off (the default): `RepReceived` waits for the caller's `establish` or `reject`.
+    ///
+    /// [`Endpoint::establish`]: super::Endpoint::establish
+    pub establish_on_rep: bool,
 }
 
 impl ConnectParams {
@@ -190,6 +198,7 @@ impl ConnectParams {
             max_cm_retries: 15,
             path: PathParams::default(),
             private_data: Vec::new(),
+            establish_on_rep: false,
         }
     }
 }
@@ -297,6 +306,9 @@ pub struct RepInfo {
     pub srq: bool,
     /// The whole private-data area (196 bytes).
     pub private_data: Vec<u8>,
+    /// The RTU went out with this event (`ConnectParams::establish_on_rep`): `Established`
+    /// follows, and `establish` is not to be called.
+    pub established: bool,
 }
 
 /// Which exchange ran out of retries.
@@ -325,7 +337,9 @@ pub enum CmEvent {
         /// What the peer asked for.
         info: Box<ReqInfo>,
     },
-    /// The REP answering our REQ (send the RTU with `establish`, or reject).
+    /// The REP answering our REQ (send the RTU with `establish`, or reject); with
+    /// `ConnectParams::establish_on_rep` the RTU is already out and `Established` follows
+    /// (`RepInfo::established`).
     RepReceived(Box<RepInfo>),
     /// The connection is established (passive: RTU received; active: RTU sent).
     Established,
