@@ -1017,6 +1017,13 @@ impl BusyPoll for DevicePoll {
         }
     }
 
+    fn readiness(&self) -> Option<Arc<dyn std::os::fd::AsFd + Send + Sync>> {
+        // The socket, while the device has it: kept only for the caller's poll(2), so a
+        // removed device's port is not held.
+        let s: Arc<dyn std::os::fd::AsFd + Send + Sync> = self.0.upgrade()?.socket()?;
+        Some(s)
+    }
+
     fn kick(&self) {
         let Some(d) = self.0.upgrade() else { return };
         if d.gate.as_ref().is_some_and(|g| g.polled_left().is_zero()) {

@@ -176,6 +176,12 @@ pub trait BusyPoll: Send + Sync {
     /// polls another): a receiving thread still asleep standing aside, with no waiter polling,
     /// must resume now, or what comes meanwhile waits for the end of that poll's deadline.
     fn kick(&self);
+    /// What is readable when `poll` would find something (a device's socket), so that a
+    /// thread that polls several can ask them all in one `poll(2)` and receive only where
+    /// something waits; `None` (the default): only `poll` can tell.
+    fn readiness(&self) -> Option<Arc<dyn std::os::fd::AsFd + Send + Sync>> {
+        None
+    }
 }
 
 pub use crate::rxgate::{next_nap, RxGate, RxTurn, STAND_ASIDE_RECHECK};
