@@ -642,7 +642,12 @@ impl<'a> GsiDatagram<'a> {
     /// the GSI Q_Key (rxe drops QP1 packets with another Q_Key). The ICRC is not checked here
     /// (a UDP socket cannot see the IPv4 ID it covers); see [`verify_icrc`].
     pub fn parse(udp_payload: &'a [u8]) -> Result<Self> {
-        let p = RocePacket::parse(udp_payload)?;
+        Self::from_packet(&RocePacket::parse(udp_payload)?)
+    }
+
+    /// [`GsiDatagram::parse`] of a packet already parsed (a receiver that sorts packets by
+    /// their destination QP parses each once).
+    pub fn from_packet(p: &RocePacket<'a>) -> Result<Self> {
         if p.bth.opcode != Opcode::UD_SEND_ONLY {
             return Err(WireError::BadField {
                 field: "BTH opcode (GSI)",

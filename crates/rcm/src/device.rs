@@ -1395,7 +1395,7 @@ fn classify(buf: &[u8]) -> Rx<'_> {
         return Rx::Bad;
     };
     if p.bth.dest_qp == roce::GSI_QPN {
-        return GsiDatagram::parse(buf).map_or(Rx::Bad, Rx::Gsi);
+        return GsiDatagram::from_packet(&p).map_or(Rx::Bad, Rx::Gsi);
     }
     // The default partition (full or limited membership), as rxe's P_Key check.
     if p.bth.pkey & 0x7FFF != 0x7FFF {

@@ -1871,13 +1871,13 @@ pub(crate) fn on_connect_request(
     cep: CepHandle,
     inc: &Incoming,
 ) {
-    let (sid, pd) = match inc {
-        Incoming::Rc(info) => (info.service_id, info.private_data.clone()),
+    let (sid, pd): (u64, &[u8]) = match inc {
+        Incoming::Rc(info) => (info.service_id, &info.private_data),
         Incoming::Ud {
             service_id,
             private_data,
             ..
-        } => (*service_id, private_data.clone()),
+        } => (*service_id, private_data),
     };
     let refuse = |dev: &Arc<DeviceInner>| {
         dev.with_engine(|ep, now| match inc {
@@ -1895,7 +1895,7 @@ pub(crate) fn on_connect_request(
             }
         });
     };
-    let Ok(hdr) = CmaHdr::parse(&pd) else {
+    let Ok(hdr) = CmaHdr::parse(pd) else {
         return refuse(dev);
     };
     // The request is for this device's address (cma.c's validate_net_dev; the header's IP
