@@ -2326,15 +2326,9 @@ mod tests {
         }
     }
 
+    /// `n` devices that cannot say whether they have something.
     fn devices(n: usize) -> (Vec<Arc<FakeDevice>>, DevicePolls) {
-        let fakes: Vec<Arc<FakeDevice>> = (0..n).map(|_| Arc::default()).collect();
-        let polls = DevicePolls::of(
-            fakes
-                .iter()
-                .map(|f| f.clone() as Arc<dyn rcm::remote::BusyPoll>)
-                .collect(),
-        );
-        (fakes, polls)
+        polls_of((0..n).map(|_| FakeDevice::default()).collect())
     }
 
     fn polls(f: &[Arc<FakeDevice>]) -> Vec<usize> {
