@@ -1137,7 +1137,10 @@ impl CmId {
     }
 
     /// Connects (`rdma_connect`): a REQ (RC) or SIDR_REQ (UD) with rdma_cm's header.
-    /// RouteResolved → Connect. A UD id receives datagrams on its QPN from here on
+    /// RouteResolved → Connect. With a QP attached ([`CmId::create_qp`]) the REP is
+    /// answered with the RTU as it is handled and the id reports `Established`, as rdma_cm
+    /// does for an id with a QP; without one it reports `ConnectResponse` and waits for
+    /// [`CmId::establish`]. A UD id receives datagrams on its QPN from here on
     /// ([`CmId::recv_ud`]); a QPN another live UD id of the device receives on is refused
     /// ([`Error::QpBusy`]).
     pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
