@@ -103,8 +103,14 @@ impl T {
     // --- scripted states ---
 
     fn connect(&mut self) -> (CepHandle, Req, u64) {
+        self.connect_with(|_| {})
+    }
+
+    /// `connect` with its parameters changed by `f` first.
+    fn connect_with(&mut self, f: impl FnOnce(&mut ConnectParams)) -> (CepHandle, Req, u64) {
         let mut p = ConnectParams::new(ip(PEER), SID, 0x11);
         p.private_data = b"hello".to_vec();
+        f(&mut p);
         let h = self.ep.connect(self.now, &p).unwrap();
         let m = self.sent_one();
         let CmMessage::Req(r) = m.msg else {
@@ -321,12 +327,7 @@ fn rep_then_establish_sends_rtu() {
 #[test]
 fn establish_on_rep_answers_the_rep_with_the_rtu_in_the_same_call() {
     let mut t = T::new();
-    let mut p = ConnectParams::new(ip(PEER), SID, 0x11);
-    p.establish_on_rep = true;
-    let h = t.ep.connect(t.now, &p).unwrap();
-    let m = t.sent_one();
-    let tid = m.header.tid;
-    let CmMessage::Req(req) = m.msg else { panic!() };
+    let (h, req, tid) = t.connect_with(|p| p.establish_on_rep = true);
     t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
     let m = t.sent_one();
     assert_eq!(m.header.tid, tid, "the RTU reuses the REQ's TID");
@@ -1706,6 +1707,27 @@ fn stale_rep_is_rejected_and_its_later_copies_dropped() {
     assert!(t.events().is_empty());
     assert_eq!(t.ep.state(h), Some(State::ReqSent));
     assert!(t.ep.stats().rx_duplicates >= 1);
+}
+
+/// A stale REP is rejected without an RTU even when the endpoint answers REPs itself
+/// (`establish_on_rep`): the RTU goes out only for a REP that passed every check.
+#[test]
+fn a_stale_rep_gets_no_rtu_from_an_endpoint_that_answers_reps_itself() {
+    let mut t = T::new();
+    let _ = t.established_active(); // holds the peer's QPN
+    let (h, req, tid) = t.connect_with(|p| p.establish_on_rep = true);
+    let mut rep = peer_rep(req.local_comm_id);
+    rep.local_comm_id = 0x6666_0000; // a new connection of the peer, reusing its QPN
+    t.recv(tid, CmMessage::Rep(rep));
+    let names: Vec<_> = t.sent().iter().map(|m| m.msg.name()).collect();
+    assert_eq!(names, ["REJ", "DREQ"], "no RTU for a stale REP");
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert!(
+        !t.events()
+            .iter()
+            .any(|(e, ev)| *e == h && matches!(ev, CmEvent::Established | CmEvent::RepReceived(_))),
+        "nothing reported for the connecting endpoint"
+    );
 }
 
 /// The events since the last call, but the half-open evictions (REP timeouts), whose

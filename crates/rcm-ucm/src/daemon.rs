@@ -1634,14 +1634,14 @@ impl DevicePolls {
         let srcs = self
             .srcs
             .get_or_insert_with(|| pollers.iter().map(|p| p.readiness()).collect());
-        let mut at = Vec::with_capacity(srcs.len());
-        let mut fds = Vec::with_capacity(srcs.len());
-        for (k, s) in srcs.iter().enumerate() {
-            if let Some(s) = s {
-                at.push(k);
-                fds.push(PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN));
-            }
-        }
+        let fds_of = || {
+            srcs.iter()
+                .enumerate()
+                .filter_map(|(k, s)| Some((k, s.as_ref()?)))
+        };
+        let mut fds: Vec<PollFd> = fds_of()
+            .map(|(_, s)| PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN))
+            .collect();
         let zero = Timespec {
             tv_sec: 0,
             tv_nsec: 0,
@@ -1649,7 +1649,7 @@ impl DevicePolls {
         if fds.is_empty() || poll(&mut fds, Some(&zero)).is_err() {
             return;
         }
-        for (k, fd) in at.into_iter().zip(&fds) {
+        for ((k, _), fd) in fds_of().zip(&fds) {
             if let Some(r) = self.ready.get_mut(k) {
                 // Anything but nothing (an error, a hang-up) is the device's own to handle.
                 *r = !fd.revents().is_empty();

@@ -2092,13 +2092,12 @@ pub(crate) fn on_engine_event(
                     g.conn.remote_psn = info.starting_psn;
                     g.conn.responder_resources = info.initiator_depth;
                     g.conn.initiator_depth = info.responder_resources;
-                    if info.established {
-                        // The engine sent the RTU (a QP was attached at connect, see
-                        // `ConnectParams::establish_on_rep`): `Established` follows.
-                    } else if g.qp.is_some() {
-                        // A QP attached after the REQ left: move it along and send the RTU
-                        // ourselves.
-                        if let Some(c) = cep {
+                    if g.qp.is_some() {
+                        // A QP attached at connect: the engine already sent the RTU
+                        // (`ConnectParams::establish_on_rep`) and `Established` follows.
+                        // One attached after the REQ left is moved along here, the RTU
+                        // sent by us.
+                        if let (false, Some(c)) = (info.established, cep) {
                             after = After::Establish(c);
                         }
                     } else {
