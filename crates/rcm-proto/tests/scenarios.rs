@@ -1730,6 +1730,55 @@ fn a_stale_rep_gets_no_rtu_from_an_endpoint_that_answers_reps_itself() {
     );
 }
 
+/// A destroy that comes after the engine answered the REP itself (`establish_on_rep`) but
+/// before its events were taken: the connection is established on the wire (RTU sent), so
+/// the destroy ends it with a DREQ, as from Established, where without the flag the same
+/// moment (RepRcvd) gets a REJ; the events nobody took die with the handle. This is the
+/// order a destroy racing the REP's handling in the id layer meets (Linux's in-kernel RTU
+/// races the same way).
+#[test]
+fn a_destroy_after_a_rep_answered_by_the_engine_sends_a_dreq_and_reports_nothing() {
+    let mut t = T::new();
+    let (h, req, tid) = t.connect_with(|p| p.establish_on_rep = true);
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    assert!(matches!(t.sent_one().msg, CmMessage::Rtu(_)));
+    t.ep.destroy(t.now, h).unwrap();
+    let m = t.sent_one();
+    let CmMessage::Dreq(d) = m.msg else {
+        panic!("{:?}", m.msg.name())
+    };
+    assert_eq!(
+        (d.local_comm_id, d.remote_comm_id, d.remote_qpn),
+        (req.local_comm_id, PEER_ID, PEER_QPN)
+    );
+    assert!(
+        t.events().is_empty(),
+        "the untaken REP and ESTABLISHED events died"
+    );
+    // The DREP ends nothing more; timewait passes without a word.
+    t.recv(
+        1,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            ..Drep::default()
+        }),
+    );
+    t.advance(Duration::from_secs(100));
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.cep_count(), 0);
+
+    // The same moment without the flag: RepRcvd, a REJ, no RTU.
+    let mut t = T::new();
+    let (h, req, tid) = t.connect();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    t.nothing_sent();
+    t.ep.destroy(t.now, h).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rej(_)));
+    assert!(t.events().is_empty());
+}
+
 /// The events since the last call, but the half-open evictions (REP timeouts), whose
 /// endpoints go to `evicted`.
 fn events_but_evictions(t: &mut T, evicted: &mut Vec<CepHandle>) -> Vec<(CepHandle, CmEvent)> {
