@@ -1018,3 +1018,76 @@ fn a_peer_sending_cm_messages_in_any_order_breaks_no_id() {
     raw_peer::chaos(&f, &peer, 0x2545_F491_4F6C_DD1D, 160);
     f.shutdown();
 }
+
+/// A disconnect the peer never answers (Linux's `cm_dreq_handler` side gone silent): the DREQ
+/// is retried, then the id reports DISCONNECTED once, as rdma_cm does when its DREQ times
+/// out (`IB_CM_DREQ_ERROR`), and TIMEWAIT_EXIT after; nothing else, and no DREQ after the
+/// give-up.
+#[test]
+fn a_dreq_the_peer_never_answers_ends_in_one_disconnected() {
+    use rcm_wire::cm::CmMessage;
+    let f = Fabric::new(FabricConfig {
+        udp_port: 24818,
+        retry: RetryPolicy::Backoff {
+            initial: Duration::from_millis(50),
+            max_wait: Duration::from_millis(200),
+            deadline: Duration::from_secs(1),
+        },
+        min_timewait: Duration::ZERO,
+        ..FabricConfig::default()
+    });
+    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    let peer = RawPeer::new(24818);
+    let ch = EventChannel::new();
+    let c = routed(&f, &ch, addr(2, 7478));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let req = peer.recv_req();
+    peer.send(CmMessage::Rep(raw_rep(req.local_comm_id)), 0x7171);
+    let e = ch.get_event(Some(T)).expect("CONNECT_RESPONSE");
+    assert!(matches!(e.event(), Event::ConnectResponse { .. }), "{e:?}");
+    drop(e);
+    c.establish().unwrap();
+    assert!(matches!(peer.recv(), CmMessage::Rtu(_)));
+    let e = ch.get_event(Some(T)).expect("ESTABLISHED");
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+
+    c.disconnect().unwrap();
+    let e = ch
+        .get_event(Some(T))
+        .expect("DISCONNECTED after the DREQ's retries");
+    assert!(matches!(e.event(), Event::Disconnected), "{e:?}");
+    drop(e);
+    // What came until then: DREQs only, more than one (retried), for this connection.
+    peer.sock.set_nonblocking(true).unwrap();
+    let drain = || {
+        let mut dreqs = 0;
+        let mut buf = [0u8; 4096];
+        while let Ok((n, _)) = peer.sock.recv_from(&mut buf) {
+            let d = rcm_wire::roce::GsiDatagram::parse(&buf[..n]).expect("a GSI datagram");
+            match rcm_wire::cm::CmMad::parse(d.mad).expect("a CM MAD").msg {
+                CmMessage::Dreq(q) => {
+                    assert_eq!(
+                        (q.local_comm_id, q.remote_comm_id),
+                        (req.local_comm_id, 0xBEEF)
+                    );
+                    dreqs += 1;
+                }
+                m => panic!("unexpected {}", m.name()),
+            }
+        }
+        dreqs
+    };
+    let dreqs = drain();
+    assert!(dreqs > 1, "the DREQ was retried ({dreqs} sent)");
+    let e = ch.get_event(Some(T)).expect("TIMEWAIT_EXIT");
+    assert!(matches!(e.event(), Event::TimewaitExit), "{e:?}");
+    drop(e);
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "one DISCONNECTED, one TIMEWAIT_EXIT"
+    );
+    assert_eq!(drain(), 0, "a DREQ after the give-up");
+    assert_eq!(c.state(), State::Disconnect);
+    f.shutdown();
+}
