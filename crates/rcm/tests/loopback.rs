@@ -1091,3 +1091,225 @@ fn a_dreq_the_peer_never_answers_ends_in_one_disconnected() {
     assert_eq!(c.state(), State::Disconnect);
     f.shutdown();
 }
+
+/// rdma_cm's private-data limits on RoCE (an RC port space): connect 56 bytes (the REQ's
+/// 92 less the 36-byte cma header), accept 196 (the REP's), reject 148 (the REJ's). One byte
+/// more is `PrivateDataTooLong` naming both numbers, and the refused call changes nothing:
+/// the id connects, accepts or rejects with the largest allowed next, and every byte of it
+/// reaches the peer.
+#[test]
+fn private_data_limits_are_rdma_cms_and_a_refused_call_changes_nothing() {
+    let f = fabric(24819);
+    let pattern = |n: usize, k: u8| {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(7) ^ k)
+            .collect::<Vec<u8>>()
+    };
+    let (sch, cch) = (EventChannel::new(), EventChannel::new());
+    let l = f.create_id_on(PortSpace::Tcp, &sch);
+    l.bind(addr(1, 7479)).unwrap();
+    l.listen(4).unwrap();
+    let too_long = |r: rcm::Result<()>, len: usize, max: usize| match r {
+        Err(Error::PrivateDataTooLong { len: l, max: m }) => assert_eq!((l, m), (len, max)),
+        r => panic!("{len} bytes where {max} fit: {r:?}"),
+    };
+    let next = |ch: &EventChannel| {
+        let mut e = ch.get_event(Some(T)).expect("an event");
+        let id = e.id().clone();
+        (id, e.take().expect("the event"))
+    };
+
+    // Accepted, at the limits.
+    let c = routed(&f, &cch, addr(1, 7479));
+    too_long(
+        c.connect(&ConnectOptions {
+            private_data: vec![1; 57],
+            ..ConnectOptions::default()
+        }),
+        57,
+        56,
+    );
+    assert_eq!(
+        c.state(),
+        State::RouteResolved,
+        "the refused connect changed the id"
+    );
+    let req_pd = pattern(56, 0x11);
+    c.connect(&ConnectOptions {
+        private_data: req_pd.clone(),
+        ..ConnectOptions::default()
+    })
+    .unwrap();
+    let (child, ev) = next(&sch);
+    let Event::ConnectRequest { private_data, .. } = ev else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(private_data, req_pd, "all 56 bytes of the REQ's");
+    too_long(
+        child.accept(&AcceptOptions {
+            private_data: vec![2; 197],
+            ..AcceptOptions::default()
+        }),
+        197,
+        196,
+    );
+    too_long(child.reject(&[3; 149]), 149, 148);
+    assert_eq!(
+        child.state(),
+        State::Connect,
+        "the refused calls changed the child"
+    );
+    let rep_pd = pattern(196, 0x22);
+    child
+        .accept(&AcceptOptions {
+            private_data: rep_pd.clone(),
+            ..AcceptOptions::default()
+        })
+        .unwrap();
+    let (_, ev) = next(&cch);
+    let Event::ConnectResponse { private_data, .. } = ev else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(private_data, rep_pd, "all 196 bytes of the REP's");
+    c.establish().unwrap();
+    let (id, ev) = next(&cch);
+    assert!(id == c && matches!(ev, Event::Established { .. }), "{ev:?}");
+
+    // Rejected, at the limit.
+    let c2 = routed(&f, &cch, addr(1, 7479));
+    c2.connect(&ConnectOptions::default()).unwrap();
+    let child2 = loop {
+        let (id, ev) = next(&sch);
+        if matches!(ev, Event::ConnectRequest { .. }) {
+            break id;
+        }
+    };
+    let rej_pd = pattern(148, 0x33);
+    child2.reject(&rej_pd).unwrap();
+    let ev = loop {
+        let (id, ev) = next(&cch);
+        if id == c2 {
+            break ev;
+        }
+    };
+    let Event::Rejected {
+        reason,
+        private_data,
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(reason, RejReason::ConsumerDefined);
+    assert_eq!(private_data, rej_pd, "all 148 bytes of the REJ's");
+    f.shutdown();
+}
+
+/// The same on UD (SIDR): connect 180 bytes (the SIDR_REQ's 216 less the cma header), accept
+/// and reject 136 (the SIDR_REP's). A rejected SIDR request reaches the client as REJECTED
+/// (reason consumer-defined) with the SIDR_REP's private data, as rdma_cm reports a SIDR_REP
+/// of status REJECT.
+#[test]
+fn ud_private_data_limits_and_a_rejected_sidr_request() {
+    let f = fabric(24820);
+    let pattern = |n: usize, k: u8| {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(13) ^ k)
+            .collect::<Vec<u8>>()
+    };
+    let (sch, cch) = (EventChannel::new(), EventChannel::new());
+    let l = f.create_id_on(PortSpace::Udp, &sch);
+    l.bind(addr(1, 7480)).unwrap();
+    l.listen(4).unwrap();
+    let too_long = |r: rcm::Result<()>, len: usize, max: usize| match r {
+        Err(Error::PrivateDataTooLong { len: l, max: m }) => assert_eq!((l, m), (len, max)),
+        r => panic!("{len} bytes where {max} fit: {r:?}"),
+    };
+    let next = |ch: &EventChannel| {
+        let mut e = ch.get_event(Some(T)).expect("an event");
+        let id = e.id().clone();
+        (id, e.take().expect("the event"))
+    };
+    let ud_routed = || {
+        let c = f.create_id_on(PortSpace::Udp, &cch);
+        c.resolve_addr(None, addr(1, 7480)).unwrap();
+        assert!(matches!(next(&cch).1, Event::AddrResolved));
+        c.resolve_route().unwrap();
+        assert!(matches!(next(&cch).1, Event::RouteResolved));
+        c
+    };
+
+    let c = ud_routed();
+    too_long(
+        c.connect(&ConnectOptions {
+            private_data: vec![1; 181],
+            ..ConnectOptions::default()
+        }),
+        181,
+        180,
+    );
+    assert_eq!(c.state(), State::RouteResolved);
+    let req_pd = pattern(180, 0x44);
+    c.connect(&ConnectOptions {
+        private_data: req_pd.clone(),
+        ..ConnectOptions::default()
+    })
+    .unwrap();
+    let (child, ev) = next(&sch);
+    let Event::ConnectRequest {
+        private_data, ud, ..
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
+    assert!(ud);
+    assert_eq!(private_data, req_pd, "all 180 bytes of the SIDR_REQ's");
+    too_long(
+        child.accept(&AcceptOptions {
+            private_data: vec![2; 137],
+            ..AcceptOptions::default()
+        }),
+        137,
+        136,
+    );
+    too_long(child.reject(&[3; 137]), 137, 136);
+    let rep_pd = pattern(136, 0x55);
+    child
+        .accept(&AcceptOptions {
+            private_data: rep_pd.clone(),
+            ..AcceptOptions::default()
+        })
+        .unwrap();
+    let (id, ev) = next(&cch);
+    assert!(id == c);
+    let Event::Established {
+        ud: Some(_),
+        private_data,
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(private_data, rep_pd, "all 136 bytes of the SIDR_REP's");
+
+    let c2 = ud_routed();
+    c2.connect(&ConnectOptions::default()).unwrap();
+    let (child2, ev) = next(&sch);
+    assert!(
+        matches!(ev, Event::ConnectRequest { ud: true, .. }),
+        "{ev:?}"
+    );
+    let rej_pd = pattern(136, 0x66);
+    child2.reject(&rej_pd).unwrap();
+    let (id, ev) = next(&cch);
+    assert!(id == c2);
+    let Event::Rejected {
+        reason,
+        private_data,
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
+    assert_eq!(reason, RejReason::ConsumerDefined);
+    assert_eq!(private_data, rej_pd, "all 136 bytes of the SIDR_REP's");
+    assert_eq!(c2.state(), State::Disconnect);
+    f.shutdown();
+}
