@@ -6,6 +6,8 @@
 
 #[path = "engine_bytes/driver.rs"]
 mod driver;
+#[path = "support/replay.rs"]
+mod replay;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -50,15 +52,7 @@ fn random_input(seed: u64) -> Vec<u8> {
 
 #[test]
 fn random_inputs_break_no_promise() {
-    let seeds: Vec<u64> = if let Ok(s) = std::env::var("RCM_ENGINE_BYTES_SEED") {
-        vec![s.parse().expect("RCM_ENGINE_BYTES_SEED is a number")]
-    } else {
-        let n = std::env::var("RCM_ENGINE_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(20_000);
-        (1..=n).collect()
-    };
+    let seeds = replay::seeds("RCM_ENGINE_BYTES_SEED", "RCM_ENGINE_BYTES", 20_000);
     let mut total = driver::Counts::default();
     for &seed in &seeds {
         let c = driver::run(&random_input(seed))
@@ -81,15 +75,5 @@ fn random_inputs_break_no_promise() {
 
 #[test]
 fn kept_inputs_break_no_promise() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/engine_bytes");
-    let mut n = 0;
-    for entry in std::fs::read_dir(&dir).expect("testdata/engine_bytes") {
-        let path = entry.expect("a directory entry").path();
-        if path.extension().is_some_and(|e| e == "bin") {
-            let input = std::fs::read(&path).expect("a kept input");
-            driver::run(&input).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            n += 1;
-        }
-    }
-    assert!(n > 0, "no kept input in {}", dir.display());
+    replay::kept_inputs("engine_bytes", driver::run);
 }

@@ -7,6 +7,8 @@
 
 #[path = "iw_bytes/driver.rs"]
 mod driver;
+#[path = "support/replay.rs"]
+mod replay;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -59,15 +61,7 @@ fn random_input(seed: u64) -> Vec<u8> {
 
 #[test]
 fn random_inputs_break_no_promise() {
-    let seeds: Vec<u64> = if let Ok(s) = std::env::var("RCM_IW_BYTES_SEED") {
-        vec![s.parse().expect("RCM_IW_BYTES_SEED is a number")]
-    } else {
-        let n = std::env::var("RCM_IW_BYTES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(20_000);
-        (1..=n).collect()
-    };
+    let seeds = replay::seeds("RCM_IW_BYTES_SEED", "RCM_IW_BYTES", 20_000);
     let mut total = driver::Counts::default();
     for &seed in &seeds {
         let c = driver::run(&random_input(seed))
@@ -87,15 +81,5 @@ fn random_inputs_break_no_promise() {
 
 #[test]
 fn kept_inputs_break_no_promise() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/iw_bytes");
-    let mut n = 0;
-    for entry in std::fs::read_dir(&dir).expect("testdata/iw_bytes") {
-        let path = entry.expect("a directory entry").path();
-        if path.extension().is_some_and(|e| e == "bin") {
-            let input = std::fs::read(&path).expect("a kept input");
-            driver::run(&input).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            n += 1;
-        }
-    }
-    assert!(n > 0, "no kept input in {}", dir.display());
+    replay::kept_inputs("iw_bytes", driver::run);
 }

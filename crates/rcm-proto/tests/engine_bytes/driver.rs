@@ -27,6 +27,10 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+#[path = "../support/byte_input.rs"]
+mod byte_input;
+use byte_input::Bytes;
+
 const SVC: u64 = cma::service_id(PortSpace::Tcp, 7471);
 const SIDR_SVC: u64 = cma::service_id(PortSpace::Udp, 7174);
 /// Datagrams kept in flight at most (more are lost, as a full queue loses them).
@@ -50,67 +54,12 @@ fn stranger() -> IpAddr {
     IpAddr::from([198, 18, 0, 9])
 }
 
-/// The input, read front to back; past its end every read is zero.
-struct Bytes<'a> {
-    data: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Bytes<'a> {
-    fn more(&self) -> bool {
-        self.at < self.data.len()
-    }
-
-    fn u8(&mut self) -> u8 {
-        let b = self.data.get(self.at).copied().unwrap_or(0);
-        self.at += 1;
-        b
-    }
-
-    fn u16(&mut self) -> u16 {
-        u16::from_be_bytes([self.u8(), self.u8()])
-    }
-
-    fn u64(&mut self) -> u64 {
-        (0..8).fold(0, |v, _| v << 8 | u64::from(self.u8()))
-    }
-
-    fn bit(&mut self) -> bool {
-        self.u8() & 1 == 1
-    }
-
-    /// Up to `n` bytes of the input (fewer at its end).
-    fn take(&mut self, n: usize) -> &'a [u8] {
-        let start = self.at.min(self.data.len());
-        let end = (start + n).min(self.data.len());
-        self.at = self.at.max(end);
-        &self.data[start..end]
-    }
-
-    /// Private data of at most `max` bytes, its length chosen by the input.
-    fn pd(&mut self, max: usize) -> Vec<u8> {
-        let n = usize::from(self.u8()) % (max + 1);
-        vec![0xA5; n]
-    }
-
-    /// One of `n` things (0 when there are none).
-    fn pick(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            usize::from(self.u16()) % n
-        }
-    }
-}
-
 /// What one host's user holds and has done.
 #[derive(Default)]
 struct Host {
     live: BTreeSet<CepHandle>,
     listeners: BTreeSet<CepHandle>,
     destroyed: BTreeSet<CepHandle>,
-    /// Every handle an event or a call ever showed this user.
-    known: BTreeSet<CepHandle>,
     /// Connect requests (RC and SIDR) not yet answered by this driver.
     requests: Vec<CepHandle>,
 }
@@ -139,7 +88,7 @@ pub struct Counts {
 
 /// Runs the input (see the module's doc); `Err` says which promise broke.
 pub fn run(data: &[u8]) -> Result<Counts, String> {
-    let mut b = Bytes { data, at: 0 };
+    let mut b = Bytes::new(data);
     let mut r = Run::new(&mut b);
     let mut counts = Counts::default();
     while b.more() {
@@ -204,7 +153,8 @@ impl Run {
 
     fn adopt(&mut self, k: usize, h: CepHandle) -> Result<(), String> {
         let host = &mut self.hosts[k];
-        if !host.known.insert(h) {
+        // Handles are never reused: one this user held or destroyed is not new.
+        if host.live.contains(&h) || host.destroyed.contains(&h) {
             return Err(format!(
                 "step {}: host {k} was given handle {h:?} again",
                 self.steps

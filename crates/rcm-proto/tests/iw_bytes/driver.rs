@@ -31,44 +31,15 @@ use rcm_wire::mpa::{term_etype, term_layer, Terminate};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+#[path = "../support/byte_input.rs"]
+mod byte_input;
+use byte_input::Bytes;
+
 /// Bytes a direction holds at most: past it a write is lost (and the stream counts as
 /// altered), so a run's memory stays bounded.
 const PIPE_MAX: usize = 1 << 20;
 /// How long the settling stream may take once both sides are destroyed.
 const SETTLE: Duration = Duration::from_secs(3600);
-
-/// The input, read front to back; past its end every read is zero.
-struct Bytes<'a> {
-    data: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Bytes<'a> {
-    fn more(&self) -> bool {
-        self.at < self.data.len()
-    }
-
-    fn u8(&mut self) -> u8 {
-        let b = self.data.get(self.at).copied().unwrap_or(0);
-        self.at += 1;
-        b
-    }
-
-    fn u16(&mut self) -> u16 {
-        u16::from_be_bytes([self.u8(), self.u8()])
-    }
-
-    fn bit(&mut self) -> bool {
-        self.u8() & 1 == 1
-    }
-
-    fn take(&mut self, n: usize) -> &'a [u8] {
-        let start = self.at.min(self.data.len());
-        let end = (start + n).min(self.data.len());
-        self.at = self.at.max(end);
-        &self.data[start..end]
-    }
-}
 
 /// One direction of the stream: what side `i` wrote, on its way to the other side.
 #[derive(Default)]
@@ -115,7 +86,7 @@ struct Run {
 
 /// Runs the input (see the module's doc); `Err` says which promise broke.
 pub fn run(data: &[u8]) -> Result<Counts, String> {
-    let mut b = Bytes { data, at: 0 };
+    let mut b = Bytes::new(data);
     let mut r = Run::new(&mut b);
     let mut counts = Counts::default();
     while b.more() {
