@@ -11,6 +11,7 @@ use crate::iwarp::{ConnKey, IwEvent};
 use crate::remote::{IdInfo, Op, RemoteId, Reply, Sink};
 use crate::slot::{ChannelCore, DestroyOutcome, Flow, Slot, Target};
 use crate::sync;
+use crate::waitq::WaitQueue;
 use crate::{Error, Result};
 use rcm_proto::ib::{
     self, AcceptParams, CepHandle, CmEvent, ConnectParams, PathParams, SidrParams, SidrReplyParams,
@@ -285,12 +286,10 @@ struct Extra {
 #[derive(Default)]
 struct Mail {
     /// iWARP: Send messages received and not yet taken (`recv_message`).
-    inbox: Mutex<std::collections::VecDeque<Vec<u8>>>,
-    inbox_cv: std::sync::Condvar,
+    inbox: WaitQueue<Vec<u8>>,
     /// UD: datagrams received for this id's QPN and not yet taken (`recv_ud`), at most
     /// [`UD_RECV_QUEUE`].
-    ud_inbox: Mutex<std::collections::VecDeque<UdMessage>>,
-    ud_cv: std::sync::Condvar,
+    ud_inbox: WaitQueue<UdMessage>,
 }
 
 pub(crate) struct IdInner {
@@ -1741,8 +1740,9 @@ fn teardown(inner: &Arc<IdInner>) {
     // A `recv_message` waiting for this id returns (no message is queued from here on:
     // `on_iw_event` checks liveness under the queue's lock, as `deliver_ud` does).
     if let Some(m) = mail {
-        sync::lock(&m.inbox).clear();
-        m.inbox_cv.notify_all();
+        let mut q = m.inbox.lock();
+        q.clear();
+        m.inbox.wake(q);
     }
     // UD: no datagram is queued to this id from here on (`deliver_ud` checks liveness under
     // the queue's lock, and the slot stopped being live before this teardown began).
@@ -1750,8 +1750,9 @@ fn teardown(inner: &Arc<IdInner>) {
         unregister_ud(dev, q, inner);
     }
     if let Some(m) = mail {
-        sync::lock(&m.ud_inbox).clear();
-        m.ud_cv.notify_all();
+        let mut q = m.ud_inbox.lock();
+        q.clear();
+        m.ud_inbox.wake(q);
     }
     if let (Some(dev), Some(cep)) = (&dev, cep) {
         sync::lock(&dev.ceps).remove(&cep);
@@ -2566,7 +2567,7 @@ impl CmId {
         crate::fabric::before_wait();
         let end = std::time::Instant::now() + timeout;
         let mail = self.0.mail();
-        let mut q = sync::lock(&mail.inbox);
+        let mut q = mail.inbox.lock();
         loop {
             if let Some(m) = q.pop_front() {
                 drop(q);
@@ -2579,13 +2580,13 @@ impl CmId {
             }
             // The teardown wakes this wait, but a destroy's teardown may wait for this very
             // thread (a callback calling recv_message): liveness is looked at every 50 ms.
-            q = sync::wait_timeout(&mail.inbox_cv, q, left.min(RECV_LIVENESS_POLL));
+            q = mail.inbox.wait_timeout(q, left.min(RECV_LIVENESS_POLL));
         }
     }
 
     /// The next message already received, if any.
     pub fn try_recv_message(&self) -> Option<Vec<u8>> {
-        let m = sync::lock(&self.0.mail_if_any()?.inbox).pop_front()?;
+        let m = self.0.mail_if_any()?.inbox.lock().pop_front()?;
         self.iw_message_taken();
         Some(m)
     }
@@ -2728,13 +2729,12 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
             IwEvent::Cep(iw::Event::Message(m)) => {
                 drop(g);
                 let mail = id.mail();
-                let mut q = sync::lock(&mail.inbox);
+                let mut q = mail.inbox.lock();
                 // A message for an id whose teardown began (and cleared the queue, or will)
                 // is dropped, not kept past the destroy.
                 if id.slot.is_live() {
                     q.push_back(m);
-                    drop(q);
-                    mail.inbox_cv.notify_all();
+                    mail.inbox.wake(q);
                 }
                 None
             }
@@ -2975,7 +2975,7 @@ impl CmId {
         crate::fabric::before_wait();
         let end = std::time::Instant::now() + timeout;
         let mail = self.0.mail();
-        let mut q = sync::lock(&mail.ud_inbox);
+        let mut q = mail.ud_inbox.lock();
         loop {
             if !self.0.slot.is_live() {
                 return None;
@@ -2987,7 +2987,7 @@ impl CmId {
             if left.is_zero() {
                 return None;
             }
-            q = sync::wait_timeout(&mail.ud_cv, q, left);
+            q = mail.ud_inbox.wait_timeout(q, left);
         }
     }
 
@@ -2996,7 +2996,7 @@ impl CmId {
         if !self.0.slot.is_live() {
             return None;
         }
-        sync::lock(&self.0.mail_if_any()?.ud_inbox).pop_front()
+        self.0.mail_if_any()?.ud_inbox.lock().pop_front()
     }
 }
 
@@ -3055,7 +3055,7 @@ pub(crate) fn deliver_ud(
         return;
     }
     let mail = id.mail();
-    let mut q = sync::lock(&mail.ud_inbox);
+    let mut q = mail.ud_inbox.lock();
     // Checked under the queue's lock: the teardown clears the queue after the slot stopped
     // being live, so nothing queued here can outlive the id.
     if !id.slot.is_live() {
@@ -3073,6 +3073,5 @@ pub(crate) fn deliver_ud(
         imm: d.imm,
         payload: d.payload,
     });
-    drop(q);
-    mail.ud_cv.notify_all();
+    mail.ud_inbox.wake(q);
 }

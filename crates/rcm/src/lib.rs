@@ -67,6 +67,8 @@ mod slot;
 mod sync;
 #[cfg(not(loom))]
 mod sys;
+#[cfg(not(loom))]
+mod waitq;
 
 #[cfg(not(loom))]
 pub use error::{Error, Result};
