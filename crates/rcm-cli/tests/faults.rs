@@ -1586,6 +1586,7 @@ mod agent {
                         "half_open_evictions": s.half_open_evictions,
                         "stale_rejects": s.stale_rejects, "no_listener_rejects": s.no_listener_rejects,
                         "lap_apr": s.rx_lap_apr_ignored, "engine_tx": s.tx, "retransmits": s.retransmits,
+                        "get_set": s.unsupported_get_set,
                         "cep_states": d.engine_cep_states(),
                     }),
                 );
@@ -3052,7 +3053,8 @@ fn malformed_packets_are_dropped() {
     mutate("MAD class 0x81 (DR SMP)", 21, &[0x81], true);
     mutate("CM class version 1", 22, &[1], true);
     mutate("CM class version 3", 22, &[3], true);
-    mutate("method Get on a REQ", 23, &[1], true);
+    // Not malformed: a Get is answered GetResp(0x000C), as Linux's MAD layer does (below).
+    mutate("method Get on a REQ", 23, &[1], false);
     mutate("unknown attribute 0x0099", 36, &[0, 0x99], true);
     for size in [300, 1400, 4000, 9000, 60000] {
         let mut p = base[..276].to_vec();
@@ -3095,6 +3097,11 @@ fn malformed_packets_are_dropped() {
         d("/rx")
     );
     assert_eq!(d("/malformed"), mad_level, "malformed MADs counted");
+    assert_eq!(
+        d("/get_set"),
+        EACH as u64,
+        "every Get answered GetResp(0x000C), nothing else"
+    );
     assert_eq!(
         s["groups"]["s"]["ev"],
         json!({"CONNECT_REQUEST": 10, "ESTABLISHED": 10}),

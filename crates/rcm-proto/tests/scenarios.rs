@@ -1227,6 +1227,23 @@ fn every_way_out_of_half_open_frees_its_place_in_the_budget() {
     assert_eq!(t.ep.state(last), Some(State::RepSent));
 }
 
+/// From MRA_REQ_SENT the peer knows our comm ID (the MRA carried it), and the REJ names it
+/// (Linux `cm_format_rej`); only REQ_RCVD sends 0.
+#[test]
+fn reject_after_an_mra_carries_our_comm_id() {
+    let mut t = T::new();
+    let (_, c, id) = t.req_rcvd();
+    t.ep.mra(c, 20, false).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Mra(_)));
+    t.ep.reject(t.now, c, RejReason::ConsumerDefined, &[], &[])
+        .unwrap();
+    let CmMessage::Rej(rej) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (id, PEER_ID));
+    assert_eq!(rej.message_rejected, MsgCode::Req);
+}
+
 #[test]
 fn reject_with_private_data() {
     let mut t = T::new();
@@ -1236,7 +1253,9 @@ fn reject_with_private_data() {
     let m = t.sent_one();
     assert_eq!(m.header.tid, TID);
     let CmMessage::Rej(rej) = m.msg else { panic!() };
-    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (id, PEER_ID));
+    // Linux `cm_format_rej` from REQ_RCVD: the peer never learned our comm ID, the field is 0.
+    assert_ne!(id, 0);
+    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (0, PEER_ID));
     assert_eq!(
         (rej.reason, rej.message_rejected),
         (RejReason::ConsumerDefined, MsgCode::Req)
@@ -1682,7 +1701,7 @@ fn commands_in_the_wrong_state_are_refused() {
 }
 
 #[test]
-fn stale_rep_is_rejected_and_its_later_copies_dropped() {
+fn stale_rep_is_rejected_again_for_each_copy_and_never_taken() {
     let mut t = T::new();
     let (old, _) = t.established_active(); // holds the peer's QPN 0x99
     let (h, req, tid) = t.connect();
@@ -1696,17 +1715,57 @@ fn stale_rep_is_rejected_and_its_later_copies_dropped() {
         "stale REP rejected, the old connection torn down"
     );
     assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert_eq!(
+        t.ep.state(old),
+        Some(State::DreqSent),
+        "still holds QPN 0x99"
+    );
+    // Our REJ was lost and the peer (REP_SENT) sends its REP again: refused again, as
+    // Linux's `cm_rep_handler` does while the QPN is held, and no second DREQ.
+    let stale_rej = |t: &mut T| {
+        let sent = t.sent();
+        assert_eq!(
+            sent.len(),
+            1,
+            "{:?}",
+            sent.iter().map(|m| m.msg.name()).collect::<Vec<_>>()
+        );
+        let m = &sent[0];
+        assert_eq!(m.header.tid, tid);
+        let CmMessage::Rej(r) = &m.msg else {
+            panic!("{m:?}")
+        };
+        assert_eq!(
+            (
+                r.reason,
+                r.message_rejected,
+                r.local_comm_id,
+                r.remote_comm_id
+            ),
+            (
+                RejReason::StaleConn,
+                MsgCode::Rep,
+                req.local_comm_id,
+                0x6666_0000
+            )
+        );
+    };
+    t.recv(tid, CmMessage::Rep(rep.clone()));
+    stale_rej(&mut t);
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
     // The old connection goes away entirely.
     t.ep.destroy(t.now, old).unwrap();
     t.advance(Duration::from_secs(5));
     t.sent();
     t.events();
-    // A retransmitted copy of the stale REP must not establish a connection whose passive
-    // side our REJ already sent to timewait.
+    // A later copy of the stale REP still must not establish a connection whose passive
+    // side our REJ may have sent to timewait (Linux would take it now): refused again.
     t.recv(tid, CmMessage::Rep(rep));
+    stale_rej(&mut t);
     assert!(t.events().is_empty());
     assert_eq!(t.ep.state(h), Some(State::ReqSent));
-    assert!(t.ep.stats().rx_duplicates >= 1);
+    assert!(t.ep.stats().rx_duplicates >= 2);
+    assert_eq!(t.ep.stats().stale_rejects, 3);
 }
 
 /// A stale REP is rejected without an RTU even when the endpoint answers REPs itself
@@ -2128,4 +2187,100 @@ fn a_rep_with_comm_id_zero_is_rejected_and_the_attempt_ends() {
     t.advance(Duration::from_secs(120));
     t.nothing_sent();
     assert!(t.events().is_empty(), "no REQ retry, no timeout");
+}
+
+/// A REQ for a UC, RD or XRC connection: only RC is made here. Linux's rdma_cm refuses a
+/// REQ whose QP type is not its listener's (`cma_ib_check_req_qp_type`), and ib_cm then
+/// destroys the new id from REQ_RCVD: REJ(CONSUMER_DEFINED), local comm ID 0, nothing kept.
+#[test]
+fn a_req_for_another_transport_than_rc_is_refused_as_rdma_cm_does() {
+    for tt in [
+        cm::TransportType::Uc,
+        cm::TransportType::Rd,
+        cm::TransportType::Extended,
+    ] {
+        let mut t = T::new();
+        let _l = t.ep.listen(SID, u64::MAX, 0).unwrap();
+        let mut req = peer_req(PEER_ID, PEER_QPN);
+        req.transport_type = tt;
+        t.recv(TID, CmMessage::Req(req.clone()));
+        assert!(t.events().is_empty(), "{tt:?} offered to the listener");
+        let m = t.sent_one();
+        assert_eq!(m.header.tid, TID);
+        let CmMessage::Rej(r) = m.msg else {
+            panic!("{m:?}")
+        };
+        assert_eq!(
+            (
+                r.reason,
+                r.message_rejected,
+                r.local_comm_id,
+                r.remote_comm_id
+            ),
+            (RejReason::ConsumerDefined, MsgCode::Req, 0, PEER_ID),
+            "{tt:?}"
+        );
+        assert_eq!(t.ep.cep_count(), 0, "{tt:?}: no endpoint kept for it");
+        assert_eq!(t.ep.stats().transport_rejects, 1);
+        // Nothing was kept: an RC REQ reusing the same comm ID and QPN is a new connection.
+        req.transport_type = cm::TransportType::Rc;
+        t.recv(TID, CmMessage::Req(req));
+        assert!(matches!(
+            t.events().as_slice(),
+            [(_, CmEvent::ReqReceived { .. })]
+        ));
+    }
+}
+
+/// Linux's MAD layer answers a Get or Set that no agent takes (`generate_unmatched_resp`)
+/// by echoing the whole MAD as GetResp with status 0x000C, whatever its class and
+/// attribute; the CM agent takes only Sends. ClassPortInfo is no exception.
+#[test]
+fn any_get_or_set_is_echoed_as_getresp_0x000c() {
+    let mut t = T::new();
+    let rtu = CmMad::send(0x42, CmMessage::Rtu(Rtu::default()))
+        .emit()
+        .unwrap();
+    let mut cpi = CmMad::send(0x43, CmMessage::ClassPortInfo(ClassPortInfo::default()))
+        .emit()
+        .unwrap();
+    cpi[24..40].copy_from_slice(&[0xA5; 16]); // a Set's data is echoed too
+    let mut other_class = rtu;
+    other_class[1] = 0x04; // performance management
+    let mut cases = Vec::new();
+    for (base, method) in [
+        (rtu, mad::method::GET),
+        (cpi, mad::method::SET),
+        (cpi, mad::method::GET),
+        (other_class, mad::method::GET),
+    ] {
+        let mut m = base;
+        m[3] = method;
+        cases.push(m);
+    }
+    for m in &cases {
+        t.ep.handle_datagram(t.now, ip(PEER), m);
+        let x = t.ep.poll_transmit().expect("an answer");
+        assert!(t.ep.poll_transmit().is_none());
+        assert_eq!(x.dst, ip(PEER));
+        let mut want = *m;
+        want[3] = mad::method::GET_RESP;
+        want[4..6].copy_from_slice(&[0x00, 0x0C]);
+        assert_eq!(x.mad[..], want[..]);
+    }
+    assert_eq!(t.ep.stats().unsupported_get_set, cases.len() as u64);
+    // Nothing else is answered: a GetResp, a Send of an unknown attribute, a subnet
+    // management class, another base version.
+    let mut getresp = cases[0];
+    getresp[3] = mad::method::GET_RESP;
+    let mut unknown_send = rtu;
+    unknown_send[16..18].copy_from_slice(&0x0099u16.to_be_bytes());
+    let mut smp = cases[0];
+    smp[1] = 0x81;
+    let mut v2 = cases[0];
+    v2[0] = 2;
+    for m in [getresp, unknown_send, smp, v2] {
+        t.ep.handle_datagram(t.now, ip(PEER), &m);
+        assert!(t.ep.poll_transmit().is_none(), "{:02x?}", &m[..4]);
+    }
 }

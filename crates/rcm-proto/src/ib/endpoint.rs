@@ -15,7 +15,7 @@ use rcm_wire::cm::{
     self, CmMad, CmMessage, Drep, Dreq, Mra, MsgCode, Rej, RejReason, Rep, Req, ReqPath, Rtu,
     SidrRep, SidrReq, SidrStatus, TransportType,
 };
-use rcm_wire::mad::{self, MadHeader};
+use rcm_wire::mad;
 use rcm_wire::{tid, Gid};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
@@ -32,7 +32,7 @@ pub struct Stats {
     pub rx_duplicates: u64,
     /// REQs dropped because the listener's backlog was full or the endpoint table was.
     pub rx_backlog_drops: u64,
-    /// REQs answered with REJ(STALE_CONN).
+    /// REQs and REPs answered with REJ(STALE_CONN).
     pub stale_rejects: u64,
     /// REQs answered with REJ(INVALID_SERVICE_ID).
     pub no_listener_rejects: u64,
@@ -50,6 +50,11 @@ pub struct Stats {
     /// Walks of the half-open queue to drop the entries that left it (see
     /// `EndpointConfig::max_half_open`).
     pub half_open_compactions: u64,
+    /// REQs for a transport other than RC (UC, RD, XRC), answered with
+    /// REJ(CONSUMER_DEFINED) as rdma_cm makes ib_cm answer them.
+    pub transport_rejects: u64,
+    /// Get and Set MADs answered with GetResp, status 0x000C (no attribute is served).
+    pub unsupported_get_set: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -831,8 +836,15 @@ impl Endpoint {
 
     fn send_rej(&mut self, h: CepHandle, msg: MsgCode, reason: RejReason, ari: &[u8], pd: &[u8]) {
         let Some(c) = self.ceps.get(&h) else { return };
+        // Linux `cm_format_rej`: rejecting from REQ_RCVD, the peer has not learned our comm
+        // ID yet and the field is 0; from MRA_REQ_SENT on (an MRA carried it) it is ours.
+        let local_comm_id = if c.state == State::ReqRcvd {
+            0
+        } else {
+            c.local_id
+        };
         let rej = Rej {
-            local_comm_id: c.local_id,
+            local_comm_id,
             remote_comm_id: c.remote_id,
             message_rejected: msg,
             reject_info_length: ari.len() as u8,
@@ -1200,6 +1212,15 @@ impl Endpoint {
 
     /// Feeds one received MAD (the 256 bytes after BTH and DETH) from `from`.
     pub fn handle_datagram(&mut self, now: Instant, from: IpAddr, mad: &[u8]) {
+        if let Some(reply) = unsupported_get_set(mad) {
+            self.stats.unsupported_get_set += 1;
+            self.stats.tx += 1;
+            self.transmits.push_back(Transmit {
+                dst: from,
+                mad: reply,
+            });
+            return;
+        }
         let Ok(parsed) = CmMad::parse(mad) else {
             self.stats.rx_malformed += 1;
             return;
@@ -1216,30 +1237,13 @@ impl Endpoint {
             CmMessage::SidrReq(m) => self.on_sidr_req(from, tid, m),
             CmMessage::SidrRep(m) => self.on_sidr_rep(from, m),
             CmMessage::Lap(_) | CmMessage::Apr(_) => self.stats.rx_lap_apr_ignored += 1,
-            CmMessage::ClassPortInfo(_) => self.on_class_port_info(from, &parsed.header),
+            // A GetResp: nothing here asked (Get and Set were answered above).
+            CmMessage::ClassPortInfo(_) => self.unmatched(),
         }
     }
 
     fn unmatched(&mut self) {
         self.stats.rx_unmatched += 1;
-    }
-
-    /// The Linux MAD layer answers an unmatched Get/Set with GetResp, status 0x000C.
-    fn on_class_port_info(&mut self, from: IpAddr, hdr: &MadHeader) {
-        if !matches!(hdr.method, mad::method::GET | mad::method::SET) {
-            return self.unmatched();
-        }
-        let mut h = *hdr;
-        h.method = mad::method::GET_RESP;
-        h.status = mad::status::METHOD_ATTR_UNSUPPORTED;
-        let m = CmMad {
-            header: h,
-            msg: CmMessage::ClassPortInfo(cm::ClassPortInfo::default()),
-        };
-        if let Ok(mad) = m.emit() {
-            self.stats.tx += 1;
-            self.transmits.push_back(Transmit { dst: from, mad });
-        }
     }
 
     /// A REJ built from a received REQ, with no endpoint behind it (Linux `cm_issue_rej`).
@@ -1318,6 +1322,24 @@ impl Endpoint {
             self.stats.no_listener_rejects += 1;
             return;
         };
+        // Only RC connections are made here. Linux's ib_cm hands the transport to its
+        // consumer, and rdma_cm refuses a REQ whose QP type is not its listener's
+        // (`cma_ib_check_req_qp_type`); the handler's error makes ib_cm destroy the new id
+        // from REQ_RCVD, which sends REJ(CONSUMER_DEFINED) with local comm ID 0 and keeps
+        // nothing. IBTA's own reason for it, 9 (Invalid Transport Service Type), is not
+        // what a Linux peer sees, so it is not what it gets here.
+        if req.transport_type != TransportType::Rc {
+            let rej = Rej {
+                local_comm_id: 0,
+                remote_comm_id: req.local_comm_id,
+                message_rejected: MsgCode::Req,
+                reason: RejReason::ConsumerDefined,
+                ..Rej::default()
+            };
+            self.send(from, tid, CmMessage::Rej(rej));
+            self.stats.transport_rejects += 1;
+            return;
+        }
         let full = self
             .listeners
             .get(&lh)
@@ -1383,7 +1405,17 @@ impl Endpoint {
         let Some(c) = self.ceps.get(&h) else { return };
         match c.state {
             State::ReqSent | State::MraReqRcvd if c.stale_rep == Some(rep.local_comm_id) => {
-                return self.stats.rx_duplicates += 1;
+                // A copy of the REP already refused as stale: the peer, still in REP_SENT,
+                // did not get our REJ. Refused again (Linux's `cm_rep_handler` finds the
+                // QPN held again and issues the same REJ), so it stops at once instead of
+                // at the end of its retries; without a second DREQ to the old connection,
+                // and even once that is gone (where Linux would take the copy: the REJ
+                // already sent may have put the peer's side in timewait).
+                self.stats.rx_duplicates += 1;
+                self.stats.stale_rejects += 1;
+                let rej = stale_rep_rej(&rep);
+                self.send(from, tid, CmMessage::Rej(rej));
+                return;
             }
             State::ReqSent | State::MraReqRcvd => {}
             State::Established => {
@@ -1432,13 +1464,7 @@ impl Endpoint {
         if let Some(&other) = self.remote_qps.get(&(rep.local_qpn, guid)) {
             if other != h {
                 // Stale: reject this REP, tear the old connection down, keep waiting.
-                let rej = Rej {
-                    local_comm_id: rep.remote_comm_id,
-                    remote_comm_id: rep.local_comm_id,
-                    message_rejected: MsgCode::Rep,
-                    reason: RejReason::StaleConn,
-                    ..Rej::default()
-                };
+                let rej = stale_rep_rej(&rep);
                 self.send(from, tid, CmMessage::Rej(rej));
                 self.stats.stale_rejects += 1;
                 if let Some(c) = self.ceps.get_mut(&h) {
@@ -1769,6 +1795,41 @@ fn check_pd(what: &'static str, pd: &[u8], max: usize) -> Result<(), CmError> {
         .into());
     }
     Ok(())
+}
+
+/// The answer to a Get or Set MAD, of any class and attribute: nothing here serves one
+/// (the CM's messages are Sends, and the Linux CM has no ClassPortInfo handler either), so
+/// it gets what Linux's MAD layer gives a Get or Set no agent took (`generate_unmatched_resp`):
+/// the MAD echoed whole as GetResp with status 0x000C, method/attribute combination not
+/// supported. A MAD of another base version, a subnet management class (never valid on
+/// QP1) or any other method gets nothing.
+fn unsupported_get_set(mad: &[u8]) -> Option<[u8; rcm_wire::roce::MAD_LEN]> {
+    /// Subnet management, LID-routed and directed-route: refused on the GSI QP.
+    const SMP_CLASSES: [u8; 2] = [0x01, 0x81];
+    let m: &[u8; rcm_wire::roce::MAD_LEN] = mad.try_into().ok()?;
+    let (base, class, method) = (m[0], m[1], m[3]);
+    if base != mad::BASE_VERSION
+        || SMP_CLASSES.contains(&class)
+        || !matches!(method, mad::method::GET | mad::method::SET)
+    {
+        return None;
+    }
+    let mut r = *m;
+    r[3] = mad::method::GET_RESP;
+    r[4..6].copy_from_slice(&mad::status::METHOD_ATTR_UNSUPPORTED.to_be_bytes());
+    Some(r)
+}
+
+/// The REJ(STALE_CONN) answering a REP whose QPN another connection holds (Linux
+/// `cm_issue_rej` from `cm_rep_handler`: built from the REP's comm IDs).
+fn stale_rep_rej(rep: &Rep) -> Rej {
+    Rej {
+        local_comm_id: rep.remote_comm_id,
+        remote_comm_id: rep.local_comm_id,
+        message_rejected: MsgCode::Rep,
+        reason: RejReason::StaleConn,
+        ..Rej::default()
+    }
 }
 
 fn rtu_of(c: &Cep) -> Rtu {
