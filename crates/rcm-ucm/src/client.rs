@@ -1015,6 +1015,12 @@ impl Inner {
         };
         if look == Look::Ended {
             self.ended.store(true, Ordering::SeqCst);
+            // Ended by what was read (a broken ring, a bad frame) rather than by the daemon
+            // hanging up: the connection is closed here, so that the daemon ends the
+            // session and its ids now, not when the application drops the fabric, and so
+            // that a reader asleep on the socket wakes (an unpark does not end its
+            // poll(2)) to deliver every id its DeviceRemoval.
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
         }
         look
     }
@@ -1066,10 +1072,14 @@ impl Inner {
             return Look::Nothing;
         }
         *idle_looks = 0;
-        if crate::shmchan::drain_doorbells(&self.stream) {
-            Look::Nothing
-        } else {
-            Look::Ended
+        match crate::shmchan::take_doorbells(&self.stream) {
+            // The doorbell may have been rung for the reader asleep on the socket, and a
+            // waiter that reads it here takes the wake-up the reader would have had: the
+            // frame it announced (published before the doorbell) is looked for now, or it
+            // would wait in the ring for the next doorbell.
+            Some(true) => self.receive_ring(rx, by_waiter),
+            Some(false) => Look::Nothing,
+            None => Look::Ended,
         }
     }
 

@@ -208,13 +208,21 @@ fn ring(s: &UnixStream) -> io::Result<()> {
 /// Reads what a channel's socket holds without waiting: doorbell bytes are dropped. False
 /// when the other side is gone (end of stream or an error).
 pub(crate) fn drain_doorbells(s: &UnixStream) -> bool {
+    take_doorbells(s).is_some()
+}
+
+/// [`drain_doorbells`], saying whether a doorbell was read: `Some(true)` when one was (a
+/// frame published before it is in the ring now), `None` when the other side is gone.
+pub(crate) fn take_doorbells(s: &UnixStream) -> Option<bool> {
     let mut b = [0u8; 64];
+    let mut rang = false;
     loop {
         match rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT) {
-            Ok((0, _)) => return false,
-            Ok(_) | Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => return true,
-            Err(_) => return false,
+            Ok((0, _)) => return None,
+            Ok(_) => rang = true,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Some(rang),
+            Err(_) => return None,
         }
     }
 }

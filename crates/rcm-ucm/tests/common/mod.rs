@@ -395,3 +395,33 @@ pub fn refuse_channels(listener: &std::os::unix::net::UnixListener) {
         let _ = c.write_all(&no.encode(seq));
     }
 }
+
+/// Writes `frame` with `fd` attached (`SCM_RIGHTS`), as the daemon sends its memory.
+pub fn send_with_fd(s: &std::os::unix::net::UnixStream, frame: &[u8], fd: &std::os::fd::OwnedFd) {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    let fds = [fd.as_fd()];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+    let n = sendmsg(
+        s,
+        &[std::io::IoSlice::new(frame)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .expect("sendmsg");
+    let mut w = s;
+    w.write_all(&frame[n..]).expect("the rest");
+}
+
+/// Whether the client marked its events ring asleep (its reader about to sleep on the
+/// socket, so that the daemon rings the doorbell): the consumer's flag, 128 bytes past the
+/// ring's control block (§2.3 of `docs/ucm-protocol.md`).
+pub fn events_ring_asleep(region: &rcm_shm::Region) -> bool {
+    region
+        .u32_at(rcm_ucm::shmchan::EVENTS.ctl + 128)
+        .load(std::sync::atomic::Ordering::SeqCst)
+        != 0
+}
