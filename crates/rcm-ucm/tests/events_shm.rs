@@ -389,7 +389,7 @@ fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
     assert!(!client.is_alive(), "the waiter did not see the broken ring");
     assert!(
         matches!(
-            ev.as_ref().map(|e| e.event()),
+            ev.as_ref().map(rcm::ChannelEvent::event),
             Some(rcm::Event::DeviceRemoval)
         ),
         "{:?}",
@@ -482,7 +482,7 @@ fn a_doorbell_read_by_a_polling_waiter_does_not_strand_its_frame() {
         ])
         .spawn()
         .expect("strace");
-    std::thread::sleep(Duration::from_millis(1000));
+    std::thread::sleep(Duration::from_secs(1));
     cmd_tx.send("kick").expect("kick");
     ack_rx.recv_timeout(T).expect("the reader sleeps again");
     // The event comes 20 ms into the waiter's poll: after its look at the ring, while its
