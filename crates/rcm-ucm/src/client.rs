@@ -1015,11 +1015,11 @@ impl Inner {
         };
         if look == Look::Ended {
             self.ended.store(true, Ordering::SeqCst);
-            // Ended by what was read (a broken ring, a bad frame) rather than by the daemon
-            // hanging up: the connection is closed here, so that the daemon ends the
-            // session and its ids now, not when the application drops the fabric, and so
-            // that a reader asleep on the socket wakes (an unpark does not end its
-            // poll(2)) to deliver every id its DeviceRemoval.
+            // However it ended (a broken ring, a bad frame, the daemon gone), the connection
+            // is closed here: when what was read ended it, the daemon then ends the
+            // session and its ids now, not when the application drops the fabric; and a
+            // reader asleep on the socket wakes (an unpark does not end its poll(2)) to
+            // deliver every id its DeviceRemoval.
             let _ = self.stream.shutdown(std::net::Shutdown::Both);
         }
         look
