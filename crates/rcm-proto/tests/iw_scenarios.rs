@@ -893,6 +893,15 @@ fn bad_replies_end_in_one_error_and_a_close() {
         );
         let (ev, _) = feed_active(b"\x00\x00garbage garbage garbage", false, frag);
         assert_eq!(ev, proto_reply(ProtocolError::BadKey));
+        // A wrong key shorter than a key, then the end of the stream: judged on the bytes
+        // that came however they were split, not left waiting for 16 and called truncated.
+        let (ev, sent) = feed_active(b"MPA X", true, frag);
+        assert_eq!(ev, proto_reply(ProtocolError::BadKey), "{frag:?}");
+        let (_, used) = MpaFrame::parse(&sent).unwrap();
+        assert_eq!(
+            last_terminate(&sent[used..]).error_code,
+            llp_ecode::INVALID_REQ_REP
+        );
         let (ev, _) = feed_active(&bad_rev, false, frag);
         assert_eq!(ev, proto_reply(ProtocolError::BadRevision(7)));
         let (ev, _) = feed_active(&raw_header(&mpa::REP_KEY, 0x10, 2, 300), false, frag);

@@ -733,6 +733,15 @@ impl Cep {
                 self.rx_need = 0;
                 Ok(Some(f))
             }
+            // Inside the key every new byte is looked at: a garbage key fails as soon as it
+            // shows (as siw judges it), not only once 16 bytes came, so a stream that ends
+            // early is refused the same however it was split.
+            Err(WireError::Truncated {
+                what: "MPA key", ..
+            }) => {
+                self.rx_need = self.rx.len() + 1;
+                Ok(None)
+            }
             Err(WireError::Truncated { need, .. }) => {
                 self.rx_need = need.max(self.rx.len() + 1);
                 Ok(None)
