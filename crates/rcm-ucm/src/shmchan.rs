@@ -211,12 +211,18 @@ pub(crate) fn drain_doorbells(s: &UnixStream) -> bool {
     take_doorbells(s).is_some()
 }
 
+/// Most reads of one drain. A peer rings once per sleep of ours, so a few bytes at most wait
+/// here; one that keeps writing must not hold the reader in this loop (the daemon's ring
+/// thread serves every client's channels and looks at its stop flag between drains): what
+/// is left waits for the next drain.
+const DRAIN_READS: usize = 16;
+
 /// [`drain_doorbells`], saying whether a doorbell was read: `Some(true)` when one was (a
 /// frame published before it is in the ring now), `None` when the other side is gone.
 pub(crate) fn take_doorbells(s: &UnixStream) -> Option<bool> {
     let mut b = [0u8; 64];
     let mut rang = false;
-    loop {
+    for _ in 0..DRAIN_READS {
         match rustix::net::recv(s, &mut b, rustix::net::RecvFlags::DONTWAIT) {
             Ok((0, _)) => return None,
             Ok(_) => rang = true,
@@ -225,6 +231,7 @@ pub(crate) fn take_doorbells(s: &UnixStream) -> Option<bool> {
             Err(_) => return None,
         }
     }
+    Some(rang)
 }
 
 /// Sleeps until the socket has a byte (the doorbell: all are read) or the other side is gone
