@@ -13,7 +13,7 @@ use rcm_shm::{Consumer, Producer, Region};
 use rcm_ucm::proto::{self, Answer, Command, Header, Message};
 use rcm_ucm::shmchan::{ANSWERS, COMMANDS};
 use rcm_ucm::{Client, Daemon};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,12 +46,24 @@ fn ring_call(
     cmd: &Command,
     seq: u32,
 ) -> Message {
+    ring_call_within(tx, rx, doorbell, cmd, seq, T).expect("nothing came in the ring")
+}
+
+/// `ring_call`, or `None` when no answer comes within `wait`.
+fn ring_call_within(
+    tx: &mut Producer,
+    rx: &mut Consumer,
+    doorbell: &mut rcm_ucm::raw::RawSession,
+    cmd: &Command,
+    seq: u32,
+    wait: Duration,
+) -> Option<Message> {
     if tx.push(&cmd.encode(seq)).expect("push").expect("room") {
         doorbell.send_bytes(&[1]).expect("doorbell");
     }
-    let (got, m) = next_frame(rx);
+    let (got, m) = next_frame_within(rx, wait)?;
     assert_eq!(got, seq);
-    m
+    Some(m)
 }
 
 /// A session of `d`, a fabric on it, and an id on a channel bound to 127.0.0.1:`port` (the
@@ -522,4 +534,68 @@ fn a_ring_thread_receives_what_its_commands_sent_to_its_other_device() {
             "device {k}: none of its {rx} datagrams was received by the ring thread"
         );
     }
+}
+
+/// A client that writes without pause on its mapped channel's socket (where a doorbell is one
+/// byte) must not hold the daemon's ring thread: the thread drained such a socket until it
+/// was empty, so other clients' mapped channels served by it got no answer and the daemon's
+/// shutdown, which joins that thread, never finished while the flood went on.
+#[test]
+fn a_client_flooding_its_doorbell_holds_up_no_one_else_nor_the_shutdown() {
+    let mut cfg = config("shm-bell-flood", 49313, &[1]);
+    cfg.ring_threads = 1;
+    let d = Daemon::start(cfg).expect("daemon");
+    let (_victim, victim_token) = raw(&d);
+    let (mut vbell, mut vtx, mut vrx) = mapped_rings(&d, victim_token);
+    let answered = |tx: &mut Producer, rx: &mut Consumer, bell: &mut _, seq| {
+        ring_call_within(tx, rx, bell, &Command::Devices, seq, T).is_some()
+    };
+    assert!(
+        answered(&mut vtx, &mut vrx, &mut vbell, 1),
+        "before the flood"
+    );
+    // Three other clients' mapped channels, their sockets written to without pause (with a
+    // large send buffer where allowed, root only, so the socket is never found empty).
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut held = Vec::new();
+    let mut flooders = Vec::new();
+    for _ in 0..3 {
+        let (s, token) = raw(&d);
+        let (bell, tx, rx) = mapped_rings(&d, token);
+        let stream = bell.stream().try_clone().expect("clone");
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size_force(&stream, 8 << 20);
+        let stop = stop.clone();
+        flooders.push(std::thread::spawn(move || {
+            use std::io::Write;
+            let buf = vec![1u8; 256 * 1024];
+            let mut w = &stream;
+            while !stop.load(Ordering::Relaxed) && w.write_all(&buf).is_ok() {}
+        }));
+        held.push((s, bell, tx, rx));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let unanswered = (2..=41).find(|&k| !answered(&mut vtx, &mut vrx, &mut vbell, k));
+    // The shutdown, with the flood still on.
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let stopper = std::thread::spawn(move || {
+        d.shutdown();
+        let _ = done_tx.send(());
+    });
+    let stopped = done.recv_timeout(T).is_ok();
+    stop.store(true, Ordering::Relaxed);
+    for (_, bell, _, _) in &held {
+        let _ = bell.stream().shutdown(std::net::Shutdown::Both);
+    }
+    for f in flooders {
+        let _ = f.join();
+    }
+    let _ = stopper.join();
+    assert_eq!(
+        unanswered, None,
+        "another client's doorbell flood kept the ring thread from answering this call"
+    );
+    assert!(
+        stopped,
+        "the daemon's shutdown did not finish during the flood"
+    );
 }
