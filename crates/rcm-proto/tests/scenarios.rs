@@ -2269,17 +2269,18 @@ fn any_get_or_set_is_echoed_as_getresp_0x000c() {
         assert_eq!(x.mad[..], want[..]);
     }
     assert_eq!(t.ep.stats().unsupported_get_set, cases.len() as u64);
-    // Nothing else is answered: a GetResp, a Send of an unknown attribute, a subnet
-    // management class, another base version.
+    // Nothing else is answered: a GetResp, a Send of an unknown attribute, either subnet
+    // management class (LID-routed, directed-route), another base version.
     let mut getresp = cases[0];
     getresp[3] = mad::method::GET_RESP;
     let mut unknown_send = rtu;
     unknown_send[16..18].copy_from_slice(&0x0099u16.to_be_bytes());
-    let mut smp = cases[0];
-    smp[1] = 0x81;
+    let (mut smp_lid, mut smp_dr) = (cases[0], cases[0]);
+    smp_lid[1] = 0x01;
+    smp_dr[1] = 0x81;
     let mut v2 = cases[0];
     v2[0] = 2;
-    for m in [getresp, unknown_send, smp, v2] {
+    for m in [getresp, unknown_send, smp_lid, smp_dr, v2] {
         t.ep.handle_datagram(t.now, ip(PEER), &m);
         assert!(t.ep.poll_transmit().is_none(), "{:02x?}", &m[..4]);
     }
