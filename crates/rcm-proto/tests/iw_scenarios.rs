@@ -721,6 +721,61 @@ fn markers_requested_are_rejected_like_siw() {
     );
 }
 
+#[test]
+fn an_enhanced_request_too_short_for_ird_ord_is_rejected_like_siw() {
+    // siw_proc_mpareq reads the whole frame, then answers with the Request's header turned
+    // into a Reply: R set, M cleared, PD_Length 0; CRC and the Enhanced flag as asked.
+    for (flags, want_flags) in [(0x10, 0x30), (0x10 | 0x40 | 0x80, 0x30 | 0x40)] {
+        for len in 0..4u16 {
+            let mut req = raw_header(&mpa::REQ_KEY, flags, 2, len);
+            req.extend(std::iter::repeat_n(7u8, usize::from(len)));
+            let want = raw_header(&mpa::REP_KEY, want_flags, 2, 0);
+            for frag in [Frag::Whole, Frag::OneByte, Frag::Random(7)] {
+                let mut n = Net::new(frag, 16);
+                n.pipes[A].bytes.extend(req.iter().copied());
+                n.pump();
+                assert!(
+                    matches!(
+                        n.events(B),
+                        [Event::Close(CloseReason::Protocol(
+                            ProtocolError::Malformed(_)
+                        ))]
+                    ),
+                    "{:?}",
+                    n.events(B)
+                );
+                assert_eq!(n.sides[B].sent, want, "flags {flags:#x}, PD_Length {len}");
+                assert!(n.sides[B].cep.is_closed());
+                // The initiator takes that Reply as a reject, as siw_proc_mpareply does (R
+                // is looked at before the enhanced words).
+                let (events, _) = feed_active(&want, false, frag);
+                assert_eq!(
+                    events,
+                    [Event::ConnectReply(ConnectReply::Rejected {
+                        revision: 2,
+                        private_data: Vec::new()
+                    })]
+                );
+            }
+        }
+    }
+    // With bytes after it, siw's read of the frame fails first: nothing is sent.
+    let mut n = Net::new(Frag::Whole, 17);
+    let mut req = raw_header(&mpa::REQ_KEY, 0x10, 2, 2);
+    req.extend_from_slice(&[0, 1, 0xEE]);
+    n.pipes[A].bytes.extend(req.iter().copied());
+    n.pump();
+    assert!(n.sides[B].sent.is_empty() && n.sides[B].cep.is_closed());
+    // A short enhanced Reply that is not a reject fails the connect.
+    let (events, _) = feed_active(&raw_header(&mpa::REP_KEY, 0x10, 2, 0), false, Frag::Whole);
+    assert!(matches!(
+        events[..],
+        [Event::ConnectReply(ConnectReply::Error(
+            ConnectError::Protocol(ProtocolError::Malformed(_))
+        ))]
+    ));
+}
+
 // ------------------------------------------------------------------------------------------
 // Bad frames
 // ------------------------------------------------------------------------------------------
@@ -796,7 +851,8 @@ fn bad_requests_end_in_one_error_and_a_close() {
     let reply_key = MpaFrame::reply_v2(1, 1, Vec::new()).to_vec().unwrap();
     let mut r_on_request = good.clone();
     r_on_request[16] |= 0x20;
-    let short_enhanced = raw_header(&mpa::REQ_KEY, 0x10, 2, 2);
+    let mut short_enhanced = raw_header(&mpa::REQ_KEY, 0x10, 2, 2);
+    short_enhanced.extend_from_slice(&[0, 1]);
     let mut trailing = good.clone();
     trailing.extend_from_slice(&[0, 0, 0, 0]);
     for frag in [Frag::Whole, Frag::OneByte, Frag::Random(5)] {

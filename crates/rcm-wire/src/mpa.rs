@@ -353,8 +353,8 @@ impl MpaFrame {
     /// - [`WireError::BadField`] `"MPA key"`: neither key (checked on as many bytes as there
     ///   are, so garbage fails fast); `"MPA revision"`: not 1 or 2 (revision 0, the legacy
     ///   Ammasso format, is not supported); `"MPA reject flag"`: R set on a Request;
-    /// - [`WireError::BadLength`]: PD_Length over the limit, or an enhanced revision-2 frame with
-    ///   PD_Length below 4.
+    /// - [`WireError::BadLength`]: PD_Length over the limit (from the header alone), or an
+    ///   enhanced revision-2 frame with PD_Length below 4 (once the whole frame is in).
     pub fn parse(buf: &[u8]) -> Result<(Self, usize)> {
         Self::parse_with_limit(buf, RFC_MAX_PRIVATE_DATA)
     }
@@ -387,6 +387,10 @@ impl MpaFrame {
             });
         }
         let has_enhanced = revision == REVISION_2 && flags.enhanced;
+        let total = MPA_FRAME_HEADER_LEN + pd_len;
+        need("MPA frame", buf, total)?;
+        // Judged once the whole frame is in (at most 3 bytes more), as siw reads a frame
+        // before it looks at it: a responder answers such a Request with a reject Reply.
         if has_enhanced && pd_len < ENHANCED_LEN {
             return Err(WireError::BadLength {
                 what: "MPA PD_Length",
@@ -395,8 +399,6 @@ impl MpaFrame {
                 ),
             });
         }
-        let total = MPA_FRAME_HEADER_LEN + pd_len;
-        need("MPA frame", buf, total)?;
         let pd = &buf[MPA_FRAME_HEADER_LEN..total];
         let (enhanced, user) = if has_enhanced {
             (Some(Enhanced::parse(pd)?), &pd[ENHANCED_LEN..])

@@ -714,9 +714,15 @@ fn private_data_length_limits() {
         "{r:?}"
     );
 
-    // Enhanced v2 frame too short to hold IRD/ORD.
-    let r = MpaFrame::parse(&frame_with(0x10, 2, 3, &[0, 1, 0]));
-    assert!(matches!(r, Err(WireError::BadLength { .. })), "{r:?}");
+    // Enhanced v2 frame too short to hold IRD/ORD: judged once all of it is in (a responder
+    // answers it with a reject Reply, as siw does), every length from 0 to 3.
+    for len in 0..4u16 {
+        let whole = frame_with(0x10, 2, len, &[0, 1, 0][..usize::from(len)]);
+        let r = MpaFrame::parse(&whole);
+        assert!(matches!(r, Err(WireError::BadLength { .. })), "{r:?}");
+        let r = MpaFrame::parse(&whole[..whole.len() - 1]);
+        assert!(matches!(r, Err(WireError::Truncated { .. })), "{r:?}");
+    }
     // Without the Enhanced flag, or in revision 1, the same bytes are plain private data.
     let (f, _) = MpaFrame::parse(&frame_with(0x00, 2, 3, &[0, 1, 0])).unwrap();
     assert_eq!(

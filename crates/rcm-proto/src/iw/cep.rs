@@ -777,6 +777,14 @@ impl Cep {
             Ok(Some(f)) => f,
             Ok(None) => return false,
             Err(e) => {
+                // siw_proc_mpareq: an enhanced Request with no room for its IRD/ORD words is
+                // refused with a Reply, as markers are; with bytes after it, siw's read of
+                // the frame fails first and nothing is sent.
+                if let Some(short) = ShortEnhanced::of(self.rx.bytes(), FrameKind::Request) {
+                    if short.len == self.rx.len() {
+                        self.push_tx(short.reject_reply().to_vec());
+                    }
+                }
                 self.fail(e, None);
                 return false;
             }
@@ -878,6 +886,22 @@ impl Cep {
                 return false;
             }
             Err(e) => {
+                // siw_proc_mpareply looks at R before anything about the enhanced words, so
+                // a reject Reply too short for them (as siw sends for such a Request) is a
+                // reject all the same.
+                if let Some(short) = ShortEnhanced::of(self.rx.bytes(), FrameKind::Reply) {
+                    if short.flags.reject {
+                        self.rx.consume(short.len);
+                        self.finish(
+                            Some(Event::ConnectReply(ConnectReply::Rejected {
+                                revision: REVISION_2,
+                                private_data: Vec::new(),
+                            })),
+                            TcpAction::Close,
+                        );
+                        return false;
+                    }
+                }
                 self.fail(e, None);
                 return false;
             }
@@ -1358,6 +1382,45 @@ fn reject_frame(req: &PeerRequest, private_data: &[u8]) -> MpaFrame {
         ..f.flags
     };
     f
+}
+
+/// A whole revision-2 frame with the Enhanced flag but PD_Length below 4, which
+/// [`MpaFrame::parse`] refuses: what is needed to answer or judge it as siw does.
+struct ShortEnhanced {
+    flags: MpaFlags,
+    /// Header and private data, in bytes.
+    len: usize,
+}
+
+impl ShortEnhanced {
+    /// `bytes` starts with such a frame of `kind`, all of it present.
+    fn of(bytes: &[u8], kind: FrameKind) -> Option<Self> {
+        let h = bytes.first_chunk::<{ mpa::MPA_FRAME_HEADER_LEN }>()?;
+        let flags = MpaFlags::from_byte(h[16]);
+        let pd_len = usize::from(u16::from_be_bytes([h[18], h[19]]));
+        let len = mpa::MPA_FRAME_HEADER_LEN + pd_len;
+        let short = h[..16] == *kind.key()
+            && h[17] == REVISION_2
+            && flags.enhanced
+            && pd_len < mpa::ENHANCED_LEN
+            && bytes.len() >= len;
+        short.then_some(ShortEnhanced { flags, len })
+    }
+
+    /// siw's answer to such a Request: the Request's header with the Reply key, R set,
+    /// M cleared and no private data (the Enhanced flag stays, with no IRD/ORD words).
+    fn reject_reply(&self) -> [u8; mpa::MPA_FRAME_HEADER_LEN] {
+        let mut r = [0u8; mpa::MPA_FRAME_HEADER_LEN];
+        r[..16].copy_from_slice(&mpa::REP_KEY);
+        r[16] = MpaFlags {
+            reject: true,
+            markers: false,
+            ..self.flags
+        }
+        .to_byte();
+        r[17] = REVISION_2;
+        r
+    }
 }
 
 /// Replaces the IRD/ORD words of an enhanced frame (the rcm-wire builders take only IRD/ORD).

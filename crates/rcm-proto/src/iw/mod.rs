@@ -47,7 +47,9 @@
 //! revision or length, garbage, private data over 256 bytes, markers, bytes where none may be,
 //! a stream cut mid-frame, a bad CRC or an unacceptable DDP/RDMAP header each end the
 //! connection with one error event ([`ProtocolError`]) and a close; after the MPA exchange (and
-//! for a bad Reply key, as siw does) a Terminate (RFC 5040 §7) is sent first.
+//! for a bad Reply key, as siw does) a Terminate (RFC 5040 §7) is sent first. A Request that
+//! asks for markers, or an enhanced one too short for its IRD/ORD words, is first answered
+//! with a reject Reply, as siw answers it.
 
 mod buf;
 mod cep;
