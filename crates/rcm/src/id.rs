@@ -795,8 +795,18 @@ impl CmId {
     }
 
     /// Attaches a context value; it is dropped exactly once, after the id's last callback.
+    /// Set once the id's teardown took its context, it is dropped at once (kept, it would
+    /// never be: if it holds this `CmId`, the two would keep each other alive).
     pub fn set_context(&self, ctx: impl Any + Send + Sync) {
-        let old = sync::lock(&self.0.st).context.replace(Box::new(ctx));
+        let new: Box<dyn Any + Send + Sync> = Box::new(ctx);
+        let old = {
+            let mut g = sync::lock(&self.0.st);
+            if g.state == State::Destroying {
+                Some(new)
+            } else {
+                g.context.replace(new)
+            }
+        };
         // Dropped with no lock held: the user's drop may call into rcm (or drop the last
         // handle of the fabric, which then shuts down and tears this id down).
         drop(old);
@@ -1588,7 +1598,8 @@ impl CmId {
 pub struct DestroyHandle(Arc<Slot<Event>>);
 
 impl DestroyHandle {
-    /// Blocks until the id is destroyed.
+    /// Blocks until the id is destroyed. Inside the id's own callback, or in the drop of its
+    /// context or handler, it returns at once: the destruction can only end after them.
     pub fn wait(&self) {
         crate::fabric::before_wait();
         self.0.wait_destroyed();

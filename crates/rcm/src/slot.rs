@@ -157,6 +157,25 @@ std::thread_local! {
     static TEARDOWNS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
+// The slot whose teardown the calling thread runs (0: none). What a teardown drops (a
+// context, a handler) may destroy or wait for that very id, which cannot finish before it
+// returns: such a call must not wait.
+#[cfg(not(loom))]
+std::thread_local! {
+    static TEARING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+#[cfg(loom)]
+loom::thread_local! {
+    static TEARING: std::cell::Cell<usize> = std::cell::Cell::new(0);
+}
+
+/// Whether the calling thread is inside `s`'s own callback or teardown, where waiting for
+/// `s` to be destroyed would wait for itself.
+fn runs_own_code<E>(s: &Slot<E>) -> bool {
+    let me = std::ptr::from_ref(s) as usize;
+    CURRENT.with(|c| c.get() == me) || TEARING.with(|t| t.get() == me)
+}
+
 /// Marks the calling thread as running a slot's teardown while it lives: what the teardown
 /// drops (a context, a handler) may hold the last handle of its fabric, whose shutdown must
 /// then not wait for callbacks here, one of which may wait for this very teardown.
@@ -399,7 +418,7 @@ impl<E: Send + 'static> Slot<E> {
         match g.phase {
             Phase::Destroyed => return Ok(DestroyOutcome::Done),
             Phase::Destroying => {
-                if !block || in_callback() {
+                if !block || in_callback() || runs_own_code(self) {
                     return Ok(DestroyOutcome::Deferred);
                 }
                 // Waiting for held events the caller may hold itself would hang (as in `Live`).
@@ -473,6 +492,12 @@ impl<E: Send + 'static> Slot<E> {
 
     fn run_teardown(&self) {
         let _in = InTeardown::enter();
+        let prev = TEARING.with(|t| t.replace(std::ptr::from_ref(self) as usize));
+        self.teardown_body();
+        TEARING.with(|t| t.set(prev));
+    }
+
+    fn teardown_body(&self) {
         let o = sync::lock(&self.owner).take();
         if let Some(o) = o {
             o.teardown();
@@ -494,8 +519,12 @@ impl<E: Send + 'static> Slot<E> {
         }
     }
 
-    /// Blocks until the slot is destroyed.
+    /// Blocks until the slot is destroyed; returns at once inside its own callback or
+    /// teardown (the destruction ends after them).
     pub(crate) fn wait_destroyed(&self) {
+        if runs_own_code(self) {
+            return;
+        }
         let mut g = sync::lock(&self.inner);
         while g.phase != Phase::Destroyed {
             g = self.wait(g);
@@ -507,6 +536,9 @@ impl<E: Send + 'static> Slot<E> {
     pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
         let end = std::time::Instant::now() + d;
         let mut g = sync::lock(&self.inner);
+        if runs_own_code(self) {
+            return g.phase == Phase::Destroyed;
+        }
         while g.phase != Phase::Destroyed {
             let now = std::time::Instant::now();
             if now >= end {
