@@ -1547,7 +1547,9 @@ impl CmId {
         // cma.c's rdma_init_qp_attr gives RTR its own seq_num).
         a.rq_psn = g.conn.local_psn;
         a.max_dest_rd_atomic = g.conn.responder_resources;
-        a.min_rnr_timer = 12;
+        // cm.c's cm_init_qp_rtr_attr; rdma_cm changes it only through
+        // rdma_set_min_rnr_timer, which rcm does not offer.
+        a.min_rnr_timer = 0;
         a.sgid = Gid::from_ip(src.ip());
         a.dgid = Gid::from_ip(dst.ip());
         a.flow_label = g.path.flow_label;
@@ -2104,6 +2106,8 @@ pub(crate) fn on_engine_event(
                     g.conn.remote_psn = info.starting_psn;
                     g.conn.responder_resources = info.initiator_depth;
                     g.conn.initiator_depth = info.responder_resources;
+                    // cm_rep_handler: the RTS RNR retry count is the one the REP asks for.
+                    g.conn.rnr_retry_count = info.rnr_retry_count;
                     if g.qp.is_some() {
                         // A QP attached at connect: the engine already sent the RTU
                         // (`ConnectParams::establish_on_rep`) and `Established` follows.
