@@ -2028,8 +2028,8 @@ fn on_connect_request(
 }
 
 /// Removes `h` from the session (with its queued events and the connect requests queued on
-/// it, whose children go too) under the id's cell lock, so no event of it is queued after;
-/// then destroys what was removed.
+/// it, whose children go too, with their own events) under the id's cell lock, so no event
+/// of it is queued after; then destroys what was removed.
 fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
     let Some(cell) = lock(&s.table).ids.get(&h).map(|(_, c)| c.clone()) else {
         return Err(WireError::NoSuchId);
@@ -2066,7 +2066,7 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
         out.unread_requests = unread;
         for c in children {
             if let Some((cid, ccell)) = t.ids.remove(&c) {
-                child_cells.push(ccell);
+                child_cells.push((c, ccell));
                 victims.push(cid);
             }
         }
@@ -2074,9 +2074,26 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
     }
     // Each child's cell only after the table and queue are released: a child's event takes
     // its cell and then the queue, so holding the queue while taking a cell would deadlock.
-    // An event queued meanwhile names a handle the session no longer has; clients drop those.
-    for c in child_cells {
+    for (_, c) in &child_cells {
         *lock(&c.owner) = None;
+    }
+    // With their cells cleared no event of the children can be queued any more: now take
+    // out those queued before (a REJ that reached a child behind its request) or meanwhile,
+    // which would name handles the client never had (ucma destroys an unread request's
+    // context with its events).
+    if !child_cells.is_empty() {
+        let mut out = lock(&s.out);
+        let mut unread = out.unread_requests;
+        for (c, _) in &child_cells {
+            out.events.retain_naming(*c, |q| {
+                let gone = q.handle == *c;
+                if gone && q.listener.is_some() {
+                    unread = unread.saturating_sub(1);
+                }
+                !gone
+            });
+        }
+        out.unread_requests = unread;
     }
     for id in victims {
         let _ = id.destroy();
