@@ -2185,7 +2185,10 @@ pub(crate) fn on_engine_event(
                     out = Some(Event::Disconnected);
                 }
             }
-            CmEvent::TimewaitExit => out = Some(Event::TimewaitExit),
+            // cma_ib_handler passes TIMEWAIT_EXIT on only in RDMA_CM_DISCONNECT, which only
+            // a DREQ, a DREP or a DREQ timeout lead to: each reported DISCONNECTED. After a
+            // REJ (a connection rejected after its REP) there is none.
+            CmEvent::TimewaitExit if g.disconnected_reported => out = Some(Event::TimewaitExit),
             CmEvent::SidrRepReceived {
                 status,
                 qpn,
@@ -2220,7 +2223,8 @@ pub(crate) fn on_engine_event(
             }
             CmEvent::MraReceived { .. }
             | CmEvent::ReqReceived { .. }
-            | CmEvent::SidrReqReceived { .. } => {}
+            | CmEvent::SidrReqReceived { .. }
+            | CmEvent::TimewaitExit => {}
         }
     }
     match after {

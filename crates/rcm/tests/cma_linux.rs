@@ -414,10 +414,9 @@ fn the_ipoib_port_space_is_refused_on_roce() {
 /// Linux `cma_ib_handler` delivers IB_CM_TIMEWAIT_EXIT only while the rdma_cm id is in
 /// RDMA_CM_DISCONNECT, which only DREQ/DREP/DREQ_ERROR lead to; REJ_RECEIVED leaves the id
 /// in RDMA_CM_CONNECT. A REJ that reaches the active side after the REP (ib_cm REP_RCVD,
-/// `cm_rej_handler` enters timewait) thus gives REJECTED and never TIMEWAIT_EXIT. rcm moves
-/// the id to `Disconnect` on REJECTED and passes every TimewaitExit on.
+/// `cm_rej_handler` enters timewait) thus gives REJECTED and never TIMEWAIT_EXIT (rcm passed
+/// every TimewaitExit on).
 #[test]
-#[ignore = "known difference from Linux: rcm delivers TIMEWAIT_EXIT after a REJ in timewait"]
 fn no_timewait_exit_after_rejected() {
     use rcm_wire::cm::{CmMessage, MsgCode, Rej, RejReason};
     let f = one_device(26622);
