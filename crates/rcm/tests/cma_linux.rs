@@ -12,10 +12,11 @@ use rcm_proto::ib::RetryPolicy;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+mod common;
+use common::next;
+
 mod raw_peer;
 use raw_peer::{routed, RawPeer};
-
-const T: Duration = Duration::from_secs(10);
 
 /// Two loopback devices (127.0.0.1, 127.0.0.2) on UDP port `port`.
 fn fabric(port: u16) -> Fabric {
@@ -44,13 +45,6 @@ fn one_device(port: u16) -> Fabric {
 
 fn addr(last: u8, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::from([127, 0, 0, last]), port)
-}
-
-/// The next event on `ch` (its id and the event).
-fn next(ch: &EventChannel) -> (CmId, Event) {
-    let mut e = ch.get_event(Some(T)).expect("an event");
-    let id = e.id().clone();
-    (id, e.take().expect("the event"))
 }
 
 /// An id of `ps` on `ch` with address and route to `dst` resolved.

@@ -22,25 +22,6 @@ use std::time::{Duration, Instant};
 mod common;
 use common::*;
 
-/// The next event of a channel (the event is acked when this returns).
-fn next(ch: &EventChannel) -> (CmId, Event) {
-    let mut e = ch.get_event(Some(T)).expect("an event within the timeout");
-    let id = e.id().clone();
-    let ev = e.take().expect("the event's payload");
-    (id, ev)
-}
-
-/// The next event of `ch`, which must be `name` for `id`.
-fn expect_ev(ch: &EventChannel, id: &CmId, name: &str) -> Event {
-    let (who, ev) = next(ch);
-    assert_eq!(
-        (who.key(), ev.name()),
-        (id.key(), name),
-        "unexpected event {ev:?}"
-    );
-    ev
-}
-
 /// A channel-mode connection: listener on 127.0.0.1:`port`, client on 127.0.0.2.
 struct Pair {
     srv: EventChannel,
@@ -81,15 +62,6 @@ fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
         client,
         child,
     }
-}
-
-/// Runs `f` on a thread and gives up after `d` (the thread is left behind if it hangs).
-fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(d).ok()
 }
 
 // ----- 1. Serial, ordered callbacks; independent ids ----------------------------------------

@@ -21,32 +21,6 @@ use std::time::{Duration, Instant};
 mod common;
 use common::*;
 
-/// Runs `f` on a thread and gives up after `d` (a hung thread is left behind).
-fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(d).ok()
-}
-
-fn next(ch: &EventChannel) -> (CmId, Event) {
-    let mut e = ch.get_event(Some(T)).expect("an event within the timeout");
-    let id = e.id().clone();
-    let ev = e.take().expect("the event's payload");
-    (id, ev)
-}
-
-fn expect_ev(ch: &EventChannel, id: &CmId, name: &str) -> Event {
-    let (who, ev) = next(ch);
-    assert_eq!(
-        (who.key(), ev.name()),
-        (id.key(), name),
-        "unexpected event {ev:?}"
-    );
-    ev
-}
-
 /// Every event that arrives on `ch` within `d`, as (id key, name).
 fn drain(ch: &EventChannel, d: Duration) -> Vec<(u64, &'static str)> {
     let end = Instant::now() + d;

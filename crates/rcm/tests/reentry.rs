@@ -18,32 +18,6 @@ use std::time::Duration;
 mod common;
 use common::*;
 
-/// Runs `f` on a thread and gives up after `d` (a hung thread is left behind).
-fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(d).ok()
-}
-
-fn next(ch: &EventChannel) -> (CmId, Event) {
-    let mut e = ch.get_event(Some(T)).expect("an event within the timeout");
-    let id = e.id().clone();
-    let ev = e.take().expect("the event's payload");
-    (id, ev)
-}
-
-fn expect_ev(ch: &EventChannel, id: &CmId, name: &str) -> Event {
-    let (who, ev) = next(ch);
-    assert_eq!(
-        (who.key(), ev.name()),
-        (id.key(), name),
-        "unexpected event {ev:?}"
-    );
-    ev
-}
-
 fn client_connect(f: &Fabric, cli: &EventChannel, dst: SocketAddr) -> CmId {
     let client = f.create_id_on(PortSpace::Tcp, cli);
     client.resolve_addr(None, dst).unwrap();

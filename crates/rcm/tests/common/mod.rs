@@ -162,3 +162,31 @@ pub fn counting_listener(f: &Fabric, at: SocketAddr, backlog: usize) -> (CmId, A
     l.listen(backlog).expect("listen");
     (l, requests)
 }
+
+/// Runs `f` on a thread and gives up after `d` (the thread is left behind if it hangs).
+pub fn within<R: Send + 'static>(d: Duration, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(d).ok()
+}
+
+/// The next event of a channel, with its id (the event is acked when this returns).
+pub fn next(ch: &rcm::EventChannel) -> (CmId, Event) {
+    let mut e = ch.get_event(Some(T)).expect("an event within the timeout");
+    let id = e.id().clone();
+    let ev = e.take().expect("the event's payload");
+    (id, ev)
+}
+
+/// The next event of `ch`, which must be `name` for `id`.
+pub fn expect_ev(ch: &rcm::EventChannel, id: &CmId, name: &str) -> Event {
+    let (who, ev) = next(ch);
+    assert_eq!(
+        (who.key(), ev.name()),
+        (id.key(), name),
+        "unexpected event {ev:?}"
+    );
+    ev
+}
