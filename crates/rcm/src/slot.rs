@@ -179,13 +179,18 @@ fn runs_own_code<E>(s: &Slot<E>) -> bool {
 /// Marks the calling thread as running a slot's teardown while it lives: what the teardown
 /// drops (a context, a handler) may hold the last handle of its fabric, whose shutdown must
 /// then not wait for callbacks here, one of which may wait for this very teardown.
-struct InTeardown;
+/// It also names the slot torn down (`TEARING`), restoring the outer one when it ends, even
+/// by unwinding.
+struct InTeardown {
+    prev: usize,
+}
 
 impl InTeardown {
-    fn enter() -> Self {
+    fn enter<E>(s: &Slot<E>) -> Self {
         #[cfg(not(loom))]
         let _ = TEARDOWNS.try_with(|t| t.set(t.get() + 1));
-        InTeardown
+        let prev = TEARING.with(|t| t.replace(std::ptr::from_ref(s) as usize));
+        InTeardown { prev }
     }
 }
 
@@ -193,6 +198,7 @@ impl Drop for InTeardown {
     fn drop(&mut self) {
         #[cfg(not(loom))]
         let _ = TEARDOWNS.try_with(|t| t.set(t.get().saturating_sub(1)));
+        TEARING.with(|t| t.set(self.prev));
     }
 }
 
@@ -491,13 +497,7 @@ impl<E: Send + 'static> Slot<E> {
     }
 
     fn run_teardown(&self) {
-        let _in = InTeardown::enter();
-        let prev = TEARING.with(|t| t.replace(std::ptr::from_ref(self) as usize));
-        self.teardown_body();
-        TEARING.with(|t| t.set(prev));
-    }
-
-    fn teardown_body(&self) {
+        let _in = InTeardown::enter(self);
         let o = sync::lock(&self.owner).take();
         if let Some(o) = o {
             o.teardown();
