@@ -189,7 +189,7 @@ grep -q " MRA .*mraed=Req service_timeout=24" /tmp/s10.txt; verdict kernel-sent-
 step "11: SIDR to a port with no kernel listener (status 1), and rcm rejecting the kernel's SIDR_REQ (status 2)"
 in_peer rcm ping --ps udp --connect $INIT_IP --bind $PEER_IP -p 7999 -c 1 --messages 0 --timeout 20 > /tmp/sidr1.log 2>&1; r=$?
 cat /tmp/sidr1.log
-[ "$r" = 1 ] && grep -q "UNREACHABLE: Unreachable(NoService)" /tmp/sidr1.log; verdict rcm-sees-sidr-no-service $?
+[ "$r" = 1 ] && grep -q "UNREACHABLE: SIDR status 1 (UnsupportedServiceId)" /tmp/sidr1.log; verdict rcm-sees-sidr-no-service $?
 # And the other way: rcm rejects the kernel's SIDR_REQ (status 2), udaddy sees UNREACHABLE 2.
 bg_peer uapp rcm ping --ps udp --listen --bind $PEER_IP -c 1 --reject --messages 0 --private-data "" --timeout 30
 sleep 1

@@ -337,6 +337,37 @@ impl PingReport {
     }
 }
 
+/// Counts client `i`'s connection rejected (`why`), checking it was the server's reject as
+/// asked, with the expected private data.
+fn client_rejected(
+    r: &mut PingReport,
+    o: &PingOpts,
+    i: usize,
+    why: &str,
+    by_server: bool,
+    private_data: &[u8],
+    log: bool,
+) {
+    r.rejected += 1;
+    if !o.reject {
+        r.errors.push(format!("client {i}: rejected, {why}"));
+    } else if !by_server {
+        r.errors.push(format!(
+            "client {i}: rejected with {why}, not by the server's reject"
+        ));
+    } else if pd_matches(private_data, reject_pd(o)) {
+        r.private_data_ok += 1;
+    } else {
+        r.errors.push(format!(
+            "client {i}: reject private data differs: {:02x?}",
+            &private_data[..reject_pd(o).len().min(private_data.len())]
+        ));
+    }
+    if log {
+        println!("rcm ping: client {i}: rejected, {why}");
+    }
+}
+
 /// The private data of a reject.
 fn reject_pd(o: &PingOpts) -> &[u8] {
     o.reject_data.as_deref().unwrap_or(&o.private_data)
@@ -680,33 +711,26 @@ fn client_loop(
                 reason,
                 private_data,
             } => {
-                r.rejected += 1;
+                // Anything but the server's rdma_reject (28) is no reject as asked: no
+                // listener (8), a stale connection…
+                let by_server = *reason == rcm_wire::cm::RejReason::ConsumerDefined;
+                let why = format!("reason {} ({reason:?})", reason.raw());
+                client_rejected(r, o, i, &why, by_server, private_data, log);
                 finished += 1;
-                if !o.reject {
-                    r.errors.push(format!(
-                        "client {i}: rejected, reason {} ({reason:?})",
-                        reason.raw()
-                    ));
-                } else if *reason != rcm_wire::cm::RejReason::ConsumerDefined {
-                    // Not the server's rdma_reject (28): no listener (8), a stale connection…
-                    r.errors.push(format!(
-                        "client {i}: rejected with reason {} ({reason:?}), not by the server's reject",
-                        reason.raw()
-                    ));
-                } else if pd_matches(private_data, reject_pd(o)) {
-                    r.private_data_ok += 1;
-                } else {
-                    r.errors.push(format!(
-                        "client {i}: reject private data differs: {:02x?}",
-                        &private_data[..reject_pd(o).len().min(private_data.len())]
-                    ));
-                }
-                if log {
-                    println!(
-                        "rcm ping: client {i}: rejected, reason {} ({reason:?})",
-                        reason.raw()
-                    );
-                }
+            }
+            // A UD server's reject is a SIDR_REP with status 2, which rdma_cm reports as
+            // UNREACHABLE (Linux's cma_sidr_rep_handler).
+            Event::Unreachable(rcm::Unreachable::Sidr {
+                status,
+                private_data,
+            }) if *status == rcm_wire::cm::SidrStatus::Rejected => {
+                let why = format!("SIDR status {} ({status:?})", status.raw());
+                client_rejected(r, o, i, &why, true, private_data, log);
+                finished += 1;
+            }
+            Event::Unreachable(u) => {
+                r.errors.push(format!("client {i}: event UNREACHABLE: {u}"));
+                finished += 1;
             }
             other => {
                 r.errors

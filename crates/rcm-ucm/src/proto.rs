@@ -12,7 +12,7 @@ use rcm::{
     AcceptOptions, ConnParam, ConnectOptions, Error, Event, PortSpace, QpAttr, QpState, State,
     UdParam, Unreachable,
 };
-use rcm_wire::cm::RejReason;
+use rcm_wire::cm::{RejReason, SidrStatus};
 use rcm_wire::Gid;
 use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Bytes of the frame header after the length field.
 pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).
@@ -917,11 +917,18 @@ fn encode_event(w: &mut W, e: &WireEvent) {
         }
         WireEvent::Unreachable(u) => {
             w.u8(8);
-            w.u8(match u {
-                Unreachable::Timeout => 1,
-                Unreachable::RepTimeout => 2,
-                Unreachable::NoService => 3,
-            });
+            match u {
+                Unreachable::Timeout => w.u8(1),
+                Unreachable::RepTimeout => w.u8(2),
+                Unreachable::Sidr {
+                    status,
+                    private_data,
+                } => {
+                    w.u8(3);
+                    w.u8(status.raw());
+                    w.bytes(private_data);
+                }
+            }
         }
         WireEvent::Rejected {
             reason,
@@ -1334,7 +1341,16 @@ pub fn decode_message(kind: u16, body: &[u8]) -> Result<Message, ProtoError> {
                 8 => WireEvent::Unreachable(match r.u8()? {
                     1 => Unreachable::Timeout,
                     2 => Unreachable::RepTimeout,
-                    3 => Unreachable::NoService,
+                    3 => Unreachable::Sidr {
+                        status: match SidrStatus::from_raw_value(r.u8()?) {
+                            // A success is Established, never Unreachable.
+                            SidrStatus::Success => {
+                                return Err(ProtoError::BadValue("unreachable SIDR status"))
+                            }
+                            s => s,
+                        },
+                        private_data: r.bytes(MAX_PRIVATE_DATA, "private data")?,
+                    },
                     _ => return Err(ProtoError::BadValue("unreachable kind")),
                 }),
                 9 => WireEvent::Rejected {

@@ -18,7 +18,7 @@ use rcm_ucm::proto::{
     self, decode_command, decode_message, kind, split_frame, Answer, Command, Header, Limits,
     Message, SessionStats, WireError, WireEvent,
 };
-use rcm_wire::cm::RejReason;
+use rcm_wire::cm::{RejReason, SidrStatus};
 use rcm_wire::Gid;
 use std::borrow::Cow;
 use std::io::{ErrorKind, Read, Write};
@@ -338,14 +338,15 @@ fn wire_event(rng: &mut StdRng) -> WireEvent {
             param: param(rng),
         },
         6 => WireEvent::ConnectError(wire_error(rng)),
-        7 => WireEvent::Unreachable(pick(
-            rng,
-            &[
-                Unreachable::Timeout,
-                Unreachable::RepTimeout,
-                Unreachable::NoService,
-            ],
-        )),
+        7 => WireEvent::Unreachable(match rng.gen_range(0..3) {
+            0 => Unreachable::Timeout,
+            1 => Unreachable::RepTimeout,
+            // Any status but success (0), which the decoder refuses.
+            _ => Unreachable::Sidr {
+                status: SidrStatus::from_raw_value(rng.gen_range(1..=u8::MAX)),
+                private_data: bytes(rng, proto::MAX_PRIVATE_DATA),
+            },
+        }),
         8 => WireEvent::Rejected {
             reason: RejReason::from_raw_value(rng.gen()),
             private_data: bytes(rng, proto::MAX_PRIVATE_DATA),

@@ -16,12 +16,14 @@ pub enum Error {
     /// The id's device was removed: only destroy is valid now.
     #[error("the device of this id was removed; only destroy is valid")]
     DeviceRemoved,
-    /// No local device has this address, or none reaches the destination; or, opening a
-    /// device (RoCEv2 or iWARP), the host has no such address.
+    /// No local device has this address, or none reaches the destination; or a bind or
+    /// listen clashes with a wildcard binding of the port (either side a wildcard: Linux's
+    /// -EADDRNOTAVAIL from `cma_check_port`); or, opening a device (RoCEv2 or iWARP), the
+    /// host has no such address.
     #[error("address not available: {0}")]
     AddrNotAvailable(std::net::IpAddr),
-    /// The port is already bound in this port space; or, opening a RoCEv2 device, its UDP
-    /// port is another socket's.
+    /// The port is already bound on this very address in this port space; or, opening a
+    /// RoCEv2 device, its UDP port is another socket's.
     #[error("address in use: {0}")]
     AddrInUse(std::net::SocketAddr),
     /// No free port left in the ephemeral range.

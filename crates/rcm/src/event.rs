@@ -1,7 +1,7 @@
 //! rdma_cm events (`enum rdma_cm_event_type`, multicast ones aside).
 
 use crate::id::CmId;
-use rcm_wire::cm::RejReason;
+use rcm_wire::cm::{RejReason, SidrStatus};
 
 /// Connection parameters a peer offered (CONNECT_REQUEST / CONNECT_RESPONSE).
 ///
@@ -60,14 +60,35 @@ pub struct UdMessage {
 }
 
 /// Why a connection attempt failed without a REJ from the peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Unreachable {
     /// The REQ (or SIDR_REQ) was never answered.
     Timeout,
     /// The REP was never confirmed by an RTU.
     RepTimeout,
-    /// SIDR: the peer has no service at that port.
-    NoService,
+    /// SIDR: the peer answered with a SIDR_REP whose status is not success. Linux's
+    /// `cma_sidr_rep_handler` reports every such answer as RDMA_CM_EVENT_UNREACHABLE with
+    /// `status` the SIDR status, never as REJECTED: `UnsupportedServiceId` (1) when nobody
+    /// serves that port, `Rejected` (2) for the server's `reject` on its UD child (with the
+    /// reject's private data), and so on.
+    Sidr {
+        /// The SIDR_REP's status (IBTA table 121).
+        status: SidrStatus,
+        /// The SIDR_REP's private data (136 bytes).
+        private_data: Vec<u8>,
+    },
+}
+
+impl std::fmt::Display for Unreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unreachable::Timeout => f.write_str("no answer (timeout)"),
+            Unreachable::RepTimeout => f.write_str("the REP was never confirmed (timeout)"),
+            Unreachable::Sidr { status, .. } => {
+                write!(f, "SIDR status {} ({status:?})", status.raw())
+            }
+        }
+    }
 }
 
 /// One rdma_cm event.

@@ -678,6 +678,24 @@ fn check_pd(ps: PortSpace, op: &str, pd: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Linux `cma_acquire_dev_by_src_ip`: the IPOIB port space needs an InfiniBand device, and
+/// rcm's devices are RoCEv2 and iWARP.
+fn check_ipoib(ps: PortSpace) -> Result<()> {
+    if ps == PortSpace::Ipoib {
+        return Err(Error::InvalidArgument(
+            "the IPOIB port space needs an InfiniBand device".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a device on `src` can reach `dst`: a loopback address reaches only loopback
+/// addresses (a packet from 127.0.0.1 to another host is a martian; the kernel refuses to
+/// route it).
+fn reaches(src: IpAddr, dst: IpAddr) -> bool {
+    !src.is_loopback() || dst.is_loopback()
+}
+
 fn is_ud(ps: PortSpace) -> bool {
     matches!(ps, PortSpace::Udp | PortSpace::Ipoib)
 }
@@ -812,18 +830,28 @@ impl CmId {
         drop(old);
     }
 
-    /// `rdma_set_reuseaddr`: lets this id bind a port other reusing ids hold, as long as none
-    /// of them listens (listening clears it). Only before the id is bound.
+    /// `rdma_set_reuseaddr`: lets this id share its port with other reusing ids, as long as
+    /// none of them listens (listening clears it). Turning it on is allowed in any state but
+    /// Listen, on a bound id too, whose binding becomes shareable at once; turning it off only
+    /// before the id is bound (Linux's rule).
     pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
         if let Some(r) = self.forward(|| Op::SetReuseaddr(reuse)) {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
         let mut g = self.usable()?;
-        if g.state != State::Idle {
+        let allowed = if reuse {
+            g.state != State::Listen
+        } else {
+            g.state == State::Idle
+        };
+        if !allowed {
             return Err(Error::InvalidState(g.state));
         }
         g.reuse = reuse;
+        if let (true, true, Some(src)) = (reuse, g.bound, g.src) {
+            sync::lock(&self.0.fabric.ports).set_reuse(self.0.ps, src, self.0.key);
+        }
         Ok(())
     }
 
@@ -862,12 +890,13 @@ impl CmId {
         let device = if addr.ip().is_unspecified() {
             None
         } else {
-            Some(
-                self.0
-                    .fabric
-                    .device(addr.ip())
-                    .ok_or(Error::AddrNotAvailable(addr.ip()))?,
-            )
+            let d = self
+                .0
+                .fabric
+                .device(addr.ip())
+                .ok_or(Error::AddrNotAvailable(addr.ip()))?;
+            check_ipoib(self.0.ps)?;
+            Some(d)
         };
         let bound =
             sync::lock(&self.0.fabric.ports).bind_with(self.0.ps, addr, self.0.key, g.reuse)?;
@@ -882,6 +911,14 @@ impl CmId {
     /// or one of the same family (another device first, then `dst`'s own). Binds an
     /// ephemeral port if unbound. Reports `AddrResolved` or `AddrError`; a failure changes
     /// nothing.
+    ///
+    /// As in Linux, what the call can judge at once fails the call with no event: a
+    /// destination of another family than the bound address (`InvalidArgument`: Linux's
+    /// `resolve_prepare_src` -EINVAL), a `src` no device has (`AddrNotAvailable`: Linux binds
+    /// `src` first), or, with a `src`, the IPOIB port space. What resolution finds is an
+    /// `AddrError` event: no device of the destination's family, a loopback device for a
+    /// destination off this host (a loopback source reaches only loopback addresses, as
+    /// Linux's routing refuses a martian source), the IPOIB port space (InfiniBand only).
     pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
         if let Some(r) = self.forward(|| Op::ResolveAddr { src, dst }) {
             return r.map(drop);
@@ -891,32 +928,61 @@ impl CmId {
         if !matches!(g.state, State::Idle | State::AddrBound) {
             return Err(Error::InvalidState(g.state));
         }
+        // An unspecified source is no source (cma_bind_addr binds the wildcard then).
+        let src = src.filter(|s| !s.is_unspecified());
+        let family = |ip: IpAddr| ip.is_ipv4();
         let fab = &self.0.fabric;
+        if let Some(b) = g.src.filter(|_| g.bound) {
+            if b.is_ipv4() != dst.is_ipv4() {
+                return Err(Error::InvalidArgument(
+                    "the destination is of another family than the bound address".into(),
+                ));
+            }
+        }
         let chosen = match (&g.device, src) {
             (Some(d), _) => Some(d.clone()),
-            (None, Some(s)) => fab.device(s),
+            (None, Some(s)) => {
+                let d = fab.device(s);
+                // Unbound: Linux binds `src` first, and that bind fails at once.
+                if !g.bound {
+                    if family(s) != dst.is_ipv4() {
+                        return Err(Error::InvalidArgument(
+                            "the source and the destination are of different families".into(),
+                        ));
+                    }
+                    if d.is_none() {
+                        return Err(Error::AddrNotAvailable(s));
+                    }
+                    check_ipoib(self.0.ps)?;
+                }
+                d
+            }
             (None, None) => {
                 let devs = fab.devices();
+                let fits = |d: &&Arc<DeviceInner>| family(d.ip) == dst.is_ipv4();
                 devs.iter()
-                    .find(|d| d.ip.is_ipv4() == dst.is_ipv4() && d.ip != dst.ip())
+                    .filter(fits)
+                    .find(|d| d.ip != dst.ip() && reaches(d.ip, dst.ip()))
                     .or_else(|| devs.iter().find(|d| d.ip == dst.ip()))
+                    .or_else(|| devs.iter().find(fits))
                     .cloned()
             }
         };
-        let Some(dev) = chosen else {
-            drop(g);
-            self.0.slot.push(Event::AddrError(Error::AddrNotAvailable(
-                src.unwrap_or(dst.ip()),
-            )));
-            return Ok(());
+        let resolved = match chosen {
+            None => Err(Error::AddrNotAvailable(src.unwrap_or(dst.ip()))),
+            Some(d) if family(d.ip) != dst.is_ipv4() || !reaches(d.ip, dst.ip()) => {
+                Err(Error::AddrNotAvailable(dst.ip()))
+            }
+            Some(d) => check_ipoib(self.0.ps).map(|()| d),
         };
-        if dev.ip.is_ipv4() != dst.is_ipv4() {
-            drop(g);
-            self.0
-                .slot
-                .push(Event::AddrError(Error::AddrNotAvailable(dst.ip())));
-            return Ok(());
-        }
+        let dev = match resolved {
+            Ok(d) => d,
+            Err(e) => {
+                drop(g);
+                self.0.slot.push(Event::AddrError(e));
+                return Ok(());
+            }
+        };
         let src_addr = if g.bound {
             let b = g.src.unwrap_or_else(|| SocketAddr::new(dev.ip, 0));
             SocketAddr::new(dev.ip, b.port())
@@ -1361,7 +1427,10 @@ impl CmId {
     }
 
     /// Rejects a connect request (`rdma_reject`) with private data: REJ reason 28, or
-    /// SIDR_REP status "rejected". Connect → Disconnect.
+    /// SIDR_REP status "rejected". Connect → Disconnect. On the active side of an RC
+    /// connection it rejects the peer's REP (or, before one came, withdraws the REQ) with a
+    /// REJ, as Linux's `rdma_reject` does from ib_cm's REQ_SENT and REP_RCVD (librdmacm
+    /// does so itself when it cannot move its QP after a REP); the peer gets `Rejected`.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Reject(private_data.to_vec())) {
             return r.map(drop);
@@ -1372,7 +1441,13 @@ impl CmId {
         }
         let (dev, cep) = {
             let g = self.usable()?;
-            if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
+            let passive = g.listener.is_some();
+            let allowed = if passive {
+                !g.conn.accepted
+            } else {
+                !is_ud(self.0.ps)
+            };
+            if g.state != State::Connect || !allowed {
                 return Err(Error::InvalidState(g.state));
             }
             check_pd(self.0.ps, "reject", private_data)?;
@@ -1465,6 +1540,10 @@ impl CmId {
     /// Disconnects (`rdma_disconnect`): DREQ. Established → Disconnect; `Disconnected`
     /// follows. On a connection already going down (the peer's DREQ was answered, or this
     /// side disconnected before) it does nothing and succeeds, as `rdma_disconnect` does.
+    /// So it does on a RoCE connection still being set up (REQ sent, or a request received
+    /// or accepted and no RTU yet): ib_cm sends a DREQ only once established and Linux's
+    /// `rdma_disconnect` returns 0 there, having only moved the QP to ERR; the attempt goes
+    /// on. To abandon it, destroy the id (or `reject` it).
     pub fn disconnect(&self) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Disconnect) {
             return r.map(drop);
@@ -1478,6 +1557,9 @@ impl CmId {
             // Already going down (either side's disconnect, a DREQ answered): nothing to
             // send, and not an error, as rdma_disconnect returns 0 there.
             if g.state == State::Disconnect && !is_ud(self.0.ps) {
+                return Ok(());
+            }
+            if g.state == State::Connect && !is_ud(self.0.ps) && g.cep.is_some() {
                 return Ok(());
             }
             if g.state != State::Established || is_ud(self.0.ps) {
@@ -1941,15 +2023,11 @@ pub(crate) fn on_connect_request(
         .filter(|l| l.slot.is_live())
         .cloned();
     let Some(lst) = pick else { return refuse(dev) };
-    // A REQ for an RC port space, a SIDR_REQ for a UD one (cma_ib_check_req_qp_type; the IB
-    // port space takes either): otherwise the child could neither accept nor reject it.
+    // A REQ for an RC id, a SIDR_REQ for a UD one (cma_ib_check_req_qp_type): otherwise the
+    // child could neither accept nor reject it. An IB port space id is RC (librdmacm's
+    // rdma_create_id makes only UDP and IPOIB ids UD), so it is turned away from SIDR too.
     let ud_request = matches!(inc, Incoming::Ud { .. });
-    let fits = match lst.ps {
-        PortSpace::Udp | PortSpace::Ipoib => ud_request,
-        PortSpace::Tcp => !ud_request,
-        PortSpace::Ib => true,
-    };
-    if !fits {
+    if is_ud(lst.ps) != ud_request {
         return refuse(dev);
     }
     let Some(target) = lst.slot_target() else {
@@ -2207,16 +2285,12 @@ pub(crate) fn on_engine_event(
                                 private_data,
                             }
                         }
-                        SidrStatus::UnsupportedServiceId => {
+                        status => {
                             g.state = State::Disconnect;
-                            Event::Unreachable(Unreachable::NoService)
-                        }
-                        _ => {
-                            g.state = State::Disconnect;
-                            Event::Rejected {
-                                reason: RejReason::ConsumerDefined,
+                            Event::Unreachable(Unreachable::Sidr {
+                                status,
                                 private_data,
-                            }
+                            })
                         }
                     });
                 }

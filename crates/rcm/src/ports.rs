@@ -103,13 +103,31 @@ impl Ports {
         }
     }
 
-    fn conflicts(&self, ps: PortSpace, ip: IpAddr, port: u16, reuse: bool) -> bool {
-        self.taken.get(&(ps, port)).is_some_and(|v| {
-            v.all().iter().any(|b| {
-                let overlap = b.ip == ip || b.ip.is_unspecified() || ip.is_unspecified();
-                overlap && !(reuse && b.reuse && !b.listening)
-            })
-        })
+    /// Whether `ip`:`port` clashes with a binding of another id, and how (`cma_check_port`):
+    /// two reusing ids never clash unless one listens; a clash involving a wildcard, on
+    /// either side, is `AddrNotAvailable`; one on the same specific address `AddrInUse`.
+    fn clash(
+        &self,
+        ps: PortSpace,
+        ip: IpAddr,
+        port: u16,
+        reuse: bool,
+        key: Option<u64>,
+    ) -> Option<crate::Error> {
+        let v = self.taken.get(&(ps, port))?;
+        let mut found = None;
+        for b in v.all() {
+            if Some(b.key) == key || (reuse && b.reuse && !b.listening) {
+                continue;
+            }
+            if b.ip.is_unspecified() || ip.is_unspecified() {
+                return Some(crate::Error::AddrNotAvailable(ip));
+            }
+            if b.ip == ip {
+                found = Some(crate::Error::AddrInUse(SocketAddr::new(ip, port)));
+            }
+        }
+        found
     }
 
     /// Binds `addr` (port 0 picks a free ephemeral port) for id `key`.
@@ -145,15 +163,15 @@ impl Ports {
                 } else {
                     self.next + 1
                 };
-                if !self.conflicts(ps, ip, p, false) {
+                if self.clash(ps, ip, p, false, None).is_none() {
                     found = Some(p);
                     break;
                 }
             }
             found.ok_or(crate::Error::NoPorts)?
         } else {
-            if self.conflicts(ps, ip, addr.port(), reuse) {
-                return Err(crate::Error::AddrInUse(addr));
+            if let Some(e) = self.clash(ps, ip, addr.port(), reuse, None) {
+                return Err(e);
             }
             addr.port()
         };
@@ -182,28 +200,37 @@ impl Ports {
     }
 
     /// Marks `key`'s binding as listening: a listener shares its port with nobody. Fails if
-    /// another id shares the port now.
+    /// another id shares the port now (`cma_bind_listen` checks it as a bind without reuse).
     pub(crate) fn listen(
         &mut self,
         ps: PortSpace,
         addr: SocketAddr,
         key: u64,
     ) -> crate::Result<()> {
-        let Some(v) = self.taken.get_mut(&(ps, addr.port())) else {
-            return Ok(());
-        };
-        let shared = v.all().iter().any(|b| {
-            b.key != key
-                && (b.ip == addr.ip() || b.ip.is_unspecified() || addr.ip().is_unspecified())
-        });
-        if shared {
-            return Err(crate::Error::AddrInUse(addr));
+        if let Some(e) = self.clash(ps, addr.ip(), addr.port(), false, Some(key)) {
+            return Err(e);
         }
-        for b in v.all_mut().iter_mut().filter(|b| b.key == key) {
-            b.listening = true;
-            b.reuse = false;
+        if let Some(v) = self.taken.get_mut(&(ps, addr.port())) {
+            for b in v.all_mut().iter_mut().filter(|b| b.key == key) {
+                b.listening = true;
+                b.reuse = false;
+            }
         }
         Ok(())
+    }
+
+    /// `rdma_set_reuseaddr(id, 1)` on a bound id: its binding may now be shared with other
+    /// reusing ids. A listening binding keeps sharing nothing (the caller refuses that).
+    pub(crate) fn set_reuse(&mut self, ps: PortSpace, addr: SocketAddr, key: u64) {
+        if let Some(v) = self.taken.get_mut(&(ps, addr.port())) {
+            for b in v
+                .all_mut()
+                .iter_mut()
+                .filter(|b| b.key == key && !b.listening)
+            {
+                b.reuse = true;
+            }
+        }
     }
 
     /// Releases what `key` bound.

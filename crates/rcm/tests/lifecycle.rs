@@ -99,7 +99,7 @@ fn callbacks_of_one_id_never_overlap_and_keep_order() {
             thread::spawn(move || {
                 start.wait();
                 for n in 0..PER {
-                    poke(&id, (t << 16) | n);
+                    poke(&id, (t << 12) | n);
                 }
             })
         })
@@ -118,8 +118,8 @@ fn callbacks_of_one_id_never_overlap_and_keep_order() {
     for t in 0..THREADS {
         let mine: Vec<u32> = seen
             .iter()
-            .filter(|s| *s >> 16 == t)
-            .map(|s| s & 0xFFFF)
+            .filter(|s| *s >> 12 == t)
+            .map(|s| s & 0xFFF)
             .collect();
         assert_eq!(mine, (0..PER).collect::<Vec<_>>(), "thread {t}'s events");
     }
@@ -275,7 +275,7 @@ fn removal_behind_a_running_callback(
     });
     prepare(&id);
     id.bind(addr(1, 0)).unwrap();
-    // Bound to 127.0.0.1: resolving an IPv6 destination is an AddrError event.
+    // Bound to 127.0.0.1: resolving a destination off this host is an AddrError event.
     poke(&id, 0);
     entered_rx.recv_timeout(T).unwrap();
     poke(&id, 1);

@@ -802,7 +802,7 @@ fn ops() -> Vec<(&'static str, Op)> {
         ("bind_wildcard", |id| id.bind(any_addr(false, 0))),
         ("bind_absent_addr", |id| id.bind(addr(99, 0))),
         ("resolve_addr", |id| id.resolve_addr(None, addr(1, 9))),
-        ("resolve_addr_v6", |id| {
+        ("resolve_addr_unreachable", |id| {
             id.resolve_addr(None, unreachable_dst(9))
         }),
         ("resolve_addr_absent_src", |id| {
@@ -1062,7 +1062,7 @@ fn bug09_wildcard_listen_unwind() {
     // Failures leave nothing behind.
     let ports = f.bound_ports();
     let s = f.create_id_on(PortSpace::Tcp, &srv);
-    assert_eq!(s.bind(addr(1, 7000)), Err(Error::AddrInUse(addr(1, 7000))));
+    assert_eq!(s.bind(addr(1, 7000)), Err(Error::AddrNotAvailable(ip(1))));
     assert_eq!(s.state(), State::Idle);
     assert_eq!(w.listen(0), Err(Error::InvalidState(State::Listen)));
     assert_eq!(f.bound_ports(), ports);

@@ -450,7 +450,15 @@ fn reuseaddr_shares_a_port_until_someone_listens() {
     // A listener shares with nobody, reuse or not.
     c.set_reuseaddr(true).unwrap();
     assert_eq!(c.bind(addr(2, 6000)), Err(Error::AddrInUse(addr(2, 6000))));
-    assert!(a.set_reuseaddr(true).is_err(), "only before binding");
+    // Linux's rdma_set_reuseaddr: on in any state but Listen, off only while idle.
+    assert_eq!(
+        d.set_reuseaddr(true),
+        Err(Error::InvalidState(State::Listen))
+    );
+    assert_eq!(
+        a.set_reuseaddr(false),
+        Err(Error::InvalidState(State::AddrBound))
+    );
     f.shutdown();
     assert_eq!(f.bound_ports(), 0);
 }
@@ -1205,9 +1213,10 @@ fn private_data_limits_are_rdma_cms_and_a_refused_call_changes_nothing() {
 }
 
 /// The same on UD (SIDR): connect 180 bytes (the SIDR_REQ's 216 less the cma header), accept
-/// and reject 136 (the SIDR_REP's). A rejected SIDR request reaches the client as REJECTED
-/// (reason consumer-defined) with the SIDR_REP's private data, as rdma_cm reports a SIDR_REP
-/// of status REJECT.
+/// and reject 136 (the SIDR_REP's). A rejected SIDR request reaches the client as
+/// UNREACHABLE with the SIDR status (2, rejected) and the SIDR_REP's private data, as Linux's
+/// `cma_sidr_rep_handler` reports every SIDR_REP whose status is not success (never as
+/// REJECTED).
 #[test]
 fn ud_private_data_limits_and_a_rejected_sidr_request() {
     let f = fabric(24820);
@@ -1301,14 +1310,14 @@ fn ud_private_data_limits_and_a_rejected_sidr_request() {
     child2.reject(&rej_pd).unwrap();
     let (id, ev) = next(&cch);
     assert!(id == c2);
-    let Event::Rejected {
-        reason,
+    let Event::Unreachable(Unreachable::Sidr {
+        status,
         private_data,
-    } = ev
+    }) = ev
     else {
         panic!("{ev:?}")
     };
-    assert_eq!(reason, RejReason::ConsumerDefined);
+    assert_eq!(status, rcm_wire::cm::SidrStatus::Rejected);
     assert_eq!(private_data, rej_pd, "all 136 bytes of the SIDR_REP's");
     assert_eq!(c2.state(), State::Disconnect);
     f.shutdown();

@@ -29,9 +29,11 @@ pub fn sa(last: u8, port: u16) -> SocketAddr {
     SocketAddr::new(ip(last), port)
 }
 
-/// An IPv6 destination no daemon device has: `resolve_addr` to it queues one `AddrError`.
+/// A destination off this host (198.18.0.0/15, the test range) that the daemon's loopback
+/// devices cannot reach: `resolve_addr` to it, from an idle or a bound id, queues one
+/// `AddrError` and sends nothing.
 pub fn nowhere() -> SocketAddr {
-    "[fd00::1]:1".parse().expect("address")
+    "198.18.0.1:1".parse().expect("address")
 }
 
 /// A daemon configuration on 127.0.0.`binds` with UDP port `port` and short CM retries.

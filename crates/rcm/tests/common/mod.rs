@@ -3,7 +3,7 @@
 
 use rcm::{CmId, Error, Event, Fabric, FabricConfig};
 use rcm_proto::ib::RetryPolicy;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
@@ -38,21 +38,23 @@ pub fn addr(last: u8, port: u16) -> SocketAddr {
     SocketAddr::new(ip(last), port)
 }
 
-/// An IPv6 destination no device of a loopback fabric can reach: `resolve_addr` to it
-/// succeeds as a call and queues `AddrError(AddrNotAvailable(dst))`, changing nothing else.
-/// It makes an event on demand, carrying `seq`, for any idle or bound id.
+/// A destination off this host (in 198.18.0.0/15, the test range) that a loopback device
+/// cannot reach: `resolve_addr` to it succeeds as a call and queues
+/// `AddrError(AddrNotAvailable(dst))` at once, sending nothing and changing nothing else.
+/// It makes an event on demand, carrying `seq` (below 2^17), for any idle or bound id.
 pub fn unreachable_dst(seq: u32) -> SocketAddr {
-    let ip = Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, (seq >> 16) as u16, seq as u16);
-    SocketAddr::new(IpAddr::V6(ip), 1)
+    assert!(seq < 1 << 17, "seq {seq} does not fit 198.18.0.0/15");
+    let [_, b, c, d] = seq.to_be_bytes();
+    SocketAddr::new(IpAddr::from([198, 18 + b, c, d]), 1)
 }
 
 /// The `seq` of an event made by [`unreachable_dst`].
 pub fn seq_of(ev: &Event) -> Option<u32> {
     match ev {
-        Event::AddrError(Error::AddrNotAvailable(IpAddr::V6(a))) => {
-            let s = a.segments();
-            Some((u32::from(s[6]) << 16) | u32::from(s[7]))
-        }
+        Event::AddrError(Error::AddrNotAvailable(IpAddr::V4(a))) => match a.octets() {
+            [198, b @ 18..=19, c, d] => Some(u32::from_be_bytes([0, b - 18, c, d])),
+            _ => None,
+        },
         _ => None,
     }
 }
