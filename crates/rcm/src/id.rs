@@ -245,7 +245,9 @@ pub(crate) struct IdState {
     /// Inline: only ever touched under this state lock.
     qp: Option<SoftQp>,
     conn: Conn,
-    context: Option<Box<dyn Any + Send + Sync>>,
+    /// Shared with the `with_context` calls running now, which clone it so that they run
+    /// the user's closure with no lock held; a teardown waits for those clones to go.
+    context: Option<Arc<dyn Any + Send + Sync>>,
     removed: bool,
     reuse: bool,
     disconnected_reported: bool,
@@ -814,9 +816,11 @@ impl CmId {
 
     /// Attaches a context value; it is dropped exactly once, after the id's last callback.
     /// Set once the id's teardown took its context, it is dropped at once (kept, it would
-    /// never be: if it holds this `CmId`, the two would keep each other alive).
+    /// never be: if it holds this `CmId`, the two would keep each other alive). A value
+    /// replaced while a [`with_context`](Self::with_context) closure borrows it is dropped
+    /// when that closure returns.
     pub fn set_context(&self, ctx: impl Any + Send + Sync) {
-        let new: Box<dyn Any + Send + Sync> = Box::new(ctx);
+        let new: Arc<dyn Any + Send + Sync> = Arc::new(ctx);
         let old = {
             let mut g = sync::lock(&self.0.st);
             if g.state == State::Destroying {
@@ -855,11 +859,21 @@ impl CmId {
         Ok(())
     }
 
-    /// Runs `f` on the context, if it is a `T`.
+    /// Runs `f` on the context, if it is a `T`. No lock of the id is held while `f` runs:
+    /// it may call the id (even `set_context`, `with_context` or `destroy`). A destroy on
+    /// another thread drops the context only once `f` returned, and before it returns
+    /// itself. A destroy from inside `f` does not wait for that (it would wait for itself):
+    /// it returns `Done` when it could tear the id down at once, `Deferred` otherwise, and
+    /// the context is dropped when `f` returns.
     pub fn with_context<T: 'static, R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
-        let g = sync::lock(&self.0.st);
-        g.context
-            .as_ref()
+        let ctx = sync::lock(&self.0.st).context.clone()?;
+        let reading = ContextRead {
+            _frame: crate::slot::Borrow::enter(&self.0.slot, ctx_addr(&ctx)),
+            ctx: Some(ctx),
+        };
+        reading
+            .ctx
+            .as_deref()
             .and_then(|c| c.downcast_ref::<T>())
             .map(f)
     }
@@ -1803,6 +1817,42 @@ fn free_backlog_place(mut g: sync::MutexGuard<'_, IdState>) {
     }
 }
 
+/// One `with_context` call running: its clone of the context, released (and, if it is the
+/// last, the context dropped) before the borrow ends.
+struct ContextRead {
+    ctx: Option<Arc<dyn Any + Send + Sync>>,
+    _frame: crate::slot::Borrow,
+}
+
+impl Drop for ContextRead {
+    fn drop(&mut self) {
+        drop(self.ctx.take());
+    }
+}
+
+/// A context's address, naming it among the calling thread's borrows.
+fn ctx_addr(c: &Arc<dyn Any + Send + Sync>) -> usize {
+    Arc::as_ptr(c).cast::<()>() as usize
+}
+
+/// Drops the context a teardown took, once no other thread borrows it (the clones of
+/// running `with_context` calls are gone): "dropped before destroy returns" holds for a
+/// `with_context` running elsewhere. This thread's own borrows (a destroy from inside
+/// `with_context`) are not waited for: the last of them drops it. The wait polls, backing
+/// off to 1 ms: it only happens when a destroy meets a closure running, and a waker would
+/// cost every id memory for that rare case.
+fn drop_context(ctx: Option<Arc<dyn Any + Send + Sync>>) {
+    let Some(ctx) = ctx else { return };
+    let me = ctx_addr(&ctx);
+    let own = crate::slot::borrows(|_, c| c == me);
+    let mut nap = std::time::Duration::from_micros(10);
+    while Arc::strong_count(&ctx) > 1 + own {
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(std::time::Duration::from_millis(1));
+    }
+    drop(ctx);
+}
+
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
@@ -1882,7 +1932,7 @@ fn teardown(inner: &Arc<IdInner>) {
         r.release();
     }
     sync::lock(&inner.fabric.ids).remove(&inner.key);
-    drop(ctx);
+    drop_context(ctx);
 }
 
 /// An event a provider delivered for an id it owns.

@@ -169,10 +169,58 @@ loom::thread_local! {
     static TEARING: std::cell::Cell<usize> = std::cell::Cell::new(0);
 }
 
-/// Whether the calling thread is inside `s`'s own callback or teardown, where waiting for
-/// `s` to be destroyed would wait for itself.
+// The context borrows the calling thread is inside (`CmId::with_context` runs its closure),
+// innermost last: the slot's address and the context's. A teardown running elsewhere waits
+// for those borrows to end before it drops the context, so a destroy from inside one must
+// not wait for the teardown.
+#[cfg(not(loom))]
+std::thread_local! {
+    static BORROWS: std::cell::RefCell<Vec<(usize, usize)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Marks the calling thread as borrowing context `ctx` (an address) of a slot while it
+/// lives.
+#[cfg(not(loom))]
+pub(crate) struct Borrow((usize, usize));
+
+#[cfg(not(loom))]
+impl Borrow {
+    pub(crate) fn enter<E>(s: &Slot<E>, ctx: usize) -> Self {
+        let me = (std::ptr::from_ref(s) as usize, ctx);
+        BORROWS.with(|b| b.borrow_mut().push(me));
+        Borrow(me)
+    }
+}
+
+#[cfg(not(loom))]
+impl Drop for Borrow {
+    fn drop(&mut self) {
+        let _ = BORROWS.try_with(|b| {
+            let mut b = b.borrow_mut();
+            if let Some(i) = b.iter().rposition(|&x| x == self.0) {
+                b.remove(i);
+            }
+        });
+    }
+}
+
+/// How many borrows the calling thread is inside that match `hit` (slot, context).
+#[cfg(not(loom))]
+pub(crate) fn borrows(hit: impl Fn(usize, usize) -> bool) -> usize {
+    BORROWS
+        .try_with(|b| b.borrow().iter().filter(|&&(s, c)| hit(s, c)).count())
+        .unwrap_or(0)
+}
+
+/// Whether the calling thread is inside `s`'s own callback, teardown or context borrow,
+/// where waiting for `s` to be destroyed would wait for itself.
 fn runs_own_code<E>(s: &Slot<E>) -> bool {
     let me = std::ptr::from_ref(s) as usize;
+    #[cfg(not(loom))]
+    if borrows(|slot, _| slot == me) > 0 {
+        return true;
+    }
     CURRENT.with(|c| c.get() == me) || TEARING.with(|t| t.get() == me)
 }
 
@@ -465,7 +513,7 @@ impl<E: Send + 'static> Slot<E> {
             self.run_teardown();
             return Ok(DestroyOutcome::Done);
         }
-        if own || !block || in_callback() {
+        if own || !block || in_callback() || runs_own_code(self) {
             return Ok(DestroyOutcome::Deferred);
         }
         let mut g = sync::lock(&self.inner);

@@ -102,11 +102,9 @@ fn begin_destroy_with_a_context_that_destroys_its_id_returns() {
     assert!(returned, "begin_destroy (non-blocking) hung");
 }
 
-/// `with_context` runs the user's closure with the id's state lock held, so any call on the
-/// same id from inside the closure takes that lock again and deadlocks. Known, not fixed yet
-/// (the fix must keep "the context is dropped before destroy returns").
+/// `with_context` ran the user's closure with the id's state lock held, so any call on the
+/// same id from inside the closure took that lock again and deadlocked.
 #[test]
-#[ignore = "known: with_context holds the id's state lock across the closure"]
 fn calling_the_id_from_inside_with_context_does_not_deadlock() {
     let f = fabric(29412);
     let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
@@ -124,6 +122,114 @@ fn calling_the_id_from_inside_with_context_does_not_deadlock() {
         ok,
         "id.with_context(|_| id.state()) deadlocked (state lock held across the closure)"
     );
+}
+
+/// A context that counts its drops.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// With no lock held across `with_context`'s closure, "the context is dropped before destroy
+/// returns" still holds: a destroy on another thread while the closure runs waits for it,
+/// and the context is dropped by the time that destroy returns, not before the closure ends.
+#[test]
+fn a_destroy_elsewhere_waits_for_a_running_with_context() {
+    let f = fabric(29419);
+    let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    id.set_context(Counted(dropped.clone()));
+    let gate = Gate::new();
+    let (inside_tx, inside_rx) = mpsc::channel();
+    let (id2, g2, d2) = (id.clone(), gate.clone(), dropped.clone());
+    let reader = thread::spawn(move || {
+        id2.with_context(|_: &Counted| {
+            inside_tx.send(()).unwrap();
+            g2.wait();
+            d2.load(Ordering::SeqCst)
+        })
+    });
+    inside_rx.recv_timeout(T).unwrap();
+    let (done_tx, done_rx) = mpsc::channel();
+    let (id3, d3) = (id.clone(), dropped.clone());
+    let destroyer = thread::spawn(move || {
+        let r = id3.destroy();
+        done_tx.send(d3.load(Ordering::SeqCst)).unwrap();
+        r
+    });
+    assert!(
+        done_rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "destroy returned while with_context's closure still borrowed the context"
+    );
+    gate.open();
+    assert_eq!(
+        reader.join().unwrap(),
+        Some(0),
+        "the context was dropped under the closure"
+    );
+    assert_eq!(
+        done_rx.recv_timeout(T),
+        Ok(1),
+        "the context is dropped by the time destroy returns"
+    );
+    assert_eq!(destroyer.join().unwrap(), Ok(DestroyOutcome::Done));
+    assert_eq!(id.with_context(|_: &Counted| ()), None);
+    f.shutdown();
+}
+
+/// From inside `with_context` the id may be destroyed (an idle id is torn down at once:
+/// `Done`), its context replaced or borrowed again; what the closure borrows stays alive
+/// until it returns and is dropped then, exactly once.
+#[test]
+fn destroy_and_set_context_from_inside_with_context() {
+    let f = fabric(29420);
+    let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let (first, second) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    id.set_context(Counted(first.clone()));
+    let id2 = id.clone();
+    let seen = within(Duration::from_secs(3), {
+        let (first, second) = (first.clone(), second.clone());
+        move || {
+            id2.with_context(|c: &Counted| {
+                id2.set_context(Counted(second.clone()));
+                let nested = id2.with_context(|n: &Counted| Arc::ptr_eq(&n.0, &second));
+                // Replaced, but still borrowed here: not dropped yet.
+                let kept = (first.load(Ordering::SeqCst), c.0.load(Ordering::SeqCst));
+                (nested, kept)
+            })
+        }
+    });
+    assert_eq!(seen, Some(Some((Some(true), (0, 0)))));
+    assert_eq!(
+        first.load(Ordering::SeqCst),
+        1,
+        "dropped once the closure returned"
+    );
+    let id3 = id.clone();
+    let inside = within(Duration::from_secs(3), {
+        let second = second.clone();
+        move || {
+            id3.with_context(|_: &Counted| {
+                let r = id3.destroy();
+                (r, second.load(Ordering::SeqCst), id3.state())
+            })
+        }
+    });
+    assert_eq!(
+        inside,
+        Some(Some((Ok(DestroyOutcome::Done), 0, rcm::State::Destroying))),
+        "destroy from inside with_context"
+    );
+    assert_eq!(
+        second.load(Ordering::SeqCst),
+        1,
+        "dropped when the closure returned"
+    );
+    assert_eq!(first.load(Ordering::SeqCst), 1);
+    f.shutdown();
 }
 
 /// `DestroyHandle::wait` from inside the id's own callback returns at once, as `destroy()`
