@@ -280,6 +280,15 @@ pub(crate) fn before_wait() {
 }
 
 impl Scheduler<Event> for Dispatcher {
+    /// A connect request is delivered as a callback of its listener (serialised with the
+    /// listener's callbacks, as Linux delivers it under the listener's handler mutex).
+    fn gate(&self, ev: &Event) -> Option<Arc<Slot<Event>>> {
+        match ev {
+            Event::ConnectRequest { listener, .. } => Some(listener.0.slot.clone()),
+            _ => None,
+        }
+    }
+
     fn schedule(&self, slot: Arc<Slot<Event>>) {
         let mut slot = Some(slot);
         let _ = HERE.try_with(|h| {

@@ -500,15 +500,11 @@ fn callback(h: Handler) -> Target<Event> {
             let Some(inner) = owner.and_then(|o| o.downcast::<IdInner>().ok()) else {
                 return Flow::Continue;
             };
-            if let Event::ConnectRequest { listener, .. } = &ev {
-                // The request is delivered serialised with its listener's callbacks: the
-                // listener's blocking destroy waits for it, and a request whose listener is
-                // being destroyed dies with it, unseen (rejected).
-                let Some(_listening) = listener.0.slot.enter() else {
-                    return Flow::Destroy;
-                };
+            // A connect request runs as a callback of its listener (the scheduler's `gate`):
+            // the listener's blocking destroy waits for it, and a request whose listener is
+            // being destroyed dies with it, unseen (rejected), never reaching here.
+            if let Event::ConnectRequest { .. } = &ev {
                 request_delivered(&inner);
-                return h(&CmId(inner), ev);
             }
             h(&CmId(inner), ev)
         },

@@ -104,6 +104,22 @@ pub(crate) trait Scheduler<E>: Send + Sync {
     fn discard(&self, ev: E) {
         drop(ev);
     }
+    /// The slot `ev` must be delivered serialised with (a connect request's listener): its
+    /// callback then runs as one of that slot's ([`Slot::try_enter`]). While that slot's
+    /// callback runs, the event's slot is parked on it, holding no thread, and scheduled
+    /// again when it ends. Once that slot is not live the event is dropped undelivered and
+    /// its slot destroyed. None by default.
+    fn gate(&self, _ev: &E) -> Option<Arc<Slot<E>>> {
+        None
+    }
+}
+
+/// What a slot keeps only while it needs it (boxed: most slots never do).
+struct Extra<E> {
+    /// Async destroys waiting.
+    wakers: Vec<Waker>,
+    /// Slots whose next event waits for this slot's callback in flight to end.
+    parked: Vec<Arc<Slot<E>>>,
 }
 
 struct Inner<E> {
@@ -117,9 +133,8 @@ struct Inner<E> {
     removal_queued: bool,
     /// Destroy was asked from inside this slot's own running callback.
     deferred: bool,
-    /// Async destroys waiting (boxed: few ids are ever destroyed that way).
-    #[allow(clippy::box_collection)]
-    wakers: Option<Box<Vec<Waker>>>,
+    /// Async destroys waiting, and slots parked on this one's callback.
+    extra: Option<Box<Extra<E>>>,
     /// Threads waiting on the slot's condition variable: a state change with none waiting
     /// makes no wake-up system call (one per callback otherwise).
     waiters: u32,
@@ -272,7 +287,7 @@ impl<E: Send + 'static> Slot<E> {
                 teardown_started: false,
                 removal_queued: false,
                 deferred: false,
-                wakers: None,
+                extra: None,
                 waiters: 0,
             }),
             cond: Condvar::new(),
@@ -415,14 +430,35 @@ impl<E: Send + 'static> Slot<E> {
             let Some(ev) = g.queue.pop_front() else {
                 continue;
             };
+            // An event delivered as a callback of another slot (a connect request on its
+            // listener) waits for that slot's callback in flight parked there, so it holds
+            // no thread meanwhile (lock order: this slot, then that one).
+            let entry = self.sched.gate(&ev).map(|gate| gate.try_enter(self));
+            if let Some(Entry::Parked) = entry {
+                g.queue.push_front(ev);
+                g.scheduled = false;
+                return;
+            }
             g.running = Some(sync::thread::current().id());
             drop(g);
-            let flow = match self.target() {
-                Some(Target::Callback(cb)) => self.call(&cb, ev),
-                _ => Flow::Continue,
+            let flow = match entry {
+                // That slot is not live: the event dies undelivered, and its slot with it.
+                Some(Entry::Closed) => {
+                    drop(ev);
+                    Flow::Destroy
+                }
+                entered => {
+                    let flow = match self.target() {
+                        Some(Target::Callback(cb)) => self.call(&cb, ev),
+                        _ => Flow::Continue,
+                    };
+                    drop(entered);
+                    flow
+                }
             };
             let mut g = sync::lock(&self.inner);
             g.running = None;
+            let parked = take_parked(&mut g);
             if (flow == Flow::Destroy || g.deferred) && g.phase == Phase::Live {
                 g.phase = Phase::Destroying;
             }
@@ -442,6 +478,7 @@ impl<E: Send + 'static> Slot<E> {
             if wake {
                 self.cond.notify_all();
             }
+            unpark(parked);
             for d in dropped {
                 self.sched.discard(d);
             }
@@ -556,7 +593,13 @@ impl<E: Send + 'static> Slot<E> {
         drop(t);
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
-        let wakers = g.wakers.take().map(|w| *w).unwrap_or_default();
+        let Extra { wakers, parked } = g.extra.take().map_or_else(
+            || Extra {
+                wakers: Vec::new(),
+                parked: Vec::new(),
+            },
+            |e| *e,
+        );
         let wake = g.waiters > 0;
         drop(g);
         if wake {
@@ -565,6 +608,7 @@ impl<E: Send + 'static> Slot<E> {
         for w in wakers {
             w.wake();
         }
+        unpark(parked);
     }
 
     /// Blocks until the slot is destroyed; returns at once inside its own callback or
@@ -603,33 +647,33 @@ impl<E: Send + 'static> Slot<E> {
         if g.phase == Phase::Destroyed {
             return true;
         }
-        let wakers = g.wakers.get_or_insert_with(Box::default);
+        let wakers = &mut extra(&mut g).wakers;
         if !wakers.iter().any(|x| x.will_wake(w)) {
             wakers.push(w.clone());
         }
         false
     }
 
-    /// Runs code of another slot's event as if it were a callback of this slot: waits for
-    /// this slot's callback in flight, then marks it running until the guard drops, so this
-    /// slot's blocking destroy waits for it (a connect request is serialised with its
-    /// listener, as Linux delivers it under the listener's handler mutex). `None` once the
-    /// slot is not live.
-    pub(crate) fn enter(self: &Arc<Self>) -> Option<EnterGuard<E>> {
-        let me = sync::thread::current().id();
+    /// Runs code of another slot's event (`who`'s) as if it were a callback of this slot:
+    /// marks this slot running until the guard drops, so this slot's blocking destroy waits
+    /// for it (a connect request is serialised with its listener, as Linux delivers it
+    /// under the listener's handler mutex). While a callback of this slot runs, `who` is
+    /// parked here instead, and scheduled when that callback ends. `Closed` once the slot is
+    /// not live.
+    pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
-        loop {
-            if g.phase != Phase::Live {
-                return None;
-            }
-            match g.running {
-                None => break,
-                Some(t) if t == me => return None,
-                Some(_) => g = self.wait(g),
-            }
+        if g.phase != Phase::Live {
+            return Entry::Closed;
         }
-        g.running = Some(me);
-        Some(EnterGuard(self.clone()))
+        if g.running.is_some() {
+            let parked = &mut extra(&mut g).parked;
+            if !parked.iter().any(|p| Arc::ptr_eq(p, who)) {
+                parked.push(who.clone());
+            }
+            return Entry::Parked;
+        }
+        g.running = Some(sync::thread::current().id());
+        Entry::Entered(EnterGuard(self.clone()))
     }
 
     /// Takes a channel hold on this slot (a held event of another slot that also belongs to
@@ -702,7 +746,57 @@ pub(crate) enum Unmoved {
     TornDown,
 }
 
-/// See [`Slot::enter`].
+/// What [`Slot::try_enter`] did.
+pub(crate) enum Entry<E: Send + 'static> {
+    /// Entered, until the guard drops.
+    #[allow(dead_code)] // Held for its drop.
+    Entered(EnterGuard<E>),
+    /// A callback of the slot runs: the caller was parked on it.
+    Parked,
+    /// The slot is not live.
+    Closed,
+}
+
+/// The boxed part of `g`, made if missing.
+fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
+    g.extra.get_or_insert_with(|| {
+        Box::new(Extra {
+            wakers: Vec::new(),
+            parked: Vec::new(),
+        })
+    })
+}
+
+/// Takes the slots parked on `g`'s callback, which just ended (freeing the box if nothing
+/// else is in it).
+fn take_parked<E>(g: &mut Inner<E>) -> Vec<Arc<Slot<E>>> {
+    let Some(e) = g.extra.as_mut() else {
+        return Vec::new();
+    };
+    let parked = std::mem::take(&mut e.parked);
+    if e.wakers.is_empty() {
+        g.extra = None;
+    }
+    parked
+}
+
+/// Schedules slots that were parked on another slot's callback (their next event waits
+/// for it), unless something else has scheduled them meanwhile or they are gone.
+fn unpark<E: Send + 'static>(parked: Vec<Arc<Slot<E>>>) {
+    for p in parked {
+        let mut g = sync::lock(&p.inner);
+        let go = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
+        if go {
+            g.scheduled = true;
+        }
+        drop(g);
+        if go {
+            p.sched.schedule(p.clone());
+        }
+    }
+}
+
+/// See [`Slot::try_enter`].
 pub(crate) struct EnterGuard<E: Send + 'static>(Arc<Slot<E>>);
 
 impl<E: Send + 'static> Drop for EnterGuard<E> {
@@ -710,6 +804,7 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         let s = &self.0;
         let mut g = sync::lock(&s.inner);
         g.running = None;
+        let parked = take_parked(&mut g);
         let finish = g.phase == Phase::Destroying && g.held == 0 && !g.teardown_started;
         if finish {
             g.teardown_started = true;
@@ -724,6 +819,7 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         if wake {
             s.cond.notify_all();
         }
+        unpark(parked);
         if finish {
             s.run_teardown();
         }
@@ -1111,7 +1207,13 @@ pub mod loom_api {
         Destroyed,
     }
 
-    struct FnSched<E>(Box<dyn Fn(SlotHandle<E>) + Send + Sync>, fn(E));
+    type GateFn<E> = Box<dyn Fn(&E) -> Option<SlotHandle<E>> + Send + Sync>;
+
+    struct FnSched<E>(
+        Box<dyn Fn(SlotHandle<E>) + Send + Sync>,
+        fn(E),
+        Option<GateFn<E>>,
+    );
 
     impl<E> Scheduler<E> for FnSched<E> {
         fn schedule(&self, slot: Arc<Slot<E>>) {
@@ -1119,6 +1221,9 @@ pub mod loom_api {
         }
         fn discard(&self, ev: E) {
             (self.1)(ev);
+        }
+        fn gate(&self, ev: &E) -> Option<Arc<Slot<E>>> {
+            self.2.as_ref().and_then(|g| g(ev)).map(|h| h.0)
         }
     }
 
@@ -1183,7 +1288,22 @@ pub mod loom_api {
             let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
             SlotHandle(Slot::new(
                 Target::Callback(cb),
-                Arc::new(FnSched(Box::new(sched), discard)),
+                Arc::new(FnSched(Box::new(sched), discard, None)),
+            ))
+        }
+
+        /// As [`SlotHandle::with_callback`], with `gate` naming the slot an event must be
+        /// delivered serialised with (`Scheduler::gate`: a connect request's listener).
+        pub fn with_callback_gated(
+            cb: impl Fn(E) -> Flow + Send + Sync + 'static,
+            sched: impl Fn(SlotHandle<E>) + Send + Sync + 'static,
+            discard: fn(E),
+            gate: impl Fn(&E) -> Option<SlotHandle<E>> + Send + Sync + 'static,
+        ) -> Self {
+            let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
+            SlotHandle(Slot::new(
+                Target::Callback(cb),
+                Arc::new(FnSched(Box::new(sched), discard, Some(Box::new(gate)))),
             ))
         }
 
@@ -1191,7 +1311,7 @@ pub mod loom_api {
         pub fn with_channel(ch: &Channel<E>, discard: fn(E)) -> Self {
             SlotHandle(Slot::new(
                 Target::Channel(ch.0.clone()),
-                Arc::new(FnSched(Box::new(|_| {}), discard)),
+                Arc::new(FnSched(Box::new(|_| {}), discard, None)),
             ))
         }
 
@@ -1216,17 +1336,6 @@ pub mod loom_api {
         /// `Slot::drain` (the scheduler's job).
         pub fn drain(&self) {
             self.0.drain();
-        }
-
-        /// `Slot::enter`: runs `f` as if it were a callback of this slot (false, not run,
-        /// once the slot is not live or on the thread of its own callback).
-        pub fn entered(&self, f: impl FnOnce()) -> bool {
-            let Some(g) = self.0.enter() else {
-                return false;
-            };
-            f();
-            drop(g);
-            true
         }
 
         /// `Slot::destroy`.

@@ -867,27 +867,48 @@ fn m10_nothing_after_removal() {
     });
 }
 
-/// 11. Code of another slot run as this slot's callback (`enter`: a connect request on its
-///     listener) against an event pushed meanwhile: the event's callback never overlaps the
-///     entered section, and it is delivered once the section ends.
+/// 11. An event delivered as a callback of another slot (`Scheduler::gate`: a connect
+///     request on its listener) against that slot's own callback: the two never overlap,
+///     both run exactly once, and the gated one, parked while the other runs, is scheduled
+///     again when it ends instead of waiting on a thread.
 #[test]
-fn m11_entered_section_vs_push() {
-    model("11 enter x push", None, || {
-        let rec = Rec::new();
-        let s = slot(&rec, |_| Flow::Continue);
-        let a = {
-            let (s, rec) = (s.clone(), rec.clone());
-            thread::spawn(move || s.push(ev(&rec, Kind::Normal(1))))
+fn m11_gated_event_vs_the_gate_slots_callback() {
+    model("11 gated x callback", None, || {
+        // One record per slot (each checks its own teardown and context); the overlap of
+        // the two slots' callbacks is checked on a counter they share.
+        let (lrec, crec) = (Rec::new(), Rec::new());
+        let busy = Arc::new(AtomicUsize::new(0));
+        let body = |rec: &Arc<Rec>| {
+            let (r, b) = (rec.clone(), busy.clone());
+            move |_: &Ev| {
+                r.check(b.fetch_add(1, SeqCst) == 0, "gated callback overlaps");
+                b.fetch_sub(1, SeqCst);
+                Flow::Continue
+            }
         };
-        let r = rec.clone();
-        let ran = s.entered(move || {
-            r.check(r.running.fetch_add(1, SeqCst) == 0, "callbacks overlap");
-            r.running.fetch_sub(1, SeqCst);
-        });
-        assert!(ran);
+        let listener = slot(&lrec, body(&lrec));
+        let gate = listener.downgrade();
+        let child = SlotHandle::with_callback_gated(
+            handler(&crec, body(&crec)),
+            |s| s.drain(),
+            discard,
+            move |_| gate.upgrade(),
+        );
+        child.set_teardown(teardown(&crec));
+        let a = {
+            let (l, rec) = (listener.clone(), lrec.clone());
+            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
+        };
+        child.push(ev(&crec, Kind::Normal(2)));
         a.join().unwrap();
-        assert_eq!(rec.started(), 1, "the pushed event was delivered");
-        assert_eq!(s.destroy(true), Ok(DestroyOutcome::Done));
-        rec.finish(1);
+        assert_eq!(
+            (lrec.started(), crec.started()),
+            (1, 1),
+            "both callbacks ran, once each"
+        );
+        assert_eq!(child.destroy(true), Ok(DestroyOutcome::Done));
+        assert_eq!(listener.destroy(true), Ok(DestroyOutcome::Done));
+        lrec.finish(1);
+        crec.finish(1);
     });
 }

@@ -255,15 +255,14 @@ fn begin_destroy_wait_from_own_callback_does_not_hang() {
     );
 }
 
-/// A connect request's callback (`id.rs` `callback`) blocks its dispatcher thread in
-/// `Slot::enter` on the listener until the listener's "callback in flight" — another
-/// child's connect-request callback — returns. So one blocked connect-request callback
-/// (allowed in `CallbackMode::Threads`: "A callback may block") plus one more request per
-/// remaining dispatcher thread takes every callback thread: no other id of the fabric gets
-/// any callback. (With a callback waiting for another id's event, that is a permanent
-/// deadlock.) Known, not fixed yet: a waiting child must not take a pool thread.
+/// A connect request's callback runs as a callback of its listener, so it waits for the
+/// listener's callback in flight (another child's connect-request callback). It waited on a
+/// dispatcher thread (`Slot::enter`), so one blocked connect-request callback (allowed in
+/// `CallbackMode::Threads`: "A callback may block") plus one more request per remaining
+/// dispatcher thread took every callback thread: no other id of the fabric got any
+/// callback (with a callback waiting for another id's event, a permanent deadlock). The
+/// waiting child is now parked on its listener, holding no thread.
 #[test]
-#[ignore = "known: a connect-request callback waits for its listener on a pool thread"]
 fn a_blocked_connect_request_callback_does_not_starve_unrelated_ids() {
     let mut cfg = config(29414);
     cfg.dispatcher_threads = 2;
@@ -308,6 +307,11 @@ fn a_blocked_connect_request_callback_does_not_starve_unrelated_ids() {
         "an unrelated id's event was not delivered in 3 s while one connect-request callback \
          was blocked: both dispatcher threads are taken (one by the blocked handler, one \
          waiting in Slot::enter on the listener)"
+    );
+    // The parked request is delivered once the blocked one returns.
+    assert!(
+        eventually(T, || seen.load(Ordering::SeqCst) == 2),
+        "the second connect request was never delivered"
     );
     let _ = (
         c1.destroy(),
