@@ -583,14 +583,22 @@ impl<E: Send + 'static> Slot<E> {
 
     fn run_teardown(&self) {
         let _in = InTeardown::enter(self);
+        // What the teardown drops last is the user's (the context; the handler and what it
+        // captured): a panic in its `Drop` must neither leave the slot Destroying (every
+        // waiter would hang) nor unwind into the caller's destroy or a dispatcher thread.
         let o = sync::lock(&self.owner).take();
-        if let Some(o) = o {
-            o.teardown();
-        }
+        let owner = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            if let Some(o) = o {
+                o.teardown();
+            }
+        }));
         // Dropping the target drops the handler and whatever it captured: after the last
         // callback, exactly once.
         let t = sync::lock(&self.target).take();
-        drop(t);
+        let target = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(t)));
+        if owner.is_err() || target.is_err() {
+            eprintln!("rcm: a context or handler panicked while dropped; its id is destroyed");
+        }
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
         let Extra { wakers, parked } = g.extra.take().map_or_else(

@@ -1,6 +1,7 @@
 //! User code that calls back into its own id from where the id cannot finish: a context
-//! whose drop destroys the id, a wait for the id's destruction inside its own callback, a
-//! context set after the teardown, and callbacks blocked while others wait. A deadlock
+//! whose drop destroys the id (or panics), a wait for the id's destruction inside its own
+//! callback, calls from inside `with_context`, a context set after the teardown, and
+//! callbacks blocked while others wait. A deadlock
 //! fails the test (the body runs on a thread given a few seconds) instead of hanging it.
 //! UDP ports 29410–29439.
 #![cfg(not(loom))]
@@ -382,4 +383,52 @@ fn a_context_set_after_destroy_is_not_leaked() {
         "the context set on a destroyed id was never dropped (drops = {})",
         drops.load(Ordering::SeqCst)
     );
+}
+
+/// A context whose `Drop` panics (user code, run inside the teardown).
+struct PanicOnDrop;
+
+impl Drop for PanicOnDrop {
+    fn drop(&mut self) {
+        panic!("the context's drop panics (on purpose)");
+    }
+}
+
+/// A panic in what the teardown drops (the context; a handler's captures) must not leave
+/// the id half torn down: `destroy` returns `Done` to its caller, a waiter sees the id
+/// destroyed, and through `Flow::Destroy` the dispatcher thread that ran the teardown lives
+/// on (with one thread, another id's event is still delivered).
+#[test]
+fn a_panicking_context_drop_still_completes_the_destroy() {
+    let mut cfg = config(29421);
+    cfg.dispatcher_threads = 1;
+    let f = Fabric::loopback_with(2, cfg).unwrap();
+    let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    id.set_context(PanicOnDrop);
+    let r = within(Duration::from_secs(3), move || id.destroy());
+    assert_eq!(r, Some(Ok(DestroyOutcome::Done)), "destroy from the user");
+
+    let flow = f.create_id(PortSpace::Tcp, |_, _| Flow::Destroy);
+    flow.set_context(PanicOnDrop);
+    poke(&flow, 1);
+    let h = flow.begin_destroy();
+    assert!(
+        within(Duration::from_secs(3), move || h
+            .wait_for(Duration::from_secs(2)))
+            == Some(true),
+        "a waiter never saw the id destroyed"
+    );
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let other = f.create_id(PortSpace::Tcp, move |_, _| {
+        let _ = tx.lock().unwrap().send(());
+        Flow::Continue
+    });
+    poke(&other, 2);
+    assert!(
+        rx.recv_timeout(Duration::from_secs(3)).is_ok(),
+        "the dispatcher thread died with the panic"
+    );
+    assert_eq!(other.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
 }
