@@ -96,6 +96,10 @@ pub fn default_ring_threads() -> usize {
 /// Connections a daemon serves at once by default ([`DaemonConfig::max_connections`]).
 pub const MAX_CONNECTIONS: usize = 1024;
 
+/// The largest `LISTEN` backlog: a larger one is cut to it, as ucma cuts it to its
+/// `max_backlog` (1,024 by default). Each unanswered request holds daemon memory.
+pub const MAX_BACKLOG: usize = 1024;
+
 impl DaemonConfig {
     /// A RoCEv2 daemon on `binds` at `socket`, with default limits.
     pub fn new(socket: impl Into<PathBuf>, binds: Vec<IpAddr>) -> Self {
@@ -1793,7 +1797,10 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
             match id {
                 // Commands of one session run one at a time, in order, and rcm serialises
                 // calls on one id: the two halves of Linux bug 2's fix.
-                Some(id) => id.call(op).map(Answer::Reply).map_err(WireError::Cm),
+                Some(id) => id
+                    .call(clamped(op))
+                    .map(Answer::Reply)
+                    .map_err(WireError::Cm),
                 None => Err(WireError::NoSuchId),
             }
         }
@@ -1802,6 +1809,24 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
         Ok(a) => Message::Ok(a),
         Err(e) => Message::Err(e),
     })
+}
+
+/// What the daemon asks of rcm for a client's call: a `LISTEN` backlog at most
+/// [`MAX_BACKLOG`].
+fn clamped(op: rcm::remote::Op) -> rcm::remote::Op {
+    use rcm::remote::Op;
+    match op {
+        Op::Listen(b) => Op::Listen(b.min(MAX_BACKLOG)),
+        op => op,
+    }
+}
+
+/// Whether an `ATTACH` may have a place while `connections` (it included) of `max` are
+/// served: at least a quarter of the places stay for sessions (a quarter exactly, not
+/// rounded down: with 3, the third connection is kept from channels).
+fn channel_may_attach(connections: usize, max: usize) -> bool {
+    // 4 * free >= max, in u64 so that no count overflows.
+    4 * (max as u64).saturating_sub(connections as u64) >= max as u64
 }
 
 /// `HELLO` and `ATTACH` both name a range of versions that must contain ours.
@@ -1828,7 +1853,7 @@ fn attach(
     // Channels only make calls faster; sessions are needed. A quarter of the places are
     // kept from channels (this connection counts already), so a busy set of clients' channels
     // never leaves a new client without a place for its session.
-    if sh.connections.load(Ordering::SeqCst) + sh.max_connections / 4 > sh.max_connections {
+    if !channel_may_attach(sh.connections.load(Ordering::SeqCst), sh.max_connections) {
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Connections)));
     }
     let t = lock(&sh.tokens)
@@ -1989,6 +2014,8 @@ fn on_connect_request(
     let mut t = lock(&sess.table);
     let mut out = lock(&sess.out);
     if t.closed || out.closed {
+        // The session is going away with its listeners: the request has nowhere to go.
+        orphan();
         return Flow::Destroy;
     }
     if t.ids.len() >= limits.max_ids as usize
@@ -2237,6 +2264,37 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_listen_backlog_is_cut_to_max_backlog() {
+        use rcm::remote::Op;
+        for (asked, got) in [
+            (0, 0),
+            (5, 5),
+            (1024, 1024),
+            (1025, 1024),
+            (usize::MAX, 1024),
+        ] {
+            match super::clamped(Op::Listen(asked)) {
+                Op::Listen(b) => assert_eq!(b, got, "asked {asked}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(super::clamped(Op::Establish), Op::Establish));
+    }
+
+    /// A quarter of the places, exactly, stay for sessions.
+    #[test]
+    fn channels_leave_a_quarter_of_the_places() {
+        use super::channel_may_attach as may;
+        assert!(may(768, 1024) && !may(769, 1024));
+        // 3 places: a quarter is 0.75, so at most 2 connections may include a channel.
+        assert!(may(2, 3) && !may(3, 3));
+        assert!(may(0, 1) && !may(1, 1));
+        // 0 places: nothing is served anyway; no overflow for huge counts.
+        assert!(may(0, 0));
+        assert!(!may(usize::MAX, usize::MAX));
+    }
+
     use super::{DevicePolls, EventQueue, Queued};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
