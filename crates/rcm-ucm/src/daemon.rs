@@ -96,10 +96,6 @@ pub fn default_ring_threads() -> usize {
 /// Connections a daemon serves at once by default ([`DaemonConfig::max_connections`]).
 pub const MAX_CONNECTIONS: usize = 1024;
 
-/// The largest `LISTEN` backlog: a larger one is cut to it, as ucma cuts it to its
-/// `max_backlog` (1,024 by default). Each unanswered request holds daemon memory.
-pub const MAX_BACKLOG: usize = 1024;
-
 impl DaemonConfig {
     /// A RoCEv2 daemon on `binds` at `socket`, with default limits.
     pub fn new(socket: impl Into<PathBuf>, binds: Vec<IpAddr>) -> Self {
@@ -1797,10 +1793,7 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
             match id {
                 // Commands of one session run one at a time, in order, and rcm serialises
                 // calls on one id: the two halves of Linux bug 2's fix.
-                Some(id) => id
-                    .call(clamped(op))
-                    .map(Answer::Reply)
-                    .map_err(WireError::Cm),
+                Some(id) => id.call(op).map(Answer::Reply).map_err(WireError::Cm),
                 None => Err(WireError::NoSuchId),
             }
         }
@@ -1809,16 +1802,6 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
         Ok(a) => Message::Ok(a),
         Err(e) => Message::Err(e),
     })
-}
-
-/// What the daemon asks of rcm for a client's call: a `LISTEN` backlog at most
-/// [`MAX_BACKLOG`].
-fn clamped(op: rcm::remote::Op) -> rcm::remote::Op {
-    use rcm::remote::Op;
-    match op {
-        Op::Listen(b) => Op::Listen(b.min(MAX_BACKLOG)),
-        op => op,
-    }
 }
 
 /// Whether an `ATTACH` may have a place while `connections` (it included) of `max` are
@@ -2264,24 +2247,6 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_listen_backlog_is_cut_to_max_backlog() {
-        use rcm::remote::Op;
-        for (asked, got) in [
-            (0, 0),
-            (5, 5),
-            (1024, 1024),
-            (1025, 1024),
-            (usize::MAX, 1024),
-        ] {
-            match super::clamped(Op::Listen(asked)) {
-                Op::Listen(b) => assert_eq!(b, got, "asked {asked}"),
-                other => panic!("{other:?}"),
-            }
-        }
-        assert!(matches!(super::clamped(Op::Establish), Op::Establish));
-    }
-
     /// A quarter of the places, exactly, stay for sessions.
     #[test]
     fn channels_leave_a_quarter_of_the_places() {

@@ -29,6 +29,4 @@ pub mod shmchan;
 mod spin;
 
 pub use client::{daemon_from_env, fabric, fabric_with, Client};
-pub use daemon::{
-    Daemon, DaemonConfig, DaemonError, Transport, MAX_BACKLOG, MAX_CHANNELS, MAX_CONNECTIONS,
-};
+pub use daemon::{Daemon, DaemonConfig, DaemonError, Transport, MAX_CHANNELS, MAX_CONNECTIONS};

@@ -1436,16 +1436,18 @@ fn a_connection_that_talks_without_opening_its_session_is_closed_too() {
 fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
     use std::io::Read;
     let mut cfg = config("conn-limit", 47227, &[1, 2]);
-    cfg.max_connections = 2;
+    cfg.max_connections = 4;
     let d = Daemon::start(cfg).expect("daemon");
-    // One session and one connection that has said nothing yet: both count.
+    // One session and connections that have said nothing yet: all count.
     let (mut open, _) = RawSession::open(d.socket()).expect("session");
-    let silent = std::os::unix::net::UnixStream::connect(d.socket()).expect("connect");
+    let mut silent: Vec<_> = (0..3)
+        .map(|_| std::os::unix::net::UnixStream::connect(d.socket()).expect("connect"))
+        .collect();
     wait_until(
-        || d.connections() == 2,
+        || d.connections() == 4,
         || format!("{} connections", d.connections()),
     );
-    // A third is answered with the typed refusal and closed, whatever it would have said.
+    // A fifth is answered with the typed refusal and closed, whatever it would have said.
     let mut over = RawSession::connect(d.socket()).expect("connect");
     over.set_timeout(T).expect("timeout");
     match over.recv().expect("an answer") {
@@ -1459,15 +1461,15 @@ fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
         Err(rcm::Error::LimitExceeded(Limit::Connections))
     ));
     assert!(d.refused_connections() >= 2);
-    assert_eq!(d.connections(), 2);
+    assert_eq!(d.connections(), 4);
     // The session it serves is not disturbed.
     create(&mut open);
     // With a place free, a client library session opens; its threads' calls find no room
-    // for a command channel and go on the session's connection; once a place frees up
+    // for a command channel and go on the session's connection; once places free up
     // again, a later call attaches one (the refusal was not taken as for good).
-    drop(silent);
+    drop(silent.pop());
     wait_until(
-        || d.connections() == 1,
+        || d.connections() == 3,
         || format!("{} connections", d.connections()),
     );
     let f = rcm_ucm::fabric(d.socket()).expect("a session in the free place");
@@ -1484,7 +1486,7 @@ fn connections_past_the_limit_are_refused_and_the_daemon_serves_on() {
     // refused connection per call).
     let knocks = d.refused_connections() - refused;
     assert!((1..=5).contains(&knocks), "{knocks} refused attaches");
-    drop(open);
+    drop((open, silent));
     wait_until(
         || d.connections() == 1,
         || format!("{} connections", d.connections()),
