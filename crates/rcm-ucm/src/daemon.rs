@@ -2136,6 +2136,28 @@ fn migrate_id(
         return Err(WireError::NoSuchId);
     };
     let mut own = lock(&cell.owner);
+    // A listener takes the connect requests queued for it along, with their children, as
+    // ucma_move_events does. No request is queued for it while its cell is held here
+    // (on_connect_request takes it); one written meanwhile stays, its client has it. The
+    // children's cells are taken now, before the tables and queues: a child's event takes
+    // its cell and then the queue.
+    let pending: Vec<u32> = lock(&src.out)
+        .events
+        .iter()
+        .filter(|q| q.listener == Some(handle) && q.handle != handle)
+        .map(|q| q.handle)
+        .collect();
+    let child_cells: Vec<(u32, Arc<IdCell>)> = {
+        let t = lock(&src.table);
+        pending
+            .iter()
+            .filter_map(|c| t.ids.get(c).map(|(_, cell)| (*c, cell.clone())))
+            .collect()
+    };
+    let mut child_owners: Vec<_> = child_cells
+        .iter()
+        .map(|(c, cell)| (*c, lock(&cell.owner)))
+        .collect();
     let (mut ta, mut tb) = lock_two(&src, s, |x| &x.table);
     let Some(entry) = ta
         .ids
@@ -2148,57 +2170,83 @@ fn migrate_id(
     if ta.closed || tb.closed {
         return Err(WireError::NoSuchId);
     }
-    if tb.ids.len() >= sh.limits.max_ids as usize {
-        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
-    }
     // A child whose connect request is still queued has not been handed to its client yet
     // (its handle was only guessed), and the request names the listener by its handle in
     // the source session: it stays there, with its listener, until the request is written.
+    let (mut oa, mut ob) = lock_two(&src, s, |x| &x.out);
+    if oa.events.names_any(handle)
+        && oa
+            .events
+            .iter()
+            .any(|q| q.handle == handle && q.listener.is_some())
     {
-        let out = lock(&src.out);
-        if out.events.names_any(handle)
-            && out
-                .events
-                .iter()
-                .any(|q| q.handle == handle && q.listener.is_some())
-        {
-            return Err(WireError::NoSuchId);
-        }
+        return Err(WireError::NoSuchId);
+    }
+    // The children whose requests are still queued (and still in the source's table) go.
+    let still: std::collections::HashSet<u32> = oa
+        .events
+        .iter()
+        .filter(|q| q.listener == Some(handle) && q.handle != handle)
+        .map(|q| q.handle)
+        .collect();
+    child_owners.retain(|(c, o)| still.contains(c) && o.is_some() && ta.ids.contains_key(c));
+    if tb.ids.len() + 1 + child_owners.len() > sh.limits.max_ids as usize {
+        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
     ta.ids.remove(&handle);
     let nh = tb.alloc();
     tb.ids.insert(nh, entry);
-    {
-        let (mut oa, mut ob) = lock_two(&src, s, |x| &x.out);
-        let mut moved = Vec::new();
-        oa.events.retain_naming(handle, |q| {
-            if q.handle != handle {
-                return true;
-            }
-            // Taken out of the source's queue whole (the frame's handle is rewritten below).
-            moved.push(Queued {
-                handle: nh,
-                listener: q.listener,
-                frame: std::mem::take(&mut q.frame),
-            });
-            false
-        });
-        for mut q in moved {
-            // The handle sits right after the 12-byte header in an event frame.
-            if let Some(b) = q.frame.get_mut(12..16) {
-                b.copy_from_slice(&nh.to_le_bytes());
-            }
-            // Never a connect request: an id whose request is still queued was refused above.
-            debug_assert!(q.listener.is_none(), "a queued connect request moved");
-            ob.events.push_back(q);
+    let mut renamed = foldhash::HashMap::default();
+    renamed.insert(handle, nh);
+    for (c, o) in &mut child_owners {
+        if let Some(e) = ta.ids.remove(c) {
+            let nc = tb.alloc();
+            tb.ids.insert(nc, e);
+            **o = Some((Arc::downgrade(s), nc));
+            renamed.insert(*c, nc);
         }
     }
+    let mut moved = Vec::new();
+    let mut requests = 0;
+    oa.events.retain_naming(handle, |q| {
+        let Some(&to) = renamed.get(&q.handle) else {
+            return true;
+        };
+        // Taken out of the source's queue whole (the frame's handles are rewritten below).
+        let listener = q.listener.map(|_| nh);
+        requests += u32::from(listener.is_some());
+        moved.push(Queued {
+            handle: to,
+            listener,
+            frame: std::mem::take(&mut q.frame),
+        });
+        false
+    });
+    oa.unread_requests = oa.unread_requests.saturating_sub(requests);
+    ob.unread_requests += requests;
+    for mut q in moved {
+        rename_in_frame(&mut q);
+        ob.events.push_back(q);
+    }
+    drop((oa, ob));
     *own = Some((Arc::downgrade(s), nh));
-    drop(ta);
-    drop(tb);
+    drop((ta, tb));
+    drop(child_owners);
     drop(own);
     s.out_cond.notify_all();
     Ok(Answer::Handle(nh))
+}
+
+/// Writes a queued event's handle (and, for a connect request, its listener's) into its
+/// frame: the handle sits right after the 12-byte header, and a connect request's
+/// listener right after the event's kind byte that follows it.
+fn rename_in_frame(q: &mut Queued) {
+    if let Some(b) = q.frame.get_mut(12..16) {
+        b.copy_from_slice(&q.handle.to_le_bytes());
+    }
+    if let (Some(l), Some(b)) = (q.listener, q.frame.get_mut(17..21)) {
+        b.copy_from_slice(&l.to_le_bytes());
+    }
 }
 
 /// The client is gone (or the daemon stops): every id it held is destroyed, its listeners

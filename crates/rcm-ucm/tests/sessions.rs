@@ -862,6 +862,95 @@ fn a_child_with_its_request_still_queued_does_not_migrate() {
     wait_ids(&d, 0, 0);
 }
 
+/// A listener migrates with the connect requests still queued for it (Linux's
+/// `ucma_move_events`): their children go too, under new handles, and the requests reach
+/// the destination naming the listener's new handle; the source is told nothing, and the
+/// destination can accept the request, establishing the peer's connection.
+#[test]
+fn a_listener_migrates_with_its_queued_requests() {
+    let d = daemon("miglistener", 47220, &[1]);
+    let (mut a, ta) = raw(&d);
+    let (mut b, _) = raw(&d);
+    let l = create(&mut a);
+    ok(&mut a, &Command::Call(l, Op::Bind(sa(1, 7601))));
+    ok(&mut a, &Command::Call(l, Op::Listen(4)));
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let cch = EventChannel::new();
+    let c1 = dial(&client, &cch, sa(1, 7601), b"first");
+    wait_stats(&mut a, |s| s.queued_events == 1, "the first request");
+    let c2 = dial(&client, &cch, sa(1, 7601), b"second");
+    wait_stats(&mut a, |s| s.queued_events == 2, "the second request");
+    let held = create(&mut b);
+    let Answer::Handle(nl) = ok(
+        &mut b,
+        &Command::MigrateId {
+            token: ta,
+            handle: l,
+        },
+    ) else {
+        panic!("the listener migrates");
+    };
+    assert_eq!(
+        stats(&mut a).queued_events,
+        0,
+        "the requests left the source"
+    );
+    assert_eq!(stats(&mut a).ids, 0, "and their children with them");
+    assert_eq!(
+        stats(&mut b).ids,
+        4,
+        "B: its own id, the listener, two children"
+    );
+    b.send(&Command::GetEvent(10)).expect("send");
+    let mut children = Vec::new();
+    for want in [&b"first"[..], &b"second"[..]] {
+        match b.next_event().expect("event") {
+            Message::Event {
+                handle,
+                event:
+                    WireEvent::ConnectRequest {
+                        listener,
+                        private_data,
+                        ..
+                    },
+                ..
+            } => {
+                assert_eq!(listener, nl, "names the listener's new handle");
+                assert!(private_data.starts_with(want), "in their order");
+                assert!(handle != held && handle != nl);
+                children.push(handle);
+            }
+            m => panic!("expected a connect request, got {m:?}"),
+        }
+    }
+    assert_silent(&mut a, Duration::from_millis(200));
+    for h in &children {
+        assert_eq!(query(&mut b, *h).state, State::Connect);
+    }
+    ok(
+        &mut b,
+        &Command::Call(children[0], Op::Accept(rcm::AcceptOptions::default())),
+    );
+    loop {
+        let e = next(&cch);
+        if e.id() == &c1 {
+            if let Event::ConnectResponse { .. } = e.event() {
+                c1.establish().expect("establish");
+                break;
+            }
+        }
+    }
+    wait_until(
+        || c1.state() == State::Established,
+        || format!("{:?}", c1.state()),
+    );
+    for id in [c1, c2] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    drop((a, b));
+    wait_ids(&d, 0, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // f. Linux bug 2: concurrent commands on one id
 
