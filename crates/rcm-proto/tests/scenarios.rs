@@ -449,6 +449,32 @@ fn mra_for_req_extends_the_wait_once() {
     ));
 }
 
+/// The wait an MRA of our REQ asks for is its service timeout plus Linux's `av.timeout`,
+/// which before the REP is the path's packet lifetime + 1 (`cm_init_av_by_path`;
+/// `cm_mra_handler`: `ms(service_timeout) + ms(av.timeout)`), not the REQ's Local ACK
+/// Timeout field (`cm_ack_timeout`). They differ when the CA ACK delay is not below the
+/// packet lifetime: with 16 and 16 the REQ says 18, and an MRA of service timeout 8 (1 ms)
+/// has the REQ resent 1 + ms(17) = 513 ms later (it was 1,025).
+#[test]
+fn an_mra_of_our_req_waits_packet_lifetime_plus_one() {
+    let mut t = T::with(|c| c.ca_ack_delay = 16);
+    let (h, req, tid) = t.connect_with(|p| p.path.packet_life_time = 16);
+    assert_eq!(
+        req.primary_path.local_ack_timeout, 18,
+        "cm_ack_timeout(16, 16)"
+    );
+    t.recv(tid, mra_of_req(req.local_comm_id, 8));
+    assert_eq!(t.ep.state(h), Some(State::MraReqRcvd));
+    t.events();
+    t.advance(Duration::from_millis(512));
+    t.nothing_sent();
+    t.advance(Duration::from_millis(1));
+    assert!(
+        matches!(t.sent_one().msg, CmMessage::Req(_)),
+        "the REQ is resent 513 ms after the MRA"
+    );
+}
+
 /// An MRA does not fix who the peer is (cm_mra_handler records no remote ID): a REP from
 /// another id of the peer (the MRA's one destroyed, its REJ lost, our REQ retried) is still
 /// this connection's reply. It was dropped as unmatched and the connect timed out.

@@ -555,6 +555,11 @@ impl Endpoint {
 
     /// The endpoint a message addressed to `local_id` from `from` belongs to, if the message's
     /// own comm ID agrees with what we know of the peer (0 matches a peer not yet known).
+    /// The endpoint a message names: our comm ID, from the peer we talk to, and its comm ID
+    /// if we learned it. Before we did (ReqSent, MraReqRcvd) any comm ID of the peer's
+    /// matches: a REJ(OTHER) the peer sends after its REP was lost ends our attempt at once.
+    /// (Linux's `cm_acquire_rejected_id` looks such a REJ up by both IDs, finds nothing, and
+    /// goes on retrying the REQ, which the peer, past it, takes as a new request.)
     fn lookup(&self, local_id: u32, remote_id: u32, from: IpAddr) -> Option<CepHandle> {
         let h = *self.local_ids.get(&local_id)?;
         let c = self.ceps.get(&h)?;
@@ -659,7 +664,10 @@ impl Endpoint {
         c.timeout_ms = (2 * ibta_time_ms(p.path.packet_life_time)
             + ibta_time_ms(p.cm_response_timeout)) as u32;
         c.max_retries = req.max_cm_retries;
-        c.ack_timeout = ack_timeout;
+        // Until the REP, Linux's av.timeout is the path's packet lifetime + 1
+        // (cm_init_av_by_path); only the REQ's field is cm_ack_timeout. An MRA's wait and a
+        // timewait entered before the REP use it.
+        c.ack_timeout = p.path.packet_life_time.saturating_add(1).min(31);
         c.packet_life_time = p.path.packet_life_time;
         c.establish_on_rep = p.establish_on_rep;
         let h = self.insert_cep(c);
@@ -1633,8 +1641,10 @@ impl Endpoint {
             .lookup(dreq.remote_comm_id, dreq.local_comm_id, from)
             .filter(|h| self.ceps.get(h).is_some_and(|c| c.remote_id != 0));
         let Some(h) = found else {
-            // Late DREQ after our timewait: answer so the peer stops retrying (Linux
-            // cm_issue_drep); it changes no state, so a forged one does no harm.
+            // Late DREQ after our timewait: answer so the peer stops retrying; it changes no
+            // state, so a forged one does no harm. (Linux's cm_issue_drep answers only once
+            // the id is destroyed; while its user still holds an id gone idle after
+            // timewait, cm_dreq_handler matches it and sends nothing.)
             self.stats.rx_duplicates += 1;
             let drep = Drep {
                 local_comm_id: dreq.remote_comm_id,
