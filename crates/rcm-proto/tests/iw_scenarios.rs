@@ -849,8 +849,6 @@ fn bad_requests_end_in_one_error_and_a_close() {
     let mut rev0 = good.clone();
     rev0[17] = 0;
     let reply_key = MpaFrame::reply_v2(1, 1, Vec::new()).to_vec().unwrap();
-    let mut r_on_request = good.clone();
-    r_on_request[16] |= 0x20;
     let mut short_enhanced = raw_header(&mpa::REQ_KEY, 0x10, 2, 2);
     short_enhanced.extend_from_slice(&[0, 1]);
     let mut trailing = good.clone();
@@ -879,12 +877,6 @@ fn bad_requests_end_in_one_error_and_a_close() {
                 max: 256
             })
         );
-        assert!(matches!(
-            feed_passive(&r_on_request, false, frag)[..],
-            [Event::Close(CloseReason::Protocol(
-                ProtocolError::Malformed(_)
-            ))]
-        ));
         assert!(matches!(
             feed_passive(&short_enhanced, false, frag)[..],
             [Event::Close(CloseReason::Protocol(
@@ -2355,4 +2347,52 @@ fn responder_fpdus_wait_for_the_initiators_first() {
     n.establish(&ConnectParams::default(), &AcceptParams::default());
     n.send(B, b"now");
     assert_eq!(n.messages(A), vec![b"now".to_vec()]);
+}
+
+/// The bytes of a default MPA Request (revision 2, enhanced) carrying `pd`.
+fn default_request_bytes(pd: &[u8]) -> Vec<u8> {
+    let mut a = Cep::active(CepConfig::default());
+    a.connect(
+        Instant::now(),
+        &ConnectParams {
+            private_data: pd.to_vec(),
+            ..ConnectParams::default()
+        },
+    )
+    .expect("connect");
+    let mut out = Vec::new();
+    while let Some(t) = a.poll_transmit() {
+        out.extend_from_slice(&t);
+    }
+    out
+}
+
+/// What a fresh passive endpoint reports for `bytes`.
+fn passive_events(bytes: &[u8]) -> Vec<Event> {
+    let mut p = Cep::passive(Instant::now(), CepConfig::default());
+    p.on_bytes(Instant::now(), bytes);
+    std::iter::from_fn(|| p.poll_event()).collect()
+}
+
+/// Linux `siw_proc_mpareq` never looks at the R (reject) bit of an MPA Request: it checks the
+/// revision, the key, the Enhanced flag's room for IRD/ORD, M and C, and then raises
+/// IW_CM_EVENT_CONNECT_REQUEST (RFC 5044 §7.1: R is zero in a Request and not checked on
+/// receipt). rcm's frame parser refused a Request with R set ("MPA reject flag"), so the
+/// passive endpoint closed the stream with a protocol error instead of reporting the request.
+#[test]
+fn a_request_with_the_r_bit_set_is_still_a_request() {
+    let clean = default_request_bytes(b"hi");
+    // Setup check: the unmodified Request is reported.
+    let ev = passive_events(&clean);
+    assert!(
+        matches!(ev.as_slice(), [Event::ConnectRequest(r)] if r.private_data == b"hi"),
+        "{ev:?}"
+    );
+    let mut with_r = clean.clone();
+    with_r[16] |= 0x20;
+    let ev = passive_events(&with_r);
+    assert!(
+        matches!(ev.as_slice(), [Event::ConnectRequest(r)] if r.private_data == b"hi"),
+        "a Request with R set was not reported as a request: {ev:?}"
+    );
 }

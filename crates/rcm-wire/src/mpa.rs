@@ -115,7 +115,10 @@ pub struct MpaFlags {
     pub markers: bool,
     /// C (0x40): this side wants CRC-32C; CRC is used both ways if either side sets it.
     pub crc: bool,
-    /// R (0x20): the responder rejects the connection (Reply only).
+    /// R (0x20): the responder rejects the connection. Meaningful in a Reply only: in a
+    /// Request it is zero when sent and not checked on receipt (RFC 5044 §7.1; siw's
+    /// `siw_proc_mpareq` ignores it), so a received Request keeps it as it came and it
+    /// means nothing there.
     pub reject: bool,
     /// `Res[0]` (0x10): RFC 6581 enhanced connection establishment.
     pub enhanced: bool,
@@ -352,7 +355,7 @@ impl MpaFrame {
     /// - [`WireError::Truncated`]: a valid prefix, read more and retry;
     /// - [`WireError::BadField`] `"MPA key"`: neither key (checked on as many bytes as there
     ///   are, so garbage fails fast); `"MPA revision"`: not 1 or 2 (revision 0, the legacy
-    ///   Ammasso format, is not supported); `"MPA reject flag"`: R set on a Request;
+    ///   Ammasso format, is not supported);
     /// - [`WireError::BadLength`]: PD_Length over the limit (from the header alone), or an
     ///   enhanced revision-2 frame with PD_Length below 4 (once the whole frame is in).
     pub fn parse(buf: &[u8]) -> Result<(Self, usize)> {
@@ -367,12 +370,6 @@ impl MpaFrame {
         let flags = MpaFlags::from_byte(buf[16]);
         let revision = buf[17];
         let pd_len = usize::from(be16(buf, 18));
-        if flags.reject && kind == FrameKind::Request {
-            return Err(WireError::BadField {
-                field: "MPA reject flag",
-                value: buf[16].into(),
-            });
-        }
         if revision != REVISION_1 && revision != REVISION_2 {
             return Err(WireError::BadField {
                 field: "MPA revision",
@@ -449,7 +446,7 @@ impl MpaFrame {
     }
 
     /// Fails unless the frame can be encoded so that [`MpaFrame::parse`] reads it back
-    /// unchanged: revision 1 or 2, no R on a Request, `enhanced` present exactly for revision 2
+    /// unchanged: revision 1 or 2, `enhanced` present exactly for revision 2
     /// with the Enhanced flag, IRD/ORD within 14 bits, reserved flags within 3 bits, and
     /// PD_Length at most [`RFC_MAX_PRIVATE_DATA`].
     pub fn check(&self) -> Result<()> {
@@ -457,12 +454,6 @@ impl MpaFrame {
             return Err(WireError::BadField {
                 field: "MPA revision",
                 value: self.revision.into(),
-            });
-        }
-        if self.flags.reject && self.kind == FrameKind::Request {
-            return Err(WireError::BadField {
-                field: "MPA reject flag",
-                value: self.flags.to_byte().into(),
             });
         }
         check_width("MPA reserved flags", 3, self.flags.reserved.into())?;
