@@ -60,7 +60,8 @@ pub type Handler = Arc<dyn Fn(&CmId, Event) -> Flow + Send + Sync>;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectOptions {
     /// User private data: at most 56 bytes (RC) or 180 (UD), after rdma_cm's 36-byte header;
-    /// on iWARP at most [`IWARP_PRIVATE_DATA_MAX`] (252), with no header.
+    /// on iWARP at most [`IWARP_PRIVATE_DATA_MAX`] (252; 256 on a device speaking MPA
+    /// revision 1 only), with no header.
     pub private_data: Vec<u8>,
     /// Responder resources.
     pub responder_resources: u8,
@@ -90,7 +91,8 @@ impl Default for ConnectOptions {
 /// What `accept` answers with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcceptOptions {
-    /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP); 252 on iWARP.
+    /// Private data: at most 196 bytes (REP) or 136 (SIDR_REP); 252 on iWARP (256 answering
+    /// an MPA revision-1 Request).
     pub private_data: Vec<u8>,
     /// Responder resources.
     pub responder_resources: u8,
@@ -251,6 +253,9 @@ pub(crate) struct IdState {
     removed: bool,
     reuse: bool,
     disconnected_reported: bool,
+    /// iWARP: `disconnect` came while the connection was being set up; it closes once up
+    /// (iw_cm_disconnect waits for the connect to finish, then closes).
+    iw_close_when_up: bool,
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
@@ -486,6 +491,7 @@ fn new_state() -> IdState {
         removed: false,
         reuse: false,
         disconnected_reported: false,
+        iw_close_when_up: false,
         listener: None,
         request_unseen: false,
         in_backlog: false,
@@ -2462,17 +2468,23 @@ pub fn any_addr(v6: bool, port: u16) -> SocketAddr {
 // ---------------------------------------------------------------------------------------
 // iWARP: the same calls over an `iw::Cep` per TCP stream (see `iwarp.rs`).
 
-/// The largest private data of an MPA Request, Reply or reject: Linux's 256 bytes less the
-/// 4 bytes of MPA revision 2's IRD/ORD words (siw_accept's limit). rdma_cm puts no header
-/// in front of it on iWARP (`cma_connect_iw` passes the user's bytes straight to MPA).
+/// The largest private data of an MPA Request, Reply or reject in an MPA revision 2
+/// exchange: Linux's 256 bytes less the 4 bytes of the IRD/ORD words (siw_accept's limit).
+/// An exchange in revision 1 has no such words and carries 256 (siw's MPA_MAX_PRIVDATA):
+/// a device configured for revision 1 connects with up to 256, and accept and reject take
+/// up to 256 on a revision-1 Request. rdma_cm puts no header in front of it on iWARP
+/// (`cma_connect_iw` passes the user's bytes straight to MPA).
 pub const IWARP_PRIVATE_DATA_MAX: usize = rcm_wire::mpa::ENHANCED_USER_MAX;
 
-fn iw_pd(len: usize) -> Result<()> {
-    if len > IWARP_PRIVATE_DATA_MAX {
-        return Err(Error::PrivateDataTooLong {
-            len,
-            max: IWARP_PRIVATE_DATA_MAX,
-        });
+/// What `connect` on `dev` may carry: 256 bytes on a device that speaks revision 1 only.
+fn iw_pd(dev: &DeviceInner, len: usize) -> Result<()> {
+    let max = if dev.iw.as_ref().is_some_and(|i| i.cfg.max_revision < 2) {
+        rcm_wire::mpa::MAX_PRIVATE_DATA
+    } else {
+        IWARP_PRIVATE_DATA_MAX
+    };
+    if len > max {
+        return Err(Error::PrivateDataTooLong { len, max });
     }
     Ok(())
 }
@@ -2508,7 +2520,7 @@ impl CmId {
     /// `rdma_connect` on iWARP (`cma_connect_iw` → `iw_cm_connect`): TCP to the peer's
     /// port, then an MPA revision-2 Request with the user's private data as is.
     fn iw_connect(&self, dev: &Arc<DeviceInner>, opts: &ConnectOptions) -> Result<()> {
-        let (dst, qpn) = {
+        let (dst, port, qpn) = {
             let mut g = self.usable()?;
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
@@ -2518,17 +2530,31 @@ impl CmId {
                     "iWARP carries only the TCP port space (no UD)".into(),
                 ));
             }
-            iw_pd(opts.private_data.len())?;
+            iw_pd(dev, opts.private_data.len())?;
+            // Beyond the device the connect fails (siw_connect: -ENOMEM; librdmacm's
+            // ucma_valid_param: EINVAL), as `accept` does; it was lowered silently.
+            let (max_ird, max_ord) = dev
+                .iw
+                .as_ref()
+                .map_or((128, 128), |i| (i.cfg.max_ird, i.cfg.max_ord));
+            if u16::from(opts.responder_resources) > max_ird
+                || u16::from(opts.initiator_depth) > max_ord
+            {
+                return Err(Error::InvalidArgument(
+                    format!(
+                        "responder_resources {} / initiator_depth {}: the device takes at most \
+                         {max_ird} / {max_ord}",
+                        opts.responder_resources, opts.initiator_depth
+                    )
+                    .into(),
+                ));
+            }
             let dst = g.dst.ok_or(Error::InvalidState(g.state))?;
             let qpn = Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
             // Under the check's lock, as in `connect`: a destroy in between is not overwritten.
             g.state = State::Connect;
-            (dst, qpn)
+            (dst, g.src.map_or(0, |s| s.port()), qpn)
         };
-        let max = dev
-            .iw
-            .as_ref()
-            .map_or(128, |i| i.cfg.max_ird.min(i.cfg.max_ord));
         // A device configured for revision 1 (an RFC 5044-only peer, or siw's mpa_version=1)
         // also initiates with it.
         let version = if dev.iw.as_ref().is_some_and(|i| i.cfg.max_revision < 2) {
@@ -2538,12 +2564,12 @@ impl CmId {
         };
         let p = iw::ConnectParams {
             version,
-            ird: u16::from(opts.responder_resources).min(max),
-            ord: u16::from(opts.initiator_depth).min(max),
+            ird: u16::from(opts.responder_resources),
+            ord: u16::from(opts.initiator_depth),
             private_data: opts.private_data.clone(),
             ..iw::ConnectParams::default()
         };
-        let r = dev.iw_connect(dst, p, Arc::downgrade(&self.0));
+        let r = dev.iw_connect(dst, port, p, Arc::downgrade(&self.0));
         let mut g = sync::lock(&self.0.st);
         match r {
             Ok(k) if g.state == State::Destroying || g.removed => {
@@ -2573,7 +2599,7 @@ impl CmId {
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
             }
-            iw_pd(opts.private_data.len())?;
+            // The private data's limit depends on the Request's revision: the Cep judges it.
             Self::claim_qp(&mut g, opts.qpn, &self.0.fabric)?;
         }
         let p = iw::AcceptParams {
@@ -2611,7 +2637,7 @@ impl CmId {
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
             }
-            iw_pd(pd.len())?;
+            // The private data's limit depends on the Request's revision: the Cep judges it.
         }
         // An MPA Reply with R set and the private data, then FIN (`siw_reject`); the iw_cm
         // generates no event for it.
@@ -2633,9 +2659,20 @@ impl CmId {
 
     fn iw_disconnect(&self, dev: &Arc<DeviceInner>, key: ConnKey) -> Result<()> {
         {
-            let g = self.usable()?;
+            let mut g = self.usable()?;
             // As on RoCE (iw_cm_disconnect in CLOSING is a no-op returning 0).
             if g.state == State::Disconnect {
+                return Ok(());
+            }
+            if g.state == State::Connect {
+                // A request not answered yet (iw_cm CONN_RECV): nothing to do, and the
+                // request stays to be accepted or rejected. A connection being set up (our
+                // Request out, or accepted and not up yet): iw_cm_disconnect waits for it
+                // and then closes; rcm closes it once it is up, without making the caller
+                // wait. Either way the call succeeds, as on Linux.
+                if g.listener.is_none() || g.conn.accepted {
+                    g.iw_close_when_up = true;
+                }
                 return Ok(());
             }
             if g.state != State::Established {
@@ -2756,6 +2793,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
     };
     let id = sync::lock(&iwd.owners).get(&key).and_then(Weak::upgrade);
     let Some(id) = id else { return };
+    let mut close_when_up = false;
     let out = {
         let mut g = sync::lock(&id.st);
         if g.removed {
@@ -2791,6 +2829,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                         // `cm_conn_rep_handler`: status 0 is ESTABLISHED at once, carrying the
                         // Reply's private data.
                         g.state = State::Established;
+                        close_when_up = std::mem::take(&mut g.iw_close_when_up);
                         g.conn.responder_resources = u8::try_from(neg.ird).unwrap_or(u8::MAX);
                         g.conn.initiator_depth = u8::try_from(neg.ord).unwrap_or(u8::MAX);
                         Event::Established {
@@ -2837,6 +2876,7 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
                     return;
                 }
                 g.state = State::Established;
+                close_when_up = std::mem::take(&mut g.iw_close_when_up);
                 Some(Event::Established {
                     ud: None,
                     private_data: Vec::new(),
@@ -2881,6 +2921,16 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
     };
     if let Some(ev) = out {
         id.slot.push(ev);
+    }
+    if close_when_up {
+        // The disconnect asked for while connecting, now that ESTABLISHED is queued (not
+        // through `disconnect`: the thread routing this event may hold the id's `op`).
+        if let Some(Ok(())) = dev.iw_cep(key, iw::Cep::disconnect) {
+            let mut g = sync::lock(&id.st);
+            if g.state == State::Established {
+                g.state = State::Disconnect;
+            }
+        }
     }
 }
 

@@ -487,25 +487,50 @@ impl DeviceInner {
         }
     }
 
-    /// Active: opens a TCP connection from this device's address to `dst`; the MPA Request
-    /// (`p`) leaves once it is connected. `owner` receives the stream's events.
+    /// Active: opens a TCP connection from this device's address and the id's rdma_cm
+    /// port `port` to `dst`; the MPA Request (`p`) leaves once it is connected. `owner`
+    /// receives the stream's events.
+    ///
+    /// siw binds the socket to the id's address (`kernel_bindconnect`, with SO_REUSEADDR),
+    /// so the passive side's child sees the client's rdma_cm address as its peer. rcm does
+    /// the same; where the kernel has that TCP port taken (another socket holds it, or the
+    /// same 4-tuple waits in TIME_WAIT), it connects from a port the kernel picks instead of
+    /// failing the connect.
     pub(crate) fn iw_connect(
         self: &Arc<Self>,
         dst: SocketAddr,
+        port: u16,
         p: iw::ConnectParams,
         owner: Weak<IdInner>,
     ) -> crate::Result<ConnKey> {
-        let sock = tcp_socket(dst)?;
-        sock.set_nodelay(true)?;
-        // The port is chosen at connect (Linux 4.2 and later; an older kernel picks it here).
-        let _ = crate::sys::bind_address_no_port(&sock);
-        sock.bind(&SocketAddr::new(self.ip, 0).into())?;
-        match sock.connect(&dst.into()) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+        let start = |port: u16| -> std::io::Result<socket2::Socket> {
+            let sock = tcp_socket(dst)?;
+            sock.set_nodelay(true)?;
+            if port == 0 {
+                // The port is chosen at connect (Linux 4.2 and later; an older kernel picks
+                // it here).
+                let _ = crate::sys::bind_address_no_port(&sock);
+            } else {
+                sock.set_reuse_address(true)?;
+            }
+            sock.bind(&SocketAddr::new(self.ip, port).into())?;
+            match sock.connect(&dst.into()) {
+                Ok(()) => Ok(sock),
+                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(sock),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(sock),
+                Err(e) => Err(e),
+            }
+        };
+        let sock = match start(port) {
+            Ok(s) => s,
+            Err(e)
+                if port != 0
+                    && matches!(e.kind(), ErrorKind::AddrInUse | ErrorKind::AddrNotAvailable) =>
+            {
+                start(0)?
+            }
             Err(e) => return Err(e.into()),
-        }
+        };
         let mut stream = TcpStream::from_std(sock.into());
         let cfg = self.iw().cfg.clone();
         self.with_iw(|e, iw, _| {
