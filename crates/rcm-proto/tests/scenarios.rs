@@ -520,6 +520,31 @@ fn drep_private_data_has_the_drep_limit() {
     assert_eq!(d.private_data[..], [7; 224][..]);
 }
 
+/// A repeated DREQ in timewait (our DREP was lost) gets the DREP again, with its private
+/// data (IBTA 12.9.7; Linux's `cm_dreq_handler` answers in IB_CM_TIMEWAIT with the private
+/// data `cm_send_drep_locked` saved), echoing the repeated DREQ's transaction ID; it went
+/// out with none.
+#[test]
+fn a_repeated_dreq_in_timewait_gets_the_same_drep() {
+    let mut t = T::new();
+    let (c, id) = t.established_passive();
+    t.recv(0x77, dreq(PEER_ID, id, 0x22));
+    t.events();
+    t.ep.disconnect(t.now, c, b"bye").unwrap();
+    let CmMessage::Drep(first) = t.sent_one().msg else {
+        panic!("a DREP")
+    };
+    assert_eq!(t.ep.state(c), Some(State::Timewait));
+    t.recv(0x78, dreq(PEER_ID, id, 0x22));
+    let m = t.sent_one();
+    assert_eq!(m.header.tid, 0x78);
+    let CmMessage::Drep(again) = m.msg else {
+        panic!("{m:?}")
+    };
+    assert_eq!(again, first, "the same DREP, private data included");
+    assert_eq!(&again.private_data[..3], b"bye");
+}
+
 /// After an MRA every retry waits the interval it asked for, as Linux's `ib_modify_mad`
 /// leaves the MAD's timeout (the classic interval came back after the first stretched
 /// wait); a second MRA changes nothing.

@@ -78,6 +78,10 @@ pub struct Endpoint {
     /// Destroyed endpoints in timewait, kept small: nothing is left of them but their local
     /// comm ID (reserved until the timer ends) and their timer. See `park`.
     parked: foldhash::HashMap<CepHandle, Parked>,
+    /// The private data of the DREPs sent, where not empty (rdma_cm sends none, so this is
+    /// empty there and costs no endpoint a field): a repeated DREQ in timewait gets the same
+    /// DREP again (`cm_dreq_handler` answers with the id's saved private data).
+    drep_pd: foldhash::HashMap<CepHandle, Vec<u8>>,
     local_ids: foldhash::HashMap<u32, CepHandle>,
     remote_ids: HashMap<(u32, u64), CepHandle>,
     remote_qps: HashMap<(u32, u64), CepHandle>,
@@ -154,6 +158,7 @@ impl Endpoint {
             next_handle: std::num::NonZeroU64::MIN,
             ceps: foldhash::HashMap::default(),
             parked: foldhash::HashMap::default(),
+            drep_pd: foldhash::HashMap::default(),
             local_ids: foldhash::HashMap::default(),
             remote_ids: HashMap::new(),
             remote_qps: HashMap::new(),
@@ -442,6 +447,9 @@ impl Endpoint {
         let Some(c) = self.ceps.remove(&h) else {
             return;
         };
+        if !self.drep_pd.is_empty() {
+            self.drep_pd.remove(&h);
+        }
         if c.timer != TimerKind::None {
             self.timer_went_stale();
         }
@@ -902,6 +910,9 @@ impl Endpoint {
                     remote_comm_id: c.remote_id,
                     private_data: private_data.to_vec(),
                 };
+                if !private_data.is_empty() {
+                    self.drep_pd.insert(h, private_data.to_vec());
+                }
                 // Timewait first, so a failed send still lands there (as Linux does).
                 self.enter_timewait(now, h);
                 self.send(peer, tid, CmMessage::Drep(drep));
@@ -1095,6 +1106,11 @@ impl Endpoint {
         let Some(c) = self.ceps.remove(&h) else {
             return;
         };
+        // A parked endpoint answers a repeated DREQ as after its destroy (cm_issue_drep):
+        // with no private data.
+        if !self.drep_pd.is_empty() {
+            self.drep_pd.remove(&h);
+        }
         self.recycle_out(c.out);
         self.parked.insert(
             h,
@@ -1683,7 +1699,7 @@ impl Endpoint {
                 let drep = Drep {
                     local_comm_id: c.local_id,
                     remote_comm_id: c.remote_id,
-                    ..Drep::default()
+                    private_data: self.drep_pd.get(&h).cloned().unwrap_or_default(),
                 };
                 let peer = c.peer;
                 self.send(peer, tid, CmMessage::Drep(drep));
