@@ -271,6 +271,13 @@ pub(crate) fn in_teardown() -> bool {
     TEARDOWNS.try_with(|t| t.get() > 0).unwrap_or(false)
 }
 
+/// Whether a callback of the slot whose state `g` is, or code entered as one
+/// ([`Slot::try_enter`]), runs on the calling thread: waiting for its destruction here would
+/// wait for this thread.
+fn runs_here<E>(g: &Inner<E>) -> bool {
+    g.running == Some(sync::thread::current().id())
+}
+
 fn current_is<E>(s: &Slot<E>) -> bool {
     CURRENT.with(|c| c.get() == std::ptr::from_ref(s) as usize)
 }
@@ -447,14 +454,10 @@ impl<E: Send + 'static> Slot<E> {
                     drop(ev);
                     Flow::Destroy
                 }
-                entered => {
-                    let flow = match self.target() {
-                        Some(Target::Callback(cb)) => self.call(&cb, ev),
-                        _ => Flow::Continue,
-                    };
-                    drop(entered);
-                    flow
-                }
+                entered => match self.target() {
+                    Some(Target::Callback(cb)) => self.call(&cb, ev, entered),
+                    _ => Flow::Continue,
+                },
             };
             let mut g = sync::lock(&self.inner);
             g.running = None;
@@ -489,10 +492,15 @@ impl<E: Send + 'static> Slot<E> {
         }
     }
 
-    fn call(&self, cb: &Callback<E>, ev: E) -> Flow {
+    /// Runs `cb` for `ev` as this slot's callback; `entered` is the slot the event was
+    /// delivered as a callback of (`Scheduler::gate`), left before this callback ends: what
+    /// leaving it runs (that slot's teardown, whose drops may destroy this very id) runs as
+    /// part of this callback, where such a destroy is deferred instead of waiting for it.
+    fn call(&self, cb: &Callback<E>, ev: E, entered: Option<Entry<E>>) -> Flow {
         let prev = CURRENT.with(|c| c.replace(std::ptr::from_ref(self) as usize));
         let owner = self.owner();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(owner, ev)));
+        drop(entered);
         CURRENT.with(|c| c.set(prev));
         r.unwrap_or_else(|_| {
             // A panicking callback cannot be trusted with its id any more.
@@ -509,7 +517,7 @@ impl<E: Send + 'static> Slot<E> {
         match g.phase {
             Phase::Destroyed => return Ok(DestroyOutcome::Done),
             Phase::Destroying => {
-                if !block || in_callback() || runs_own_code(self) {
+                if !block || in_callback() || runs_own_code(self) || runs_here(&g) {
                     return Ok(DestroyOutcome::Deferred);
                 }
                 // Waiting for held events the caller may hold itself would hang (as in `Live`).
@@ -532,6 +540,9 @@ impl<E: Send + 'static> Slot<E> {
         if own {
             g.deferred = true;
         }
+        // Code run as a callback of this slot on this thread (a connect request entered
+        // through the gate) ends before any teardown can: the guard's drop then runs it.
+        let here = runs_here(&g);
         let busy = g.running.is_some() || g.held > 0;
         let start_now = !busy && !g.teardown_started;
         if start_now {
@@ -550,7 +561,7 @@ impl<E: Send + 'static> Slot<E> {
             self.run_teardown();
             return Ok(DestroyOutcome::Done);
         }
-        if own || !block || in_callback() || runs_own_code(self) {
+        if own || here || !block || in_callback() || runs_own_code(self) {
             return Ok(DestroyOutcome::Deferred);
         }
         let mut g = sync::lock(&self.inner);
@@ -626,6 +637,9 @@ impl<E: Send + 'static> Slot<E> {
             return;
         }
         let mut g = sync::lock(&self.inner);
+        if runs_here(&g) {
+            return;
+        }
         while g.phase != Phase::Destroyed {
             g = self.wait(g);
         }
@@ -636,7 +650,7 @@ impl<E: Send + 'static> Slot<E> {
     pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
         let end = std::time::Instant::now() + d;
         let mut g = sync::lock(&self.inner);
-        if runs_own_code(self) {
+        if runs_own_code(self) || runs_here(&g) {
             return g.phase == Phase::Destroyed;
         }
         while g.phase != Phase::Destroyed {

@@ -12,7 +12,7 @@ use rcm::{
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::Duration;
 
@@ -431,4 +431,139 @@ fn a_panicking_context_drop_still_completes_the_destroy() {
     );
     assert_eq!(other.destroy(), Ok(DestroyOutcome::Done));
     f.shutdown();
+}
+
+/// A listener's context that owns the connections its listener handed out and destroys
+/// them when it is dropped (a server object kept as the listener's context).
+struct Server {
+    children: Arc<Mutex<Vec<CmId>>>,
+    results: Arc<Mutex<Vec<rcm::Result<DestroyOutcome>>>>,
+    entered: Arc<AtomicUsize>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.entered.fetch_add(1, Ordering::SeqCst);
+        let kids: Vec<CmId> = std::mem::take(&mut *self.children.lock().unwrap());
+        for k in kids {
+            let r = k.destroy();
+            self.results.lock().unwrap().push(r);
+        }
+    }
+}
+
+/// Property: a listener destroyed (non-blocking, `Deferred`) while a child's connect-request
+/// callback runs as its callback is torn down when that callback returns, and what the
+/// teardown drops (the listener's context) may destroy that child without hanging: the
+/// destroy returns (`Deferred`, the child's drain is still running on this thread) and the
+/// listener's destruction completes.
+///
+/// Interleaving: child C's `ConnectRequest` enters listener L (`try_enter`, L.running = T);
+/// the callback blocks on a gate; the main thread calls `L.begin_destroy()` (L Destroying,
+/// busy: Deferred); the gate opens, the callback returns; C's `drain` drops the
+/// `EnterGuard` on T *after* `call` restored `CURRENT` (no longer "in a callback"), so
+/// L's teardown runs on T outside any callback; L's context drop calls `C.destroy()`,
+/// which sees C running (on T itself), is not inside a callback, not C's own code, and
+/// waited for C to be destroyed — forever (the guard now drops inside the callback, and a
+/// destroy of an id whose callback runs on this thread does not wait).
+#[test]
+fn listener_teardown_after_a_connect_request_may_destroy_that_child() {
+    let mut cfg = config(29422);
+    cfg.dispatcher_threads = 2;
+    let f = Fabric::loopback_with(2, cfg).unwrap();
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let results = Arc::new(Mutex::new(Vec::new()));
+    let entered = Arc::new(AtomicUsize::new(0));
+    let gate = Gate::new();
+    let (inside_tx, inside_rx) = mpsc::channel();
+    let inside_tx = Mutex::new(inside_tx);
+    let (kids, g) = (children.clone(), gate.clone());
+    let listener = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            kids.lock().unwrap().push(id.clone());
+            let _ = inside_tx.lock().unwrap().send(());
+            g.wait();
+        }
+        Flow::Continue
+    });
+    listener.set_context(Server {
+        children: children.clone(),
+        results: results.clone(),
+        entered: entered.clone(),
+    });
+    listener.bind(addr(1, 7100)).unwrap();
+    listener.listen(0).unwrap();
+    let cli = EventChannel::new();
+    let _client = client_connect(&f, &cli, addr(1, 7100));
+    inside_rx
+        .recv_timeout(T)
+        .expect("the connect request's callback ran");
+    // The child's callback runs as the listener's: the destroy cannot finish now.
+    let h = listener.begin_destroy();
+    assert!(
+        !h.is_done(),
+        "the listener's callback (the request) is running"
+    );
+    gate.open();
+    let done = h.wait_for(Duration::from_secs(5));
+    let (entered, results) = (
+        entered.load(Ordering::SeqCst),
+        results.lock().unwrap().clone(),
+    );
+    if !done {
+        // A dispatcher thread is stuck in the teardown: do not join it.
+        std::mem::forget(f);
+    }
+    assert!(
+        done,
+        "the listener was never destroyed: its teardown, run on the child's dispatcher \
+         thread when the connect-request callback ended, hangs in the context's drop \
+         (drops entered: {entered}, child destroys returned: {results:?})"
+    );
+    assert_eq!(results.len(), 1, "the child's destroy returned");
+}
+
+/// Property: a connect request's callback runs as a callback of its listener, so waiting
+/// there for the listener's destruction returns at once, as it does inside the listener's
+/// own callback (`DestroyHandle::wait`: "Inside the id's own callback … it returns at
+/// once"), instead of waiting for a teardown that can only follow this callback.
+///
+/// Interleaving: child C's `ConnectRequest` enters listener L (L.running = this thread,
+/// CURRENT = C); the callback calls `L.begin_destroy()` (Deferred: L is running) and then
+/// `wait()` on it; `wait_destroyed` checked only `runs_own_code(L)` (CURRENT == L, TEARING,
+/// borrows), none of which names L, so it waits for L's teardown, which runs only when
+/// this thread drops the `EnterGuard` after the callback returns: it was a self-deadlock.
+#[test]
+fn waiting_for_the_listener_from_a_connect_request_callback_returns() {
+    let mut cfg = config(29423);
+    cfg.dispatcher_threads = 2;
+    let f = Fabric::loopback_with(2, cfg).unwrap();
+    let me: Arc<OnceLock<CmId>> = Arc::new(OnceLock::new());
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let m = me.clone();
+    let listener = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            if let Some(l) = m.get() {
+                let h = l.begin_destroy();
+                h.wait();
+                let _ = tx.lock().unwrap().send(h.is_done());
+            }
+        }
+        Flow::Continue
+    });
+    let _ = me.set(listener.clone());
+    listener.bind(addr(1, 7101)).unwrap();
+    listener.listen(0).unwrap();
+    let cli = EventChannel::new();
+    let _client = client_connect(&f, &cli, addr(1, 7101));
+    let r = rx.recv_timeout(Duration::from_secs(5));
+    if r.is_err() {
+        std::mem::forget(f);
+    }
+    assert!(
+        r.is_ok(),
+        "DestroyHandle::wait on the listener from inside a connect request's callback \
+         (a callback of that listener) never returned"
+    );
 }
