@@ -82,8 +82,8 @@ pub enum Unreachable {
 impl std::fmt::Display for Unreachable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Unreachable::Timeout => f.write_str("no answer (timeout)"),
-            Unreachable::RepTimeout => f.write_str("the REP was never confirmed (timeout)"),
+            Unreachable::Timeout => f.write_str("Timeout (no answer)"),
+            Unreachable::RepTimeout => f.write_str("RepTimeout (the REP was never confirmed)"),
             Unreachable::Sidr { status, .. } => {
                 write!(f, "SIDR status {} ({status:?})", status.raw())
             }
