@@ -1556,10 +1556,12 @@ impl CmId {
     /// Disconnects (`rdma_disconnect`): DREQ. Established → Disconnect; `Disconnected`
     /// follows. On a connection already going down (the peer's DREQ was answered, or this
     /// side disconnected before) it does nothing and succeeds, as `rdma_disconnect` does.
-    /// So it does on a RoCE connection still being set up (REQ sent, or a request received
-    /// or accepted and no RTU yet): ib_cm sends a DREQ only once established and Linux's
-    /// `rdma_disconnect` returns 0 there, having only moved the QP to ERR; the attempt goes
-    /// on. To abandon it, destroy the id (or `reject` it).
+    /// On a RoCE connection still being set up (REQ sent, or a request received or
+    /// accepted and no RTU yet) it fails with `InvalidState(Connect)`, deliberately unlike
+    /// Linux: there `rdma_disconnect` returns 0 having only moved the QP to ERR (ib_cm sends
+    /// a DREQ only once established), the attempt goes on, and no DISCONNECTED ever comes
+    /// for a caller to wait for. To abandon an attempt, destroy the id (or `reject` it).
+    /// On iWARP, where Linux closes such a connection once it is up, rcm does the same.
     pub fn disconnect(&self) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Disconnect) {
             return r.map(drop);
@@ -1573,9 +1575,6 @@ impl CmId {
             // Already going down (either side's disconnect, a DREQ answered): nothing to
             // send, and not an error, as rdma_disconnect returns 0 there.
             if g.state == State::Disconnect && !is_ud(self.0.ps) {
-                return Ok(());
-            }
-            if g.state == State::Connect && !is_ud(self.0.ps) && g.cep.is_some() {
                 return Ok(());
             }
             if g.state != State::Established || is_ud(self.0.ps) {
