@@ -122,6 +122,16 @@ struct Extra<E> {
     parked: Vec<Arc<Slot<E>>>,
 }
 
+// Not derived: that would ask `E: Default`.
+impl<E> Default for Extra<E> {
+    fn default() -> Self {
+        Extra {
+            wakers: Vec::new(),
+            parked: Vec::new(),
+        }
+    }
+}
+
 struct Inner<E> {
     phase: Phase,
     queue: VecDeque<E>,
@@ -612,13 +622,7 @@ impl<E: Send + 'static> Slot<E> {
         }
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
-        let Extra { wakers, parked } = g.extra.take().map_or_else(
-            || Extra {
-                wakers: Vec::new(),
-                parked: Vec::new(),
-            },
-            |e| *e,
-        );
+        let Extra { wakers, parked } = g.extra.take().map(|e| *e).unwrap_or_default();
         let wake = g.waiters > 0;
         drop(g);
         if wake {
@@ -781,12 +785,7 @@ pub(crate) enum Entry<E: Send + 'static> {
 
 /// The boxed part of `g`, made if missing.
 fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
-    g.extra.get_or_insert_with(|| {
-        Box::new(Extra {
-            wakers: Vec::new(),
-            parked: Vec::new(),
-        })
-    })
+    g.extra.get_or_insert_with(Box::default)
 }
 
 /// Takes the slots parked on `g`'s callback, which just ended (freeing the box if nothing

@@ -15,7 +15,7 @@ mod common;
 use common::{ip, next};
 
 mod raw_peer;
-use raw_peer::{routed, RawPeer};
+use raw_peer::{raw_sidr_req, routed, RawPeer};
 
 /// Two loopback devices (127.0.0.1, 127.0.0.2) on UDP port `port`.
 fn fabric(port: u16) -> Fabric {
@@ -196,27 +196,14 @@ fn disconnect_while_connecting_is_refused_and_changes_nothing() {
 /// neither accept, sending a REP, nor reject, sending a REJ, the SIDR request.)
 #[test]
 fn a_sidr_request_for_an_ib_port_space_listener_is_turned_away() {
-    use rcm_wire::cm::{CmMessage, SidrReq, SidrStatus};
-    use rcm_wire::cma::{self, CmaHdr};
+    use rcm_wire::cm::{CmMessage, SidrStatus};
     let f = one_device(26614);
     let peer = RawPeer::new(26614);
     let ch = EventChannel::new();
     let l = f.create_id_on(PortSpace::Ib, &ch);
     l.bind(addr(1, 7614)).unwrap();
     l.listen(4).unwrap();
-    let sidr = SidrReq {
-        request_id: 0x4343,
-        pkey: 0xFFFF,
-        service_id: cma::service_id(PortSpace::Ib, 7614),
-        private_data: CmaHdr {
-            src_port: 40002,
-            src: IpAddr::from([127, 0, 0, 2]),
-            dst: IpAddr::from([127, 0, 0, 1]),
-        }
-        .with_user_data(b"", cma::limits::CONNECT_UD)
-        .expect("cma_hdr"),
-        ..SidrReq::default()
-    };
+    let sidr = raw_sidr_req(PortSpace::Ib, 7614, 0x4343);
     peer.send(CmMessage::SidrReq(sidr), 0x74);
     if let Some(mut e) = ch.get_event(Some(Duration::from_millis(500))) {
         let child = e.id().clone();

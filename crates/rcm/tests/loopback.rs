@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod raw_peer;
-use raw_peer::{raw_rep, raw_req, routed, RawPeer};
+use raw_peer::{raw_rep, raw_req, raw_sidr_req, routed, RawPeer};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -962,8 +962,7 @@ fn the_rts_timeout_follows_the_peers_ack_delay() {
 /// way; a proper REQ after them still gets through.
 #[test]
 fn requests_for_another_host_or_the_wrong_qp_type_are_turned_away() {
-    use rcm_wire::cm::{CmMessage, SidrReq, SidrStatus};
-    use rcm_wire::cma::{self, CmaHdr};
+    use rcm_wire::cm::{CmMessage, SidrStatus};
     let f = one_device(24805);
     let peer = RawPeer::new(24805);
     let ch = EventChannel::new();
@@ -980,18 +979,7 @@ fn requests_for_another_host_or_the_wrong_qp_type_are_turned_away() {
         matches!(peer.recv(), CmMessage::Rej(_)),
         "a REQ for 127.0.0.9 is rejected"
     );
-    let sidr = SidrReq {
-        request_id: 0x4242,
-        service_id: cma::service_id(PortSpace::Tcp, 7477),
-        private_data: CmaHdr {
-            src_port: 40001,
-            src: IpAddr::from([127, 0, 0, 2]),
-            dst: IpAddr::from([127, 0, 0, 1]),
-        }
-        .with_user_data(b"", cma::limits::CONNECT_UD)
-        .expect("cma_hdr"),
-        ..SidrReq::default()
-    };
+    let sidr = raw_sidr_req(PortSpace::Tcp, 7477, 0x4242);
     peer.send(CmMessage::SidrReq(sidr), 0x72);
     match peer.recv() {
         CmMessage::SidrRep(rep) => assert_ne!(rep.status, SidrStatus::Success),

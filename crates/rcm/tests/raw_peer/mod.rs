@@ -64,6 +64,25 @@ impl RawPeer {
     }
 }
 
+/// A SIDR_REQ from the raw peer (127.0.0.2, rdma_cm source port 40001) for the `ps` service
+/// on 127.0.0.1:`port`, with no user private data.
+pub fn raw_sidr_req(ps: PortSpace, port: u16, request_id: u32) -> rcm_wire::cm::SidrReq {
+    use rcm_wire::cma::{self, CmaHdr};
+    rcm_wire::cm::SidrReq {
+        request_id,
+        pkey: 0xFFFF,
+        service_id: cma::service_id(ps, port),
+        private_data: CmaHdr {
+            src_port: 40001,
+            src: IpAddr::from([127, 0, 0, 2]),
+            dst: IpAddr::from([127, 0, 0, 1]),
+        }
+        .with_user_data(b"", cma::limits::CONNECT_UD)
+        .expect("cma_hdr"),
+        ..rcm_wire::cm::SidrReq::default()
+    }
+}
+
 /// A REQ from the raw peer for 127.0.0.1:`port` whose rdma_cm header names `dst`.
 pub fn raw_req(port: u16, dst: IpAddr, psn: u32) -> rcm_wire::cm::Req {
     use rcm_wire::cm::{Req, ReqPath, TransportType};
