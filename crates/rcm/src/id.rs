@@ -1234,6 +1234,12 @@ impl CmId {
     /// [`CmId::establish`]. A UD id receives datagrams on its QPN from here on
     /// ([`CmId::recv_ud`]); a QPN another live UD id of the device receives on is refused
     /// ([`Error::QpBusy`]).
+    ///
+    /// On iWARP the TCP stream leaves from the id's rdma_cm address and port, as siw binds
+    /// it. Where the kernel has that TCP port taken on the address (another program's
+    /// socket, or the same four-tuple in TIME_WAIT), the stream leaves from a port the
+    /// kernel picks instead, unlike siw, whose connect then fails: rcm's port space is its
+    /// own, so the clash is nothing the caller chose.
     pub fn connect(&self, opts: &ConnectOptions) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Connect(opts.clone())) {
             return r.map(drop);

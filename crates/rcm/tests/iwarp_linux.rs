@@ -274,3 +274,43 @@ fn connect_with_an_ird_beyond_the_device_fails() {
     assert_eq!(c.state(), State::RouteResolved);
     cleanup(&f, vec![c, l]);
 }
+
+/// Where the kernel has the id's rdma_cm port taken as a TCP port on the device's address
+/// (here a listening socket of another program), siw's `kernel_bindconnect` fails and so
+/// does `rdma_connect`; rcm connects from a port the kernel picks instead (a documented
+/// difference: the rdma_cm port space is rcm's own, so the clash is not the caller's doing).
+/// The connection comes up, and the server's child sees the kernel-chosen port.
+#[test]
+fn a_taken_tcp_port_falls_back_to_one_the_kernel_picks() {
+    let f = iw_fabric(&[1, 2]);
+    let (chs, chc) = (EventChannel::new(), EventChannel::new());
+    let l = listen_on(&f, &chs, addr(1, 29610));
+    let held = addr(2, 29611);
+    let holder = std::net::TcpListener::bind(held).expect("hold TCP port 29611 on 127.0.0.2");
+    let c = f.create_id_on(PortSpace::Tcp, &chc);
+    c.bind(held).expect("bind the id to the rdma_cm port the kernel holds for TCP");
+    c.resolve_addr(None, addr(1, 29610)).expect("resolve_addr");
+    assert!(matches!(next(&chc).1, Event::AddrResolved));
+    c.resolve_route().expect("resolve_route");
+    assert!(matches!(next(&chc).1, Event::RouteResolved));
+    connect_with(&c, b"fallback").expect("connect from a taken TCP port");
+    let (child, ev) = next(&chs);
+    assert!(
+        matches!(&ev, Event::ConnectRequest { private_data, .. } if private_data == b"fallback"),
+        "{ev:?}"
+    );
+    child.accept(&AcceptOptions::default()).expect("accept");
+    let (_, ev) = next(&chc);
+    assert_eq!(ev.name(), "ESTABLISHED");
+    assert_eq!(c.local_addr(), Some(held), "the id keeps its rdma_cm address");
+    let peer = child.peer_addr().expect("the child's peer address");
+    assert_eq!(peer.ip(), held.ip());
+    assert_ne!(
+        peer.port(),
+        held.port(),
+        "the stream cannot come from the port another socket listens on"
+    );
+    // The other program's socket is untouched.
+    assert_eq!(holder.local_addr().expect("holder address"), held);
+    cleanup(&f, vec![c, child, l]);
+}
