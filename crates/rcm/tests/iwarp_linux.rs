@@ -1,7 +1,7 @@
 //! The iWARP paths of the rdma_cm layer against Linux: `cma.c` (`cma_iw_handler`,
 //! `iw_conn_req_handler`, `rdma_accept`, `rdma_disconnect`), `iwcm.c` and the siw provider
 //! (`siw_cm.c`). Each test's doc comment states what Linux does, on points where rcm once
-//! differed (found by a review). TCP ports 29600..=29609, UDP 29690 (no RoCE device).
+//! differed (found by a review). TCP ports 29600..=29612, UDP 29690 (no RoCE device).
 #![cfg(not(loom))]
 
 mod common;
@@ -313,4 +313,79 @@ fn a_taken_tcp_port_falls_back_to_one_the_kernel_picks() {
     // The other program's socket is untouched.
     assert_eq!(holder.local_addr().expect("holder address"), held);
     cleanup(&f, vec![c, child, l]);
+}
+
+/// `rdma_disconnect` on an accepted passive child that is not up yet (peer-to-peer mode: the
+/// Reply is out, the initiator's RTR frame is not in): Linux's `iw_cm_disconnect` succeeds,
+/// and the connection is closed once it is up. rcm returns Ok and sends its FIN when the RTR
+/// makes the child ESTABLISHED, which the child still reports, then DISCONNECTED at the
+/// initiator's FIN.
+#[test]
+fn disconnect_of_an_accepted_child_waiting_for_its_rtr_closes_it_once_up() {
+    use rcm_proto::iw::{Cep, CepConfig, ConnectParams, RtrModes};
+    use std::io::{Read, Write};
+    let f = iw_fabric(&[1]);
+    let chs = EventChannel::new();
+    let l = listen_on(&f, &chs, addr(1, 29612));
+    // A raw initiator asking for peer-to-peer mode, as siw's `peer_to_peer` does.
+    let mut cep = Cep::active(CepConfig::default());
+    cep.connect(
+        Instant::now(),
+        &ConnectParams {
+            p2p: Some(RtrModes::SIW),
+            private_data: b"p2p".to_vec(),
+            ..ConnectParams::default()
+        },
+    )
+    .expect("an MPA Request");
+    let mut tcp = std::net::TcpStream::connect(addr(1, 29612)).expect("TCP connect");
+    tcp.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("read timeout");
+    while let Some(b) = cep.poll_transmit() {
+        tcp.write_all(&b).expect("the MPA Request");
+    }
+    let (child, ev) = next(&chs);
+    assert!(
+        matches!(&ev, Event::ConnectRequest { private_data, .. } if private_data == b"p2p"),
+        "{ev:?}"
+    );
+    child.accept(&AcceptOptions::default()).expect("accept");
+    // The Reply comes; the RTR it makes our Cep want to send is held back.
+    let mut buf = [0u8; 4096];
+    let t0 = Instant::now();
+    while cep.negotiated().is_none() {
+        assert!(t0.elapsed() < T, "no MPA Reply");
+        let n = tcp.read(&mut buf).expect("the MPA Reply");
+        assert!(n > 0, "the stream closed before the Reply");
+        cep.on_bytes(Instant::now(), &buf[..n]);
+    }
+    let rtr: Vec<u8> = std::iter::from_fn(|| cep.poll_transmit())
+        .flatten()
+        .collect();
+    assert!(!rtr.is_empty(), "the initiator has an RTR frame to send");
+    assert_eq!(child.state(), State::Connect, "up before its RTR");
+    child
+        .disconnect()
+        .expect("disconnect of an accepted child not up yet");
+    assert_eq!(
+        next_within(&chs, Duration::from_millis(100)).map(|(_, e)| e.name()),
+        None,
+        "nothing happens before the RTR"
+    );
+    tcp.write_all(&rtr).expect("the RTR frame");
+    let (_, ev) = next(&chs);
+    assert_eq!(ev.name(), "ESTABLISHED");
+    // Its FIN follows at once: the initiator reads the end of the stream.
+    let fin = loop {
+        match tcp.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(_) => break false,
+        }
+    };
+    assert!(fin, "the child's FIN never came after it was up");
+    drop(tcp);
+    let (_, ev) = next(&chs);
+    assert_eq!(ev.name(), "DISCONNECTED");
+    cleanup(&f, vec![child, l]);
 }
