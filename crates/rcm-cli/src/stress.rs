@@ -12,7 +12,7 @@ use rcm::{
 };
 use rcm_proto::ib::RetryPolicy;
 use serde::Serialize;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -175,7 +175,10 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     // disconnects some established connections itself.
     let seed = o.seed;
     let sh = shared.clone();
-    let children: Arc<Mutex<Vec<CmId>>> = Arc::new(Mutex::new(Vec::new()));
+    // The accepted children still up, by key: each leaves at the event that destroys it.
+    // (Pruning by `state()` cost a call per child through a daemon, at every request: the
+    // server fell behind and the clients' connects timed out.)
+    let children: Arc<Mutex<HashMap<u64, CmId>>> = Arc::new(Mutex::new(HashMap::new()));
     let kids = children.clone();
     let server = fabric.create_id(PortSpace::Tcp, move |id, ev| {
         sh.callbacks.fetch_add(1, Ordering::Relaxed);
@@ -189,8 +192,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                     Flow::Destroy
                 } else {
                     if let Ok(mut k) = kids.lock() {
-                        k.retain(|c| c.state() != rcm::State::Destroying);
-                        k.push(id.clone());
+                        k.insert(id.key(), id.clone());
                     }
                     Flow::Continue
                 }
@@ -204,7 +206,12 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
             Event::Disconnected
             | Event::Rejected { .. }
             | Event::Unreachable(_)
-            | Event::DeviceRemoval => Flow::Destroy,
+            | Event::DeviceRemoval => {
+                if let Ok(mut k) = kids.lock() {
+                    k.remove(&id.key());
+                }
+                Flow::Destroy
+            }
             _ => Flow::Continue,
         }
     });
@@ -357,11 +364,11 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     // What the consumers left (events of ids destroyed since) is dropped unseen.
     while ch.get_event(Some(Duration::ZERO)).is_some() {}
     let _ = server.destroy();
-    let kids: Vec<CmId> = children
+    let kids: HashMap<u64, CmId> = children
         .lock()
         .map(|mut k| std::mem::take(&mut *k))
         .unwrap_or_default();
-    for k in kids {
+    for k in kids.into_values() {
         let _ = k.destroy();
     }
     // Everything is destroyed; endpoints in timewait leave within the path's ACK timeout.

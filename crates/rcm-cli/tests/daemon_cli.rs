@@ -221,9 +221,22 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     assert_eq!(v["established"], 50);
     assert!(v["busy_polled"].as_u64().unwrap_or(0) > 0, "{out}");
 
-    let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7"]);
+    let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7", "--json"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(!out.contains("VIOLATION"), "{out}");
+    // The races include established connections: about one id in three or four gets
+    // there in-process, one in six to eight through a debug daemon. (When the stress
+    // server asked every child's state at each request, one call each through a daemon,
+    // it fell behind and about one in thirty did.)
+    let v: serde_json::Value = serde_json::from_str(&out).expect("stress --json");
+    let (made, up) = (
+        v["created"].as_u64().unwrap_or(0),
+        v["established"].as_u64().unwrap_or(0),
+    );
+    assert!(
+        made > 0 && up * 16 >= made,
+        "{up} of {made} ids established through the daemon"
+    );
     // The callbacks on the session's reader: the same races, their calls on channels.
     let (code, out, err) = rcm(&[
         "stress",

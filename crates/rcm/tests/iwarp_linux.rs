@@ -288,7 +288,8 @@ fn a_taken_tcp_port_falls_back_to_one_the_kernel_picks() {
     let held = addr(2, 29611);
     let holder = std::net::TcpListener::bind(held).expect("hold TCP port 29611 on 127.0.0.2");
     let c = f.create_id_on(PortSpace::Tcp, &chc);
-    c.bind(held).expect("bind the id to the rdma_cm port the kernel holds for TCP");
+    c.bind(held)
+        .expect("bind the id to the rdma_cm port the kernel holds for TCP");
     c.resolve_addr(None, addr(1, 29610)).expect("resolve_addr");
     assert!(matches!(next(&chc).1, Event::AddrResolved));
     c.resolve_route().expect("resolve_route");
@@ -302,7 +303,11 @@ fn a_taken_tcp_port_falls_back_to_one_the_kernel_picks() {
     child.accept(&AcceptOptions::default()).expect("accept");
     let (_, ev) = next(&chc);
     assert_eq!(ev.name(), "ESTABLISHED");
-    assert_eq!(c.local_addr(), Some(held), "the id keeps its rdma_cm address");
+    assert_eq!(
+        c.local_addr(),
+        Some(held),
+        "the id keeps its rdma_cm address"
+    );
     let peer = child.peer_addr().expect("the child's peer address");
     assert_eq!(peer.ip(), held.ip());
     assert_ne!(
