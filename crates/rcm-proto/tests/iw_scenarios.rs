@@ -704,6 +704,36 @@ fn markers_requested_are_rejected_like_siw() {
     assert!(rep.flags.reject && !rep.flags.markers);
     assert!(rep.private_data.is_empty());
 
+    // With bytes after the Request in the same read, siw's `siw_recv_mpa_rr` fails
+    // ("peer sent extra data") before `siw_proc_mpareq` looks at M: a close, nothing sent.
+    let mut v1 = MpaFrame::request_v1(Vec::new());
+    v1.flags.markers = true;
+    let mut v2 = MpaFrame::request_v2(1, 1, b"pd".to_vec());
+    v2.flags.markers = true;
+    for (seed, req) in [(14, v1), (15, v2)] {
+        let mut n = Net::new(Frag::Whole, seed);
+        let mut bytes = req.to_vec().unwrap();
+        bytes.extend_from_slice(&[0, 0, 0, 0]);
+        let now = n.now;
+        n.b().on_bytes(now, &bytes);
+        n.pump();
+        assert_eq!(
+            n.events(B),
+            &[Event::Close(CloseReason::Protocol(
+                ProtocolError::UnexpectedData
+            ))],
+            "revision {}",
+            req.revision
+        );
+        assert!(
+            n.sides[B].sent.is_empty(),
+            "revision {}: {} bytes sent",
+            req.revision,
+            n.sides[B].sent.len()
+        );
+        assert_eq!(n.sides[B].actions, vec![TcpAction::Close]);
+    }
+
     // A Reply asking for markers fails the connect.
     let mut n = Net::new(Frag::Whole, 13);
     n.pipes[A].hold = true;
@@ -719,6 +749,35 @@ fn markers_requested_are_rejected_like_siw() {
             ConnectError::Protocol(ProtocolError::MarkersRequested)
         ))]
     );
+}
+
+/// A revision-2 Reply to our revision-1 Request fails the connect (RevisionMismatch, which
+/// rdma_cm reports as REJECTED). siw would take it as revision 1, the IRD/ORD words as
+/// private data; no responder sends one (siw, cxgb4 and irdma answer in the Request's
+/// revision), and reading a frame of a revision we did not offer is guessing.
+#[test]
+fn a_v2_reply_to_a_v1_request_fails_the_connect() {
+    for reply in [
+        MpaFrame::reply_v2(1, 1, b"pd".to_vec()),
+        MpaFrame::reply_v2(1, 1, Vec::new()),
+    ] {
+        let mut n = Net::new(Frag::Whole, 18);
+        n.pipes[A].hold = true;
+        n.connect(&ConnectParams {
+            version: MpaVersion::V1,
+            ..ConnectParams::default()
+        });
+        let now = n.now;
+        n.a().on_bytes(now, &reply.to_vec().unwrap());
+        n.pump();
+        assert_eq!(
+            n.events(A),
+            &[Event::ConnectReply(ConnectReply::Error(
+                ConnectError::Protocol(ProtocolError::RevisionMismatch)
+            ))]
+        );
+        assert!(n.sides[A].cep.is_closed());
+    }
 }
 
 #[test]

@@ -824,6 +824,14 @@ impl Cep {
             cap_ord,
             rtr,
         };
+        if !self.rx.is_empty() {
+            // RFC 5044 §7.1.2: the initiator sends nothing more until it has the Reply
+            // (siw: "peer sent extra data", -EPROTO). siw's read of the frame fails on them
+            // before `siw_proc_mpareq` looks at any flag: nothing is sent, not even the
+            // reject Reply that markers would get.
+            self.fail(ProtocolError::UnexpectedData, None);
+            return false;
+        }
         if frame.flags.markers {
             // siw_proc_mpareq: markers are not supported; answer with R set, M cleared, no
             // private data, and drop the connection.
@@ -835,12 +843,6 @@ impl Cep {
                 self.push_tx(b);
             }
             self.fail(ProtocolError::MarkersRequested, None);
-            return false;
-        }
-        if !self.rx.is_empty() {
-            // RFC 5044 §7.1.2: the initiator sends nothing more until it has the Reply
-            // (siw: "peer sent extra data", -EPROTO).
-            self.fail(ProtocolError::UnexpectedData, None);
             return false;
         }
         let enhanced = frame.enhanced;

@@ -329,7 +329,9 @@ pub enum ProtocolError {
     /// The peer wants markers, which we never insert (siw rejects them too).
     MarkersRequested,
     /// The initiator asked for revision 2 but the Reply was revision 1 and
-    /// [`CepConfig::accept_v1_reply`] is off, or the Reply dropped the Enhanced flag.
+    /// [`CepConfig::accept_v1_reply`] is off, or the Reply dropped the Enhanced flag; or
+    /// the Reply's revision is above the Request's (siw would read a revision-2 Reply to
+    /// its revision-1 Request as revision 1; no responder sends one).
     RevisionMismatch,
     /// The responder's ORD exceeds what our IRD can take (Terminate: insufficient IRD).
     InsufficientIrd,
