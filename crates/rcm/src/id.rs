@@ -715,7 +715,10 @@ impl CmId {
         self.0.ps
     }
 
-    /// The current state.
+    /// The current state. For an id a daemon holds ([`CmId::is_remote`]) this, like
+    /// [`CmId::local_addr`], [`CmId::peer_addr`] and [`CmId::device_addr`], is a query
+    /// to the daemon (a call, about a microsecond through a mapped channel): keep it out of
+    /// loops over many ids. A destroyed id answers `Destroying` without asking.
     pub fn state(&self) -> State {
         if !self.0.slot.is_live() {
             return State::Destroying;
