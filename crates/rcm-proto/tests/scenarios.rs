@@ -984,20 +984,83 @@ fn simultaneous_dreqs_both_end_in_timewait() {
 fn rej_while_established_goes_to_timewait() {
     let mut t = T::new();
     let (h, id) = t.established_active();
-    t.recv(
-        1,
-        CmMessage::Rej(Rej {
-            local_comm_id: PEER_ID,
-            remote_comm_id: id,
-            reason: RejReason::ConsumerDefined,
-            ..Rej::default()
-        }),
-    );
+    t.recv(1, peer_rej(id, MsgCode::Other));
     assert!(matches!(
         t.events().as_slice(),
         [(_, CmEvent::Rejected { .. })]
     ));
     assert_eq!(t.ep.state(h), Some(State::Timewait));
+}
+
+/// A REJ from the peer (comm ID `PEER_ID`) naming our comm ID `our_id`, with the
+/// message-rejected field `msg`.
+fn peer_rej(our_id: u32, msg: MsgCode) -> CmMessage {
+    CmMessage::Rej(Rej {
+        local_comm_id: PEER_ID,
+        remote_comm_id: our_id,
+        message_rejected: msg,
+        reason: RejReason::ConsumerDefined,
+        ..Rej::default()
+    })
+}
+
+/// Linux's `cm_acquire_rejected_id` looks a REJ whose message-rejected field says REQ up by
+/// our comm ID with a remote comm ID of 0, so it can only end an attempt that has not
+/// learned its peer's comm ID (REQ_SENT, MRA_REQ_RCVD). An active id past the REP ignores
+/// it; the same REJ naming another message ends the connection.
+#[test]
+fn a_rej_of_a_req_does_not_reach_an_active_endpoint_past_the_rep() {
+    let mut t = T::new();
+    let (h, id, _) = t.rep_rcvd();
+    t.recv(TID, peer_rej(id, MsgCode::Req));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::RepRcvd));
+
+    let mut t = T::new();
+    let (h, id) = t.established_active();
+    t.recv(TID, peer_rej(id, MsgCode::Req));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::Established));
+    t.recv(TID, peer_rej(id, MsgCode::Other));
+    assert!(matches!(
+        t.events().as_slice(),
+        [(eh, CmEvent::Rejected { .. })] if *eh == h
+    ));
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+}
+
+/// The same rule on the passive side, where every id knows the peer's comm ID from the
+/// REQ: a REJ of a REQ never reaches it.
+#[test]
+fn a_rej_of_a_req_does_not_reach_a_passive_endpoint() {
+    let mut t = T::new();
+    let (_, c, id) = t.rep_sent();
+    t.recv(TID, peer_rej(id, MsgCode::Req));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(c), Some(State::RepSent));
+
+    let mut t = T::new();
+    let (c, id) = t.established_passive();
+    t.recv(TID, peer_rej(id, MsgCode::Req));
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(c), Some(State::Established));
+}
+
+/// Linux's `cm_rep_handler` inserts the REP's comm ID (`cm_insert_remote_id`) before its
+/// QPN (`cm_insert_remote_qpn`): a REP whose comm ID and CA GUID already belong to a
+/// connection is a duplicate, dropped without a word, even when its QPN is that
+/// connection's too: no REJ(STALE_CONN), no DREQ to the connection, the new attempt stays
+/// in REQ_SENT.
+#[test]
+fn a_rep_with_a_known_comm_id_is_dropped_before_the_stale_qpn_check() {
+    let mut t = T::new();
+    let (old, _) = t.established_active();
+    let (h, req, tid) = t.connect();
+    t.recv(tid, CmMessage::Rep(peer_rep(req.local_comm_id)));
+    t.nothing_sent();
+    assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert_eq!(t.ep.state(old), Some(State::Established));
 }
 
 // ---------------------------------------------------------------- passive side

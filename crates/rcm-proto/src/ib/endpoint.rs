@@ -561,8 +561,6 @@ impl Endpoint {
             .map(|(h, _)| *h)
     }
 
-    /// The endpoint a message addressed to `local_id` from `from` belongs to, if the message's
-    /// own comm ID agrees with what we know of the peer (0 matches a peer not yet known).
     /// The endpoint a message names: our comm ID, from the peer we talk to, and its comm ID
     /// if we learned it. Before we did (ReqSent, MraReqRcvd) any comm ID of the peer's
     /// matches: a REJ(OTHER) the peer sends after its REP was lost ends our attempt at once.
@@ -1485,6 +1483,16 @@ impl Endpoint {
             return;
         }
         let guid = rep.local_ca_guid;
+        // Linux's `cm_rep_handler` inserts the remote comm ID before the remote QPN: a REP
+        // naming a connection we already have is a duplicate, dropped without a word,
+        // before any stale-QPN REJ or DREQ.
+        if self
+            .remote_ids
+            .get(&(rep.local_comm_id, guid))
+            .is_some_and(|&o| o != h)
+        {
+            return self.stats.rx_duplicates += 1;
+        }
         if let Some(&other) = self.remote_qps.get(&(rep.local_qpn, guid)) {
             if other != h {
                 // Stale: reject this REP, tear the old connection down, keep waiting.
@@ -1503,13 +1511,6 @@ impl Endpoint {
                 }
                 return;
             }
-        }
-        if self
-            .remote_ids
-            .get(&(rep.local_comm_id, guid))
-            .is_some_and(|&o| o != h)
-        {
-            return self.stats.rx_duplicates += 1;
         }
         self.cancel_timer(h);
         let Some(c) = self.ceps.get_mut(&h) else {
@@ -1589,7 +1590,14 @@ impl Endpoint {
 
     fn on_rej(&mut self, now: Instant, from: IpAddr, mut rej: Rej) {
         let h = if rej.remote_comm_id != 0 {
+            // A REJ of a REQ can only be for an attempt that has not learned the peer's comm
+            // ID (Linux's `cm_acquire_rejected_id` looks it up with remote ID 0): it does
+            // not end a connection past the REP, nor a passive one.
             self.lookup(rej.remote_comm_id, rej.local_comm_id, from)
+                .filter(|h| {
+                    rej.message_rejected != MsgCode::Req
+                        || self.ceps.get(h).is_some_and(|c| c.remote_id == 0)
+                })
         } else if rej.reason == RejReason::Timeout && rej.reject_info_length >= 8 {
             // The active side gave up before it knew our ID: find us by its ID and GUID.
             let guid = rej
