@@ -2169,12 +2169,7 @@ fn migrate_id(
     // (on_connect_request takes it); one written meanwhile stays, its client has it. The
     // children's cells are taken now, before the tables and queues: a child's event takes
     // its cell and then the queue.
-    let pending: Vec<u32> = lock(&src.out)
-        .events
-        .iter()
-        .filter(|q| q.listener == Some(handle) && q.handle != handle)
-        .map(|q| q.handle)
-        .collect();
+    let pending: Vec<u32> = requests_queued_for(&lock(&src.out).events, handle).collect();
     let child_cells: Vec<(u32, Arc<IdCell>)> = {
         let t = lock(&src.table);
         pending
@@ -2211,12 +2206,7 @@ fn migrate_id(
         return Err(WireError::NoSuchId);
     }
     // The children whose requests are still queued (and still in the source's table) go.
-    let still: std::collections::HashSet<u32> = oa
-        .events
-        .iter()
-        .filter(|q| q.listener == Some(handle) && q.handle != handle)
-        .map(|q| q.handle)
-        .collect();
+    let still: std::collections::HashSet<u32> = requests_queued_for(&oa.events, handle).collect();
     child_owners.retain(|(c, o)| still.contains(c) && o.is_some() && ta.ids.contains_key(c));
     if tb.ids.len() + 1 + child_owners.len() > sh.limits.max_ids as usize {
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
@@ -2263,6 +2253,14 @@ fn migrate_id(
     drop(own);
     s.out_cond.notify_all();
     Ok(Answer::Handle(nh))
+}
+
+/// The children whose connect requests on `listener` wait in `events`.
+fn requests_queued_for(events: &EventQueue, listener: u32) -> impl Iterator<Item = u32> + '_ {
+    events
+        .iter()
+        .filter(move |q| q.listener == Some(listener) && q.handle != listener)
+        .map(|q| q.handle)
 }
 
 /// Writes a queued event's handle (and, for a connect request, its listener's) into its
@@ -2323,10 +2321,13 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
+    use super::{channel_may_attach, may_warn, DevicePolls, EventQueue, Queued};
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
     #[test]
     fn overload_warnings_are_one_a_second_per_session() {
-        use super::may_warn;
-        use std::sync::atomic::{AtomicU64, Ordering};
         let (a, b) = (AtomicU64::new(0), AtomicU64::new(0));
         assert!(may_warn(&a), "the first warning is logged");
         assert!(!may_warn(&a), "a second one at once is not");
@@ -2340,7 +2341,7 @@ mod tests {
     /// A quarter of the places, exactly, stay for sessions.
     #[test]
     fn channels_leave_a_quarter_of_the_places() {
-        use super::channel_may_attach as may;
+        let may = channel_may_attach;
         assert!(may(768, 1024) && !may(769, 1024));
         // 3 places: a quarter is 0.75, so at most 2 connections may include a channel.
         assert!(may(2, 3) && !may(3, 3));
@@ -2349,11 +2350,6 @@ mod tests {
         assert!(may(0, 0));
         assert!(!may(usize::MAX, usize::MAX));
     }
-
-    use super::{DevicePolls, EventQueue, Queued};
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use std::time::Duration;
 
     /// A device's receive side as the ring thread sees it: counts what is asked of it, and
     /// has a datagram or not: a flag, or, with a socket, what the socket holds (which it

@@ -600,8 +600,8 @@ impl Fabric {
     /// ephemeral port of `ip` and runs MPA (revision 2, or 1 when `cfg.max_revision` is 1,
     /// which then also caps what the device answers; no CRC, no markers) over it. No
     /// socket is opened until something listens or connects. The same [`CmId`] API works on
-    /// it (differences: no UD port spaces, private data up to 252 bytes in MPA revision 2, see the methods),
-    /// and wildcard listeners start listening on it at once.
+    /// it (differences: no UD port spaces, private data up to 252 bytes in MPA revision 2,
+    /// see the methods), and wildcard listeners start listening on it at once.
     /// [`crate::Error::AddrNotAvailable`] when `ip` is not an address of this host.
     ///
     /// [`CmId`]: crate::CmId

@@ -2687,19 +2687,11 @@ impl CmId {
                 return Err(Error::InvalidState(g.state));
             }
         }
-        // Graceful: FIN after what is queued; `Disconnected` once the peer's FIN is in
-        // (`iw_cm_disconnect(abrupt = 0)`).
-        match dev.iw_cep(key, iw::Cep::disconnect) {
-            Some(Ok(())) => {}
-            Some(Err(e)) => return Err(iw_err(e, State::Disconnect)),
-            // The stream is gone already (the peer closed it): going down, as above.
-            None => return Ok(()),
+        match iw_close(dev, key, &self.0) {
+            Some(Err(e)) => Err(iw_err(e, State::Disconnect)),
+            // Closing, or the stream is gone already (the peer closed it): going down.
+            Some(Ok(())) | None => Ok(()),
         }
-        let mut g = sync::lock(&self.0.st);
-        if g.state == State::Established {
-            g.state = State::Disconnect;
-        }
-        Ok(())
     }
 
     /// Sends one message over an established iWARP connection: an RDMAP Send, framed in
@@ -2933,13 +2925,26 @@ pub(crate) fn on_iw_event(dev: &Arc<DeviceInner>, key: ConnKey, ev: IwEvent) {
     if close_when_up {
         // The disconnect asked for while connecting, now that ESTABLISHED is queued (not
         // through `disconnect`: the thread routing this event may hold the id's `op`).
-        if let Some(Ok(())) = dev.iw_cep(key, iw::Cep::disconnect) {
-            let mut g = sync::lock(&id.st);
-            if g.state == State::Established {
-                g.state = State::Disconnect;
-            }
+        let _ = iw_close(dev, key, &id);
+    }
+}
+
+/// Closes an established iWARP connection gracefully: FIN after what is queued, the id
+/// going to Disconnect; `Disconnected` follows once the peer's FIN is in
+/// (`iw_cm_disconnect(abrupt = 0)`). `None` when the stream is gone already.
+fn iw_close(
+    dev: &Arc<DeviceInner>,
+    key: ConnKey,
+    id: &IdInner,
+) -> Option<std::result::Result<(), iw::CepError>> {
+    let r = dev.iw_cep(key, iw::Cep::disconnect)?;
+    if r.is_ok() {
+        let mut g = sync::lock(&id.st);
+        if g.state == State::Established {
+            g.state = State::Disconnect;
         }
     }
+    Some(r)
 }
 
 /// A valid MPA Request arrived on a stream accepted on TCP `port`: find the rdma_cm listener

@@ -1306,11 +1306,7 @@ pub mod loom_api {
             sched: impl Fn(SlotHandle<E>) + Send + Sync + 'static,
             discard: fn(E),
         ) -> Self {
-            let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
-            SlotHandle(Slot::new(
-                Target::Callback(cb),
-                Arc::new(FnSched(Box::new(sched), discard, None)),
-            ))
+            Self::callback_slot(cb, sched, discard, None)
         }
 
         /// As [`SlotHandle::with_callback`], with `gate` naming the slot an event must be
@@ -1321,10 +1317,19 @@ pub mod loom_api {
             discard: fn(E),
             gate: impl Fn(&E) -> Option<SlotHandle<E>> + Send + Sync + 'static,
         ) -> Self {
+            Self::callback_slot(cb, sched, discard, Some(Box::new(gate)))
+        }
+
+        fn callback_slot(
+            cb: impl Fn(E) -> Flow + Send + Sync + 'static,
+            sched: impl Fn(SlotHandle<E>) + Send + Sync + 'static,
+            discard: fn(E),
+            gate: Option<GateFn<E>>,
+        ) -> Self {
             let cb: super::Callback<E> = Arc::new(move |_owner, ev| cb(ev));
             SlotHandle(Slot::new(
                 Target::Callback(cb),
-                Arc::new(FnSched(Box::new(sched), discard, Some(Box::new(gate)))),
+                Arc::new(FnSched(Box::new(sched), discard, gate)),
             ))
         }
 

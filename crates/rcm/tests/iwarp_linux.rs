@@ -38,11 +38,16 @@ fn listen_on(f: &Fabric, ch: &EventChannel, at: SocketAddr) -> CmId {
 /// A TCP id on `ch` with address and route to `dst` resolved.
 fn routed(f: &Fabric, ch: &EventChannel, dst: SocketAddr) -> CmId {
     let c = f.create_id_on(PortSpace::Tcp, ch);
+    route(&c, ch, dst);
+    c
+}
+
+/// Resolves `c`'s address and route to `dst` (its events come to `ch`).
+fn route(c: &CmId, ch: &EventChannel, dst: SocketAddr) {
     c.resolve_addr(None, dst).expect("resolve_addr");
     assert!(matches!(next(ch).1, Event::AddrResolved));
     c.resolve_route().expect("resolve_route");
     assert!(matches!(next(ch).1, Event::RouteResolved));
-    c
 }
 
 fn connect_with(c: &CmId, pd: &[u8]) -> Result<(), Error> {
@@ -290,10 +295,7 @@ fn a_taken_tcp_port_falls_back_to_one_the_kernel_picks() {
     let c = f.create_id_on(PortSpace::Tcp, &chc);
     c.bind(held)
         .expect("bind the id to the rdma_cm port the kernel holds for TCP");
-    c.resolve_addr(None, addr(1, 29610)).expect("resolve_addr");
-    assert!(matches!(next(&chc).1, Event::AddrResolved));
-    c.resolve_route().expect("resolve_route");
-    assert!(matches!(next(&chc).1, Event::RouteResolved));
+    route(&c, &chc, addr(1, 29610));
     connect_with(&c, b"fallback").expect("connect from a taken TCP port");
     let (child, ev) = next(&chs);
     assert!(

@@ -447,9 +447,7 @@ impl Endpoint {
         let Some(c) = self.ceps.remove(&h) else {
             return;
         };
-        if !self.drep_pd.is_empty() {
-            self.drep_pd.remove(&h);
-        }
+        self.forget_drep_pd(h);
         if c.timer != TimerKind::None {
             self.timer_went_stale();
         }
@@ -573,6 +571,14 @@ impl Endpoint {
             && (c.remote_id == remote_id || c.remote_id == 0)
             && c.state != State::Listen)
             .then_some(h)
+    }
+
+    /// Drops `h`'s saved DREP private data. The table is empty unless someone disconnects
+    /// with private data (rdma_cm never does), and then costs no hashing.
+    fn forget_drep_pd(&mut self, h: CepHandle) {
+        if !self.drep_pd.is_empty() {
+            self.drep_pd.remove(&h);
+        }
     }
 
     // ----- commands ----------------------------------------------------------------------
@@ -1106,9 +1112,7 @@ impl Endpoint {
         };
         // A parked endpoint answers a repeated DREQ as after its destroy (cm_issue_drep):
         // with no private data.
-        if !self.drep_pd.is_empty() {
-            self.drep_pd.remove(&h);
-        }
+        self.forget_drep_pd(h);
         self.recycle_out(c.out);
         self.parked.insert(
             h,
