@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use rcm::remote::Op;
 use rcm::{DestroyOutcome, EventChannel};
 use rcm_ucm::proto::{Command, Message};
 use rcm_ucm::Daemon;
@@ -20,9 +19,7 @@ use std::time::Duration;
 fn destroying_a_listener_discards_its_unread_childrens_later_events() {
     let d = Daemon::start(config_patient("lchild", 48601, &[1])).expect("daemon");
     let (mut a, _) = raw(&d);
-    let lh = create(&mut a);
-    ok(&mut a, &Command::Call(lh, Op::Bind(sa(1, 7901))));
-    ok(&mut a, &Command::Call(lh, Op::Listen(16)));
+    let lh = raw_listener(&mut a, sa(1, 7901), 16);
     let peer = rcm_ucm::fabric(d.socket()).expect("peer");
     let ch = EventChannel::new();
     let c = dial(&peer, &ch, sa(1, 7901), b"x");

@@ -163,9 +163,7 @@ fn child_process() {
         "unread" => {
             // A raw listener that never grants event credit: its requests stay unread.
             let (mut s, _) = RawSession::open(&path).expect("raw child");
-            let h = create(&mut s);
-            ok(&mut s, &Command::Call(h, Op::Bind(sa(1, 7102))));
-            ok(&mut s, &Command::Call(h, Op::Listen(16)));
+            raw_listener(&mut s, sa(1, 7102), 16);
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
             drop(s);
@@ -425,9 +423,7 @@ fn unread_request_limit_refuses_on_the_wire() {
     let d = Daemon::start(cfg).expect("daemon");
     // A raw listener that grants no event credit.
     let (mut ls, _) = raw(&d);
-    let lh = create(&mut ls);
-    ok(&mut ls, &Command::Call(lh, Op::Bind(sa(1, 7200))));
-    ok(&mut ls, &Command::Call(lh, Op::Listen(16)));
+    let lh = raw_listener(&mut ls, sa(1, 7200), 16);
     let peer = rcm_ucm::fabric(d.socket()).expect("peer");
     let ch = EventChannel::new();
     let c1 = dial(&peer, &ch, sa(1, 7200), &[1]);
@@ -484,9 +480,7 @@ fn a_burst_past_a_credit_window_waits_for_a_slow_listener() {
     let port = 47229;
     let d = Daemon::start(config_patient("burst-unread", port, &[1])).expect("daemon");
     let (mut ls, _) = raw(&d);
-    let lh = create(&mut ls);
-    ok(&mut ls, &Command::Call(lh, Op::Bind(sa(1, 7200))));
-    ok(&mut ls, &Command::Call(lh, Op::Listen(N)));
+    raw_listener(&mut ls, sa(1, 7200), N);
     // The peer is in-process (its own device on 127.0.0.2), so the burst is quick to make.
     let peer = Fabric::new(FabricConfig {
         udp_port: port,
@@ -631,9 +625,7 @@ fn queued_event_limit_drops_and_counts() {
 fn destroying_a_listener_with_unread_requests_rejects_them() {
     let d = Daemon::start(config_patient("unread", 47207, &[1])).expect("daemon");
     let (mut ls, _) = raw(&d);
-    let lh = create(&mut ls);
-    ok(&mut ls, &Command::Call(lh, Op::Bind(sa(1, 7300))));
-    ok(&mut ls, &Command::Call(lh, Op::Listen(16)));
+    let lh = raw_listener(&mut ls, sa(1, 7300), 16);
     let peer = rcm_ucm::fabric(d.socket()).expect("peer");
     let ch = EventChannel::new();
     let dials: Vec<_> = (0..4)
@@ -829,9 +821,7 @@ fn a_child_with_its_request_still_queued_does_not_migrate() {
     let d = daemon("migchild", 47219, &[1]);
     let (mut a, ta) = raw(&d);
     let (mut b, _) = raw(&d);
-    let l = create(&mut a);
-    ok(&mut a, &Command::Call(l, Op::Bind(sa(1, 7600))));
-    ok(&mut a, &Command::Call(l, Op::Listen(4)));
+    let l = raw_listener(&mut a, sa(1, 7600), 4);
     let client = rcm_ucm::fabric(d.socket()).expect("client");
     let cch = EventChannel::new();
     let c = dial(&client, &cch, sa(1, 7600), b"queued");
@@ -871,9 +861,7 @@ fn a_listener_migrates_with_its_queued_requests() {
     let d = daemon("miglistener", 47220, &[1]);
     let (mut a, ta) = raw(&d);
     let (mut b, _) = raw(&d);
-    let l = create(&mut a);
-    ok(&mut a, &Command::Call(l, Op::Bind(sa(1, 7601))));
-    ok(&mut a, &Command::Call(l, Op::Listen(4)));
+    let l = raw_listener(&mut a, sa(1, 7601), 4);
     let client = rcm_ucm::fabric(d.socket()).expect("client");
     let cch = EventChannel::new();
     let c1 = dial(&client, &cch, sa(1, 7601), b"first");
@@ -1411,9 +1399,7 @@ fn destroying_a_listener_while_its_children_get_events() {
         n += 1;
         let (mut a, ta) = raw(&d);
         a.set_timeout(Duration::from_secs(5)).expect("timeout");
-        let lh = create(&mut a);
-        ok(&mut a, &Command::Call(lh, Op::Bind(sa(1, 7800))));
-        ok(&mut a, &Command::Call(lh, Op::Listen(64)));
+        let lh = raw_listener(&mut a, sa(1, 7800), 64);
         let ch = EventChannel::new();
         let dials: Vec<_> = (0..6).map(|_| dial(&peer, &ch, sa(1, 7800), b"")).collect();
         wait_stats(&mut a, |s| s.queued_events == 6, "6 unread requests");

@@ -2,6 +2,7 @@
 //! a UDP port of their own, raw-session shorthands, rcm-API dialing and leak checks.
 #![allow(dead_code)]
 
+use rcm::remote::Op;
 use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, PortSpace};
 use rcm_proto::ib::RetryPolicy;
 use rcm_ucm::proto::{Answer, Command, Limits, Message, SessionStats, WireError};
@@ -235,6 +236,14 @@ pub fn create(s: &mut RawSession) -> u32 {
         Message::Ok(Answer::Handle(h)) => h,
         m => panic!("CreateId answered {m:?}"),
     }
+}
+
+/// A new id of `s` bound to `addr` and listening with `backlog`: its handle.
+pub fn raw_listener(s: &mut RawSession, addr: SocketAddr, backlog: usize) -> u32 {
+    let h = create(s);
+    ok(s, &Command::Call(h, Op::Bind(addr)));
+    ok(s, &Command::Call(h, Op::Listen(backlog)));
+    h
 }
 
 /// A command that must succeed; its answer.
