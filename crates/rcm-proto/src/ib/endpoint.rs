@@ -30,8 +30,11 @@ pub struct Stats {
     pub rx_unmatched: u64,
     /// Duplicates recognised (REQ, REP, RTU, DREQ, DREP, SIDR_REQ).
     pub rx_duplicates: u64,
-    /// REQs dropped because the listener's backlog was full or the endpoint table was.
+    /// REQs dropped because the listener's backlog was full or the endpoint table was
+    /// (SIDR_REQs too, past a full endpoint table).
     pub rx_backlog_drops: u64,
+    /// SIDR_REQs past a full listener backlog, answered with SIDR_REP(REJECT).
+    pub sidr_backlog_rejects: u64,
     /// REQs and REPs answered with REJ(STALE_CONN).
     pub stale_rejects: u64,
     /// REQs answered with REJ(INVALID_SERVICE_ID).
@@ -586,7 +589,8 @@ impl Endpoint {
     /// Listens on `service_id` (exact match when `mask` is all ones; else every service ID
     /// equal under `mask`, as rdma_cm's port-space ranges). `backlog` bounds the requests
     /// received but not yet answered (0 means [`DEFAULT_BACKLOG`]); beyond it new REQs are
-    /// dropped so the peer retries.
+    /// dropped so the peer retries, and new SIDR_REQs are answered with SIDR_REP(REJECT), as
+    /// Linux does.
     pub fn listen(
         &mut self,
         service_id: u64,
@@ -1771,7 +1775,16 @@ impl Endpoint {
             .listeners
             .get(&lh)
             .is_some_and(|l| l.pending >= l.backlog);
-        if full || self.conn_ceps >= self.cfg.max_ceps {
+        if full {
+            // Unlike a REQ, which is dropped for the peer to retry: rdma_cm's handler fails
+            // the request (ucma's backlog, -ENOMEM), and cm.c's `cm_destroy_id` answers a
+            // SIDR request it destroys with REJECT whatever the error (it spares only a
+            // REQ), so the peer learns at once instead of after its 15 retries.
+            self.send(from, tid, CmMessage::SidrRep(reply(SidrStatus::Rejected)));
+            self.stats.sidr_backlog_rejects += 1;
+            return;
+        }
+        if self.conn_ceps >= self.cfg.max_ceps {
             self.stats.rx_backlog_drops += 1;
             return;
         }
