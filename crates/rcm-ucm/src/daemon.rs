@@ -1401,6 +1401,9 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
     let mut devices = DevicePolls::new(sh);
     let mut device_turn = false;
     loop {
+        // Each turn shows the pollers on this CPU that their yield went to this process
+        // (see `rcm::look_here`): a turn of commands can outlast a stolen yield's length.
+        rcm::look_here();
         if sh.stopping.load(Ordering::SeqCst) {
             // Dropping each (here, and the new ones as `_closing` goes) tells its channel's
             // thread, which closes the connection.
@@ -1441,7 +1444,10 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             events_first(|| devices.sweep(sh.spin, || live.iter().any(|m| m.end.has_command())));
             continue;
         }
-        if now < last_work + sh.spin {
+        // Not while held off polling: a yield of this thread went to a CPU-bound process
+        // (see `rcm::spin_allowed`), and each would again; asleep, a client's doorbell
+        // wakes it at once.
+        if now < last_work + sh.spin && rcm::spin_allowed() {
             // A receive for a device and a yield are a system call each (about a µs on the
             // 2-core VMs), and a command that lands meanwhile waits for it: the rings are
             // looked at after each of the two, not after both (a call's round trip, `hop`
@@ -1455,7 +1461,8 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
                 }
                 continue;
             }
-            std::thread::yield_now();
+            // Stolen, it holds this thread off polling: the next turn sleeps.
+            let _ = rcm::yield_to_pollers();
             continue;
         }
         devices.sleep();
@@ -1483,6 +1490,7 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             HANG_UP_CHECK * 10
         };
         let timeout = Timespec::try_from(timeout).ok();
+        rcm::look_here();
         let _ = poll(&mut fds, timeout.as_ref());
         drop(fds);
         for m in &live {

@@ -900,7 +900,7 @@ fn io_loop(
         if turn.is_none() {
             // Poll a while (`FabricConfig::spin`), then sleep in poll(2) up to the next timer.
             let until = Instant::now() + wait;
-            let polled = crate::slot::spin_until(spin.min(wait), || {
+            let polled = crate::spin::spin_until(spin.min(wait), || {
                 if !gate.polled_left().is_zero() {
                     return true;
                 }

@@ -50,7 +50,10 @@ pub struct FabricConfig {
     /// threads; polling briefly after activity keeps those hand-offs at a few µs. The poll
     /// yields the CPU to runnable threads, and an idle fabric sleeps. Zero never polls.
     /// A device's thread does not poll while a thread waiting for an event polls the device
-    /// itself (see [`EventChannel::set_spin`](crate::EventChannel::set_spin)).
+    /// itself (see [`EventChannel::set_spin`](crate::EventChannel::set_spin)). A thread
+    /// whose yield went to a CPU-bound process (its CPU was gone for the rest of a tick)
+    /// sleeps instead of polling for a while, 10 ms to 1.6 s (see [`crate::spin_until`]):
+    /// on a busy host polling would cost a tick per hop.
     pub spin: Duration,
     /// Where callbacks run, and whether what they send is batched (default: on the
     /// callback threads, unbatched, so a callback may block).
@@ -112,8 +115,8 @@ impl Default for FabricConfig {
     }
 }
 
-use crate::slot::spin_until;
 pub use crate::slot::DEFAULT_SPIN;
+use crate::spin::spin_until;
 
 /// Runs scheduled slots on a small pool of threads.
 pub(crate) struct Dispatcher {

@@ -61,6 +61,8 @@ mod ports;
 pub mod remote;
 #[cfg(not(loom))]
 mod rxgate;
+#[cfg(not(loom))]
+mod spin;
 // Under loom the core's users are not built, so some of its crate-private API is unused.
 #[cfg_attr(loom, allow(dead_code))]
 mod slot;
@@ -92,6 +94,6 @@ pub use rcm_wire::cma::PortSpace;
 /// Test support for the loom models (`--cfg loom` only; not part of the API).
 #[cfg(loom)]
 pub use slot::loom_api;
-#[cfg(not(loom))]
-pub use slot::spin_until;
 pub use slot::{DestroyOutcome, Flow};
+#[cfg(not(loom))]
+pub use spin::{look_here, spin_allowed, spin_budget, spin_until, yield_to_pollers};

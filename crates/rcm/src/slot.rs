@@ -77,25 +77,6 @@ impl<E> Clone for Target<E> {
 pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 const DEFAULT_CHANNEL_SPIN_NS: u64 = DEFAULT_SPIN.as_micros() as u64 * 1000;
 
-/// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
-/// whether it became true. The one polling loop of rcm's threads (and rcm-ucm's readers).
-#[cfg(not(loom))]
-pub fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
-    if spin.is_zero() {
-        return ready();
-    }
-    let end = std::time::Instant::now() + spin;
-    loop {
-        if ready() {
-            return true;
-        }
-        if std::time::Instant::now() >= end {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-}
-
 /// Runs a scheduled slot's pending events (a dispatcher pool, or inline in tests).
 pub(crate) trait Scheduler<E>: Send + Sync {
     fn schedule(&self, slot: Arc<Slot<E>>);
@@ -1122,7 +1103,11 @@ impl<E: Send + 'static> ChannelCore<E> {
             if !polled {
                 // Poll a while before sleeping: a sleeping taker costs the event tens of µs.
                 polled = true;
-                let mut spin = std::time::Duration::from_nanos(self.spin.load(Relaxed));
+                // None while this thread is held off polling (see `spin`): a poll that
+                // would end at once must not ask the device's thread to stand aside.
+                let mut spin = crate::spin::spin_budget(std::time::Duration::from_nanos(
+                    self.spin.load(Relaxed),
+                ));
                 if let Some(e) = end {
                     spin = spin.min(e.saturating_duration_since(std::time::Instant::now()));
                 }
@@ -1132,7 +1117,7 @@ impl<E: Send + 'static> ChannelCore<E> {
                     if let Some(b) = busy.take().and_then(|f| f()) {
                         left_aside(Some(&b));
                         b.begin(spin);
-                        spin_until(spin, || {
+                        crate::spin::spin_until(spin, || {
                             if queued() {
                                 return true;
                             }
@@ -1153,7 +1138,7 @@ impl<E: Send + 'static> ChannelCore<E> {
                         LEFT_ASIDE.with(|l| l.replace(Some(Arc::downgrade(&b))));
                     } else {
                         left_aside(None);
-                        spin_until(spin, queued);
+                        crate::spin::spin_until(spin, queued);
                     }
                     q = sync::lock(&self.q);
                     continue;

@@ -1,0 +1,328 @@
+//! Polling before sleeping, and when not to.
+//!
+//! rcm's threads poll a while (`FabricConfig::spin`) before they sleep, yielding the CPU
+//! between looks: waking a sleeping thread costs tens of µs on a VM, more than the work.
+//! The yield is what lets the other pollers on the same CPU (a device's thread, a waiter,
+//! a daemon session's reader) run: they yield back within microseconds, or after a batch
+//! of work.
+//!
+//! A thread of another process that does not poll does not yield back. On a CPU shared
+//! with a CPU-bound process, `sched_yield` hands that process the CPU until the next
+//! scheduler tick (4 ms here), and a poller yields again at its next look: every hop of a
+//! connect then waited a tick. Measured on the 2-CPU VMs with `sh -c 'while :; do :;
+//! done'` on each CPU: a serial connect's p50 was 3.9 ms (41 µs with polling off); through
+//! a daemon pinned to a CPU beside one such loop, 8 ms, and a burst 131 connections a
+//! second. A sleeping thread does not lose its turn that way: its wake-up preempts the
+//! CPU-bound one.
+//!
+//! So a yield that kept the CPU away for longer than [`STOLEN_YIELD`] while no thread of
+//! this process ran on that CPU is stolen, and a second one within [`CONFIRM_WITHIN`] ends
+//! the poll: the thread then sleeps instead of polling for a while, [`HOLD_OFF`], doubled
+//! at each hold-off that follows within [`FORGET_AFTER`] of the one before, up to
+//! [`MAX_HOLD_OFF`]. A CPU-bound neighbour that stays thus costs a poller two ticks per
+//! [`MAX_HOLD_OFF`] once it has been there a few seconds. One stolen yield alone is not
+//! enough: the hypervisor running another guest meanwhile looks the same, and a test
+//! thread polling for 200 ms met one now and then. Per thread: threads on other CPUs may
+//! be alone on theirs. Who ran is told by a per-CPU count that this process's polling threads advance at each look; the
+//! length alone does not tell: a daemon's device thread handling a batch of requests holds
+//! its CPU for milliseconds too (a burst through a daemon pinned to one CPU: ~500 yields
+//! over 250 µs, most of them in runs), and holding its pollers off for that halved the
+//! burst's rate.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A yield that took longer than this, with no look of this process's pollers on the CPU
+/// meanwhile, was stolen. A CPU-bound process holds the CPU until the next scheduler
+/// tick (1–4 ms; with one on each CPU, 98 % of the yields that came back late came back
+/// after 1 ms or more); a thread of this process that does not poll (the application's
+/// own, a test's) may run a few hundred µs, and yielding to it for that long is fine.
+pub const STOLEN_YIELD: Duration = Duration::from_millis(1);
+
+/// How long a thread sleeps instead of polling after a stolen yield, when its last one was
+/// longer than [`FORGET_AFTER`] ago.
+pub const HOLD_OFF: Duration = Duration::from_millis(10);
+
+/// The longest hold-off, reached by doubling while stolen yields keep coming.
+pub const MAX_HOLD_OFF: Duration = Duration::from_millis(1600);
+
+/// A hold-off this long after the one before starts again from [`HOLD_OFF`].
+pub const FORGET_AFTER: Duration = Duration::from_secs(5);
+
+/// A stolen yield holds the thread off when another came this shortly before it.
+pub const CONFIRM_WITHIN: Duration = Duration::from_millis(50);
+
+/// A thread's hold-off: until when it does not poll, how long its last one was and when
+/// it began, and when the last stolen yield that did not hold it off was.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Held {
+    until: Option<Instant>,
+    len: Duration,
+    last: Option<Instant>,
+    suspect: Option<Instant>,
+}
+
+impl Held {
+    const NONE: Held = Held {
+        until: None,
+        len: Duration::ZERO,
+        last: None,
+        suspect: None,
+    };
+
+    /// After a yield stolen at `now`.
+    fn stolen(self, now: Instant) -> Held {
+        let confirmed = self
+            .suspect
+            .is_some_and(|t| now.saturating_duration_since(t) < CONFIRM_WITHIN);
+        if !confirmed {
+            return Held {
+                suspect: Some(now),
+                ..self
+            };
+        }
+        let len = match self.last {
+            Some(t) if now.saturating_duration_since(t) < FORGET_AFTER && !self.len.is_zero() => {
+                (self.len * 2).min(MAX_HOLD_OFF)
+            }
+            _ => HOLD_OFF,
+        };
+        Held {
+            until: Some(now + len),
+            len,
+            last: Some(now),
+            suspect: None,
+        }
+    }
+}
+
+std::thread_local! {
+    /// This thread's hold-off.
+    static HELD_OFF: Cell<Held> = const { Cell::new(Held::NONE) };
+    /// The CPU this thread last found itself on (`usize::MAX`: not asked yet). Asked again
+    /// only after a long yield: a thread that moved meanwhile counts its looks on its old
+    /// CPU's count until then, which can only make a stolen yield look fair once.
+    static CPU: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// One CPU's count of looks by this process's polling threads, on a cache line of its
+/// own (each is written by the threads on its CPU).
+#[repr(align(128))]
+struct Looks(AtomicU64);
+
+/// CPUs past this share counts (a shared count can only make a stolen yield look fair).
+const CPUS: usize = 64;
+
+static LOOKS: [Looks; CPUS] = [const { Looks(AtomicU64::new(0)) }; CPUS];
+
+fn this_cpu() -> usize {
+    rustix::thread::sched_getcpu() % CPUS
+}
+
+/// The count of the CPU this thread runs on (as far as it knows), and the CPU.
+fn my_looks() -> (usize, &'static AtomicU64) {
+    let cpu = CPU
+        .try_with(|c| {
+            if c.get() == usize::MAX {
+                c.set(this_cpu());
+            }
+            c.get()
+        })
+        .unwrap_or(0)
+        % CPUS;
+    (cpu, &LOOKS[cpu].0)
+}
+
+/// Counts a look of this thread on its CPU: a poller that yielded to it sees that one of
+/// its own process ran there (see the module documentation). rcm's polling loops count at
+/// each look and before each yield or sleep; a loop of another crate that works between
+/// its polls for longer than [`STOLEN_YIELD`] without passing through [`spin_until`] or
+/// [`yield_to_pollers`] (a daemon's ring thread serving its clients) calls this at each
+/// turn, or the pollers beside it take its work for a stolen yield.
+pub fn look_here() {
+    my_looks().1.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Whether this thread may poll now (it is not held off after a stolen yield). Reads no
+/// clock unless a hold-off was set.
+pub fn spin_allowed() -> bool {
+    HELD_OFF
+        .try_with(|h| {
+            let held = h.get();
+            match held.until {
+                None => true,
+                Some(t) if Instant::now() >= t => {
+                    h.set(Held {
+                        until: None,
+                        ..held
+                    });
+                    true
+                }
+                Some(_) => false,
+            }
+        })
+        .unwrap_or(true)
+}
+
+/// `spin`, or zero while this thread is held off: how long a poll that is about to begin
+/// (and may ask others to stand aside meanwhile) should last.
+pub fn spin_budget(spin: Duration) -> Duration {
+    if spin.is_zero() || spin_allowed() {
+        spin
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// Yields the CPU to the other pollers; false when the yield was stolen and confirmed a
+/// neighbour that does not yield back (see the module documentation): this thread is then
+/// held off polling, and the caller should sleep.
+pub fn yield_to_pollers() -> bool {
+    let (cpu, looks) = my_looks();
+    let seen = looks.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+    let before = Instant::now();
+    std::thread::yield_now();
+    if before.elapsed() <= STOLEN_YIELD {
+        return true;
+    }
+    // Long: stolen only if no poller of this process looked on this CPU meanwhile (and
+    // this thread is still on it; a move is taken as fair, and remembered).
+    let now_on = this_cpu();
+    let _ = CPU.try_with(|c| c.set(now_on));
+    if now_on != cpu || looks.load(Ordering::Relaxed) != seen {
+        return true;
+    }
+    HELD_OFF
+        .try_with(|h| {
+            let held = h.get().stolen(Instant::now());
+            h.set(held);
+            held.until.is_none()
+        })
+        .unwrap_or(true)
+}
+
+/// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
+/// whether it became true. The one polling loop of rcm's threads (and rcm-ucm's readers).
+/// While this thread is held off (a yield of an earlier poll was stolen, see the module
+/// documentation) it looks once; a yield stolen here ends the poll with one last look.
+pub fn spin_until(spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    // A thread that comes here from work (a batch handled while a poller on its CPU
+    // yielded to it) shows it was this process's before that poller looks again.
+    look_here();
+    if spin.is_zero() || !spin_allowed() {
+        return ready();
+    }
+    let end = Instant::now() + spin;
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        if !yield_to_pollers() {
+            return ready();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn clear() {
+        HELD_OFF.with(|h| h.set(Held::NONE));
+    }
+
+    fn hold_off_for(d: Duration) {
+        let now = Instant::now();
+        HELD_OFF.with(|h| {
+            h.set(Held {
+                until: Some(now + d),
+                len: d,
+                last: Some(now),
+                suspect: None,
+            });
+        });
+    }
+
+    #[test]
+    fn a_held_off_thread_looks_once_and_does_not_poll() {
+        clear();
+        hold_off_for(Duration::from_secs(60));
+        assert!(!spin_allowed());
+        assert_eq!(spin_budget(Duration::from_micros(100)), Duration::ZERO);
+        let mut looks = 0;
+        let start = Instant::now();
+        assert!(!spin_until(Duration::from_millis(200), || {
+            looks += 1;
+            false
+        }));
+        assert_eq!(looks, 1);
+        assert!(start.elapsed() < Duration::from_millis(200));
+        // Other threads are not held off by this one's.
+        std::thread::spawn(|| assert!(spin_allowed()))
+            .join()
+            .expect("other thread");
+        clear();
+    }
+
+    #[test]
+    fn a_hold_off_ends_by_itself() {
+        clear();
+        hold_off_for(Duration::from_millis(20));
+        assert!(!spin_allowed());
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(spin_allowed());
+        assert_eq!(
+            spin_budget(Duration::from_micros(100)),
+            Duration::from_micros(100)
+        );
+        clear();
+    }
+
+    #[test]
+    fn an_undisturbed_poll_polls_until_ready_or_its_time() {
+        clear();
+        let mut looks = 0;
+        assert!(spin_until(Duration::from_secs(5), || {
+            looks += 1;
+            looks == 50
+        }));
+        assert_eq!(looks, 50);
+        let start = Instant::now();
+        assert!(!spin_until(Duration::from_millis(20), || false));
+        assert!(start.elapsed() >= Duration::from_millis(20));
+        assert!(spin_allowed());
+    }
+
+    #[test]
+    fn a_second_stolen_yield_soon_after_the_first_holds_off_and_hold_offs_double_then_start_over() {
+        let t = Instant::now();
+        // One alone does not.
+        let first = Held::NONE.stolen(t);
+        assert_eq!((first.until, first.suspect), (None, Some(t)));
+        // Nor one long after it.
+        let late = first.stolen(t + CONFIRM_WITHIN);
+        assert_eq!((late.until, late.suspect), (None, Some(t + CONFIRM_WITHIN)));
+        let at = t + CONFIRM_WITHIN + Duration::from_millis(8);
+        let a = late.stolen(at);
+        assert_eq!(
+            (a.until, a.len, a.suspect),
+            (Some(at + HOLD_OFF), HOLD_OFF, None)
+        );
+        // The next pair, after that hold-off, holds off twice as long.
+        let b = a.stolen(at + HOLD_OFF).stolen(at + HOLD_OFF * 2);
+        assert_eq!(b.len, HOLD_OFF * 2);
+        let mut h = b;
+        for k in 0..20u32 {
+            let now = at + HOLD_OFF * (2 * k + 4);
+            h = h.stolen(now).stolen(now + HOLD_OFF);
+        }
+        assert_eq!(h.len, MAX_HOLD_OFF);
+        let quiet = h.last.expect("held off") + FORGET_AFTER;
+        let again = h.stolen(quiet).stolen(quiet + HOLD_OFF);
+        assert_eq!(again.len, HOLD_OFF);
+    }
+}
