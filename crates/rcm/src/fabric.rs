@@ -52,7 +52,7 @@ pub struct FabricConfig {
     /// A device's thread does not poll while a thread waiting for an event polls the device
     /// itself (see [`EventChannel::set_spin`](crate::EventChannel::set_spin)). A thread
     /// whose yield went to a CPU-bound process (its CPU was gone for the rest of a tick)
-    /// sleeps instead of polling for a while, 10 ms to 1.6 s (see [`crate::spin_until`]):
+    /// sleeps instead of polling for a while, 2 ms to 1.6 s (see [`crate::spin_until`]):
     /// on a busy host polling would cost a tick per hop.
     pub spin: Duration,
     /// Where callbacks run, and whether what they send is batched (default: on the

@@ -16,18 +16,21 @@
 //! CPU-bound one.
 //!
 //! So a yield that kept the CPU away for longer than [`STOLEN_YIELD`] while no thread of
-//! this process ran on that CPU is stolen, and a second one within [`CONFIRM_WITHIN`] ends
-//! the poll: the thread then sleeps instead of polling for a while, [`HOLD_OFF`], doubled
-//! at each hold-off that follows within [`FORGET_AFTER`] of the one before, up to
-//! [`MAX_HOLD_OFF`]. A CPU-bound neighbour that stays thus costs a poller two ticks per
-//! [`MAX_HOLD_OFF`] once it has been there a few seconds. One stolen yield alone is not
-//! enough: the hypervisor running another guest meanwhile looks the same, and a test
-//! thread polling for 200 ms met one now and then. Per thread: threads on other CPUs may
-//! be alone on theirs. Who ran is told by a per-CPU count that this process's polling threads advance at each look; the
-//! length alone does not tell: a daemon's device thread handling a batch of requests holds
-//! its CPU for milliseconds too (a burst through a daemon pinned to one CPU: ~500 yields
-//! over 250 µs, most of them in runs), and holding its pollers off for that halved the
-//! burst's rate.
+//! this process ran on that CPU is stolen, and the third within [`CONFIRM_WITHIN`] of the
+//! first ends the poll: the thread then sleeps instead of polling for a while,
+//! [`HOLD_OFF`], doubled at each hold-off that follows within [`FORGET_AFTER`] of the end
+//! of the one before, up to [`MAX_HOLD_OFF`]. A CPU-bound neighbour that stays thus costs
+//! a poller three ticks per [`MAX_HOLD_OFF`] once it has been there a few seconds. Fewer
+//! stolen yields are not enough: an idle 2-CPU VM has them too (the kernel's own threads,
+//! the hypervisor running another guest: 12–16 in a 3,000-connection serial run, 1.0–1.8
+//! ms each), and holding off at the second of two made that run's connections a third
+//! slower. Per thread: threads on other CPUs may be alone on theirs.
+//!
+//! Who ran is told by a per-CPU count that this process's polling threads advance at each
+//! look; the length alone does not tell: a daemon's device thread handling a batch of
+//! requests holds its CPU for milliseconds too (a burst through a daemon pinned to one
+//! CPU: ~500 yields over 250 µs, most of them in runs), and holding its pollers off for
+//! that halved the burst's rate.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,27 +43,30 @@ use std::time::{Duration, Instant};
 /// own, a test's) may run a few hundred µs, and yielding to it for that long is fine.
 pub const STOLEN_YIELD: Duration = Duration::from_millis(1);
 
-/// How long a thread sleeps instead of polling after a stolen yield, when its last one was
-/// longer than [`FORGET_AFTER`] ago.
-pub const HOLD_OFF: Duration = Duration::from_millis(10);
+/// How long a thread sleeps instead of polling when its stolen yields hold it off and its
+/// last hold-off ended longer than [`FORGET_AFTER`] ago.
+pub const HOLD_OFF: Duration = Duration::from_millis(2);
 
-/// The longest hold-off, reached by doubling while stolen yields keep coming.
+/// The longest hold-off, reached by doubling while hold-offs keep coming.
 pub const MAX_HOLD_OFF: Duration = Duration::from_millis(1600);
 
-/// A hold-off this long after the one before starts again from [`HOLD_OFF`].
-pub const FORGET_AFTER: Duration = Duration::from_secs(5);
+/// A hold-off this long after the end of the one before starts again from [`HOLD_OFF`].
+pub const FORGET_AFTER: Duration = Duration::from_secs(1);
 
-/// A stolen yield holds the thread off when another came this shortly before it.
+/// Stolen yields within [`CONFIRM_WITHIN`] that hold a thread off.
+pub const CONFIRM_STEALS: u32 = 3;
+
+/// See [`CONFIRM_STEALS`].
 pub const CONFIRM_WITHIN: Duration = Duration::from_millis(50);
 
 /// A thread's hold-off: until when it does not poll, how long its last one was and when
-/// it began, and when the last stolen yield that did not hold it off was.
+/// it began, and the stolen yields since (the first of them, and how many).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Held {
     until: Option<Instant>,
     len: Duration,
     last: Option<Instant>,
-    suspect: Option<Instant>,
+    suspect: Option<(Instant, u32)>,
 }
 
 impl Held {
@@ -73,17 +79,20 @@ impl Held {
 
     /// After a yield stolen at `now`.
     fn stolen(self, now: Instant) -> Held {
-        let confirmed = self
-            .suspect
-            .is_some_and(|t| now.saturating_duration_since(t) < CONFIRM_WITHIN);
-        if !confirmed {
+        let (first, n) = match self.suspect {
+            Some((first, n)) if now.saturating_duration_since(first) < CONFIRM_WITHIN => {
+                (first, n + 1)
+            }
+            _ => (now, 1),
+        };
+        if n < CONFIRM_STEALS {
             return Held {
-                suspect: Some(now),
+                suspect: Some((first, n)),
                 ..self
             };
         }
         let len = match self.last {
-            Some(t) if now.saturating_duration_since(t) < FORGET_AFTER && !self.len.is_zero() => {
+            Some(t) if now.saturating_duration_since(t + self.len) < FORGET_AFTER => {
                 (self.len * 2).min(MAX_HOLD_OFF)
             }
             _ => HOLD_OFF,
@@ -141,7 +150,16 @@ fn my_looks() -> (usize, &'static AtomicU64) {
 /// [`yield_to_pollers`] (a daemon's ring thread serving its clients) calls this at each
 /// turn, or the pollers beside it take its work for a stolen yield.
 pub fn look_here() {
-    my_looks().1.fetch_add(1, Ordering::Relaxed);
+    count_look(my_looks().1);
+}
+
+/// Advances a CPU's count; what it now holds. Not a read-modify-write (a locked
+/// instruction at every look): the threads counting on one CPU run one at a time, and one
+/// preempted between its load and its store still leaves the count changed.
+fn count_look(looks: &AtomicU64) -> u64 {
+    let n = looks.load(Ordering::Relaxed).wrapping_add(1);
+    looks.store(n, Ordering::Relaxed);
+    n
 }
 
 /// Whether this thread may poll now (it is not held off after a stolen yield). Reads no
@@ -179,27 +197,34 @@ pub fn spin_budget(spin: Duration) -> Duration {
 /// neighbour that does not yield back (see the module documentation): this thread is then
 /// held off polling, and the caller should sleep.
 pub fn yield_to_pollers() -> bool {
+    yield_since(Instant::now()).0
+}
+
+/// [`yield_to_pollers`] for a caller that read the clock just before (`before`); also
+/// returns the time the yield came back.
+fn yield_since(before: Instant) -> (bool, Instant) {
     let (cpu, looks) = my_looks();
-    let seen = looks.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
-    let before = Instant::now();
+    let seen = count_look(looks);
     std::thread::yield_now();
-    if before.elapsed() <= STOLEN_YIELD {
-        return true;
+    let after = Instant::now();
+    if after.saturating_duration_since(before) <= STOLEN_YIELD {
+        return (true, after);
     }
     // Long: stolen only if no poller of this process looked on this CPU meanwhile (and
     // this thread is still on it; a move is taken as fair, and remembered).
     let now_on = this_cpu();
     let _ = CPU.try_with(|c| c.set(now_on));
     if now_on != cpu || looks.load(Ordering::Relaxed) != seen {
-        return true;
+        return (true, after);
     }
-    HELD_OFF
+    let fair = HELD_OFF
         .try_with(|h| {
-            let held = h.get().stolen(Instant::now());
+            let held = h.get().stolen(after);
             h.set(held);
             held.until.is_none()
         })
-        .unwrap_or(true)
+        .unwrap_or(true);
+    (fair, after)
 }
 
 /// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
@@ -213,17 +238,22 @@ pub fn spin_until(spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
     if spin.is_zero() || !spin_allowed() {
         return ready();
     }
-    let end = Instant::now() + spin;
+    // One reading of the clock a look: the one after its yield (a look's own work is
+    // short, and the poll's end a bound, not a promise).
+    let mut now = Instant::now();
+    let end = now + spin;
     loop {
         if ready() {
             return true;
         }
-        if Instant::now() >= end {
+        if now >= end {
             return false;
         }
-        if !yield_to_pollers() {
+        let (fair, after) = yield_since(now);
+        if !fair {
             return ready();
         }
+        now = after;
     }
 }
 
@@ -298,31 +328,37 @@ mod tests {
     }
 
     #[test]
-    fn a_second_stolen_yield_soon_after_the_first_holds_off_and_hold_offs_double_then_start_over() {
+    fn the_third_stolen_yield_soon_after_the_first_holds_off_and_hold_offs_double_then_start_over()
+    {
+        let ms = Duration::from_millis;
         let t = Instant::now();
-        // One alone does not.
-        let first = Held::NONE.stolen(t);
-        assert_eq!((first.until, first.suspect), (None, Some(t)));
-        // Nor one long after it.
-        let late = first.stolen(t + CONFIRM_WITHIN);
-        assert_eq!((late.until, late.suspect), (None, Some(t + CONFIRM_WITHIN)));
-        let at = t + CONFIRM_WITHIN + Duration::from_millis(8);
-        let a = late.stolen(at);
+        // Two do not.
+        let two = Held::NONE.stolen(t).stolen(t + ms(4));
+        assert_eq!((two.until, two.suspect), (None, Some((t, 2))));
+        // Nor a third past the window of the first: it begins another.
+        let late = two.stolen(t + CONFIRM_WITHIN);
+        assert_eq!(
+            (late.until, late.suspect),
+            (None, Some((t + CONFIRM_WITHIN, 1)))
+        );
+        let at = t + CONFIRM_WITHIN + ms(8);
+        let a = late.stolen(t + CONFIRM_WITHIN + ms(4)).stolen(at);
         assert_eq!(
             (a.until, a.len, a.suspect),
             (Some(at + HOLD_OFF), HOLD_OFF, None)
         );
-        // The next pair, after that hold-off, holds off twice as long.
-        let b = a.stolen(at + HOLD_OFF).stolen(at + HOLD_OFF * 2);
+        let three = |h: Held, now: Instant| h.stolen(now).stolen(now + ms(4)).stolen(now + ms(8));
+        // The next three, after that hold-off, hold off twice as long.
+        let b = three(a, at + HOLD_OFF);
         assert_eq!(b.len, HOLD_OFF * 2);
         let mut h = b;
-        for k in 0..20u32 {
-            let now = at + HOLD_OFF * (2 * k + 4);
-            h = h.stolen(now).stolen(now + HOLD_OFF);
+        let mut now = at + HOLD_OFF;
+        for _ in 0..20 {
+            now += h.len + ms(8);
+            h = three(h, now);
         }
         assert_eq!(h.len, MAX_HOLD_OFF);
-        let quiet = h.last.expect("held off") + FORGET_AFTER;
-        let again = h.stolen(quiet).stolen(quiet + HOLD_OFF);
-        assert_eq!(again.len, HOLD_OFF);
+        let quiet = h.last.expect("held off") + h.len + FORGET_AFTER;
+        assert_eq!(three(h, quiet).len, HOLD_OFF);
     }
 }
