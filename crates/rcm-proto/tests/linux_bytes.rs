@@ -4,34 +4,13 @@
 //! QPNs, PSNs and GUIDs are given the capture's values so they compare too; the flow label
 //! is rdma_cm's port hash, computed here as the kernel does.
 
+#[path = "support/captures.rs"]
+mod captures;
 use rcm_proto::ib::{AcceptParams, CmEvent, ConnectParams, Endpoint, EndpointConfig, RetryPolicy};
 use rcm_wire::cm::{CmMad, CmMessage};
 use rcm_wire::cma::{self, CmaHdr};
-use rcm_wire::roce::GsiDatagram;
 use rcm_wire::tid;
-use std::net::IpAddr;
 use std::time::Instant;
-
-fn capture_mads() -> Vec<(IpAddr, [u8; 256])> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../testdata/captures/roce/c1-veth2.pcap"
-    );
-    let f = std::fs::File::open(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let mut r = pcap_file::pcap::PcapReader::new(f).unwrap();
-    let mut out = Vec::new();
-    while let Some(p) = r.next_packet() {
-        let d = p.unwrap().data.into_owned();
-        let src = IpAddr::from([d[26], d[27], d[28], d[29]]);
-        let udp_len = u16::from_be_bytes([d[38], d[39]]) as usize;
-        let payload = &d[42..34 + udp_len];
-        match GsiDatagram::parse(payload) {
-            Ok(g) => out.push((src, *g.mad)),
-            Err(_) => out.push((src, [0; 256])), // data packets keep the frame numbering
-        }
-    }
-    out
-}
 
 /// Compares two MADs, naming the first differing byte.
 fn same(what: &str, ours: &[u8; 256], theirs: &[u8; 256]) {
@@ -58,7 +37,7 @@ fn put_tid(m: &mut [u8; 256], t: u64) {
 
 #[test]
 fn handshake_and_teardown_bytes_match_linux() {
-    let cap = capture_mads();
+    let cap = captures::gsi_mads("c1-veth2.pcap");
     let (req_l, rep_l, rtu_l, dreq_l, drep_l) =
         (cap[0].1, cap[1].1, cap[2].1, cap[11].1, cap[12].1);
     let CmMessage::Req(lreq) = CmMad::parse(&req_l).unwrap().msg else {

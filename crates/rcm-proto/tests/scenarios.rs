@@ -1,6 +1,8 @@
 //! Scenario scripts for every transition of the IB CM state machine, smoltcp style: one
 //! endpoint under test, hand-built MADs in, the MADs it sends and the events it emits out.
 
+#[path = "support/timers.rs"]
+mod timers;
 use rcm_proto::ib::{
     AcceptParams, CepHandle, CmError, CmEvent, ConnectParams, Endpoint, EndpointConfig,
     RetryPolicy, SidrParams, SidrReplyParams, State, TimedOut,
@@ -89,15 +91,7 @@ impl T {
     }
 
     fn advance(&mut self, d: Duration) {
-        let end = self.now + d;
-        while let Some(at) = self.ep.poll_timeout() {
-            if at > end {
-                break;
-            }
-            self.now = self.now.max(at);
-            self.ep.handle_timeout(self.now);
-        }
-        self.now = end;
+        timers::advance(&mut self.ep, &mut self.now, d);
     }
 
     // --- scripted states ---

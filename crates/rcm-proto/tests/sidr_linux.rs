@@ -4,13 +4,16 @@
 //! a kernel SIDR_REQ and the kernel's SIDR_REP): the bytes, the retries, and what each side
 //! does with a request it cannot serve.
 
+#[path = "support/captures.rs"]
+mod captures;
+#[path = "support/timers.rs"]
+mod timers;
 use rcm_proto::ib::{
     CepHandle, CmEvent, Endpoint, EndpointConfig, RetryPolicy, SidrParams, SidrReplyParams, State,
     TimedOut,
 };
 use rcm_wire::cm::{CmMad, CmMessage, SidrRep, SidrReq, SidrStatus};
 use rcm_wire::cma::{self, PortSpace};
-use rcm_wire::roce::GsiDatagram;
 use rcm_wire::tid;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -54,15 +57,7 @@ impl T {
     }
 
     fn advance(&mut self, d: Duration) {
-        let end = self.now + d;
-        while let Some(at) = self.ep.poll_timeout() {
-            if at > end {
-                break;
-            }
-            self.now = self.now.max(at);
-            self.ep.handle_timeout(self.now);
-        }
-        self.now = end;
+        timers::advance(&mut self.ep, &mut self.now, d);
     }
 }
 
@@ -77,28 +72,6 @@ fn sidr_req(request_id: u32) -> SidrReq {
 
 fn names(v: &[CmMad]) -> Vec<&'static str> {
     v.iter().map(|m| m.msg.name()).collect()
-}
-
-/// The MADs of a capture in `testdata/captures/roce/` (zeros for non-GSI packets).
-fn capture(name: &str) -> Vec<(IpAddr, [u8; 256])> {
-    let path = format!(
-        "{}/../../testdata/captures/roce/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let f = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let mut r = pcap_file::pcap::PcapReader::new(f).unwrap();
-    let mut out = Vec::new();
-    while let Some(p) = r.next_packet() {
-        let d = p.unwrap().data.into_owned();
-        let src = IpAddr::from([d[26], d[27], d[28], d[29]]);
-        let udp_len = u16::from_be_bytes([d[38], d[39]]) as usize;
-        let payload = &d[42..34 + udp_len];
-        match GsiDatagram::parse(payload) {
-            Ok(g) => out.push((src, *g.mad)),
-            Err(_) => out.push((src, [0; 256])),
-        }
-    }
-    out
 }
 
 fn first_diff(ours: &[u8; 256], theirs: &[u8; 256]) -> Option<usize> {
@@ -155,7 +128,7 @@ fn a_sidr_req_past_a_full_backlog_is_answered_rejected() {
 #[test]
 fn sidr_req_bytes_match_the_captures() {
     for (file, frame, agent) in [("b-sidr.pcap", 0, 2), ("c1-veth2.pcap", 13, 4)] {
-        let cap = capture(file);
+        let cap = captures::gsi_mads(file);
         let (src, linux) = cap[frame];
         let CmMessage::SidrReq(lreq) = CmMad::parse(&linux).unwrap().msg else {
             panic!("{file} frame {}", frame + 1)
@@ -190,7 +163,7 @@ fn sidr_req_bytes_match_the_captures() {
 /// (the SIDR_REQ's), request ID echoed, service ID copied, status 0, vendor ID 0.
 #[test]
 fn sidr_rep_bytes_match_the_capture() {
-    let cap = capture("c1-veth2.pcap");
+    let cap = captures::gsi_mads("c1-veth2.pcap");
     let (a_ip, req_l) = cap[13];
     let (b_ip, rep_l) = cap[14];
     let CmMessage::SidrRep(lrep) = CmMad::parse(&rep_l).unwrap().msg else {
