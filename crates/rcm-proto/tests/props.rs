@@ -1337,8 +1337,8 @@ impl World {
             None => {
                 let c = &self.conns[i];
                 let ok = match reason {
-                    // Only an active side gives up (retries exhausted, or destroyed in
-                    // REQ_SENT), naming its CA GUID.
+                    // Only an active side destroyed in REQ_SENT sends it (retries running
+                    // out end the exchange silently), naming its CA GUID.
                     RejReason::Timeout => c.partner.is_some_and(|p| {
                         c.role == Role::Passive && ari == guid(self.conns[p].node).to_be_bytes()
                     }),

@@ -1210,15 +1210,10 @@ impl Endpoint {
         let state = c.state;
         match state {
             State::ReqSent | State::MraReqRcvd => {
-                // Like rdma_cm destroying the id after UNREACHABLE: tell the peer we gave up.
-                let guid = self.cfg.ca_guid;
-                self.send_rej(
-                    h,
-                    MsgCode::Other,
-                    RejReason::Timeout,
-                    &guid.to_be_bytes(),
-                    &[],
-                );
+                // Silently, as Linux's `cm_process_send_error` resets REQ_SENT/MRA_REQ_RCVD to
+                // IDLE before IB_CM_REQ_ERROR: the id is idle by the time rdma_cm's user
+                // destroys it, so no REJ(TIMEOUT) follows. A passive side that did see the REQ
+                // ends by its own REP retries.
                 self.reset_to_idle(h);
                 self.emit(h, CmEvent::TimedOut(TimedOut::Req));
             }
