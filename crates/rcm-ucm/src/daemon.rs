@@ -1707,6 +1707,9 @@ fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
     let Some(frame) = m.end.try_recv(crate::shmchan::RING_BYTES as usize)? else {
         return Ok(false);
     };
+    // At each command too, not only each turn: a turn the scheduler preempts in its middle
+    // gives a poller's yield back before the turn's end (see `rcm::look_here`).
+    rcm::look_here();
     let answer = answer_mapped(sh, &m.target, frame)?;
     if !m.end.try_send(&answer)? {
         // One call is in flight per channel: only a client that breaks that rule fills its

@@ -564,6 +564,10 @@ impl DeviceInner {
         let mut ud = Vec::new();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
+                // A long batch shows itself to the pollers on this CPU as it goes: one that
+                // the scheduler hands the CPU back to in its middle must not take the wait
+                // for a stolen yield (see `crate::spin`).
+                crate::spin::look_here();
                 if buf.len() == 1 && from.ip() == self.ip {
                     wakeups += 1; // our own wake-up: not traffic
                     continue;

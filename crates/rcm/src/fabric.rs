@@ -409,6 +409,9 @@ fn worker(d: &Weak<Dispatcher>) {
             held = Some(SendBatch::begin());
         }
         drop(disp);
+        // Counted at each slot, as a device thread counts at each datagram (see
+        // `crate::spin`): a run of callbacks can outlast a stolen yield.
+        crate::spin::look_here();
         slot.drain();
     }
 }

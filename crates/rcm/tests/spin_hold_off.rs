@@ -4,7 +4,12 @@
 
 #![cfg(target_os = "linux")]
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// The tests share their CPU's count of looks: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn one_allowed_cpu() -> Option<usize> {
     let set = rustix::thread::sched_getaffinity(None).ok()?;
@@ -29,6 +34,9 @@ impl Drop for Hog {
 
 #[test]
 fn a_poll_beside_a_cpu_bound_process_ends_within_a_few_ticks_and_holds_off() {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let cpu = one_allowed_cpu().expect("a CPU this test may run on");
     pin(cpu);
     // Undisturbed, a poll lasts its time and leaves polling allowed.
@@ -66,5 +74,106 @@ fn a_poll_beside_a_cpu_bound_process_ends_within_a_few_ticks_and_holds_off() {
     assert!(
         looks == 1 || rcm::spin_allowed(),
         "{looks} looks while held off"
+    );
+}
+
+/// A thread of this process on the poller's CPU that works in batches longer than
+/// `rcm::STOLEN_YIELD` between yields: a device thread handling a burst, a datagram at a
+/// time.
+struct Sibling {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<u32>>,
+}
+
+impl Sibling {
+    /// `counts`: whether it counts a look (`rcm::look_here`) after each 20 µs of its
+    /// batches, as rcm's device threads do at each datagram.
+    fn start(cpu: usize, batch: Duration, counts: bool) -> Sibling {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            pin(cpu);
+            let mut batches = 0;
+            while !flag.load(Ordering::Relaxed) {
+                let start = Instant::now();
+                while start.elapsed() < batch {
+                    let unit = Instant::now();
+                    while unit.elapsed() < Duration::from_micros(20) {
+                        std::hint::spin_loop();
+                    }
+                    if counts {
+                        rcm::look_here();
+                    }
+                }
+                batches += 1;
+                std::thread::yield_now();
+            }
+            batches
+        });
+        Sibling {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops it; how many batches it did.
+    fn stop(mut self) -> u32 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().map_or(0, |t| t.join().unwrap_or(0))
+    }
+}
+
+impl Drop for Sibling {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Polls for `spin` on `cpu` beside a sibling; how long the poll lasted, whether polling
+/// is still allowed afterwards, and the sibling's batches. Each run is a fresh thread (the
+/// hold-off is per thread).
+fn poll_beside(cpu: usize, counts: bool, spin: Duration) -> (Duration, bool, u32) {
+    std::thread::spawn(move || {
+        pin(cpu);
+        let sibling = Sibling::start(cpu, Duration::from_millis(3), counts);
+        std::thread::sleep(Duration::from_millis(20));
+        let start = Instant::now();
+        let got = rcm::spin_until(spin, || false);
+        let took = start.elapsed();
+        let allowed = rcm::spin_allowed();
+        let batches = sibling.stop();
+        assert!(!got);
+        (took, allowed, batches)
+    })
+    .join()
+    .expect("poller")
+}
+
+/// The yields a poller spends beside a sibling's 3 ms batches are not stolen when the
+/// sibling counts its looks as it works: the poll lasts its time and polling stays
+/// allowed, whether the sibling yields at the end of a batch or the scheduler preempts it
+/// in the middle of one. The same sibling without `look_here` holds the poller off (the
+/// rule's other side, which shows the test can fail).
+#[test]
+fn a_siblings_long_batches_are_not_stolen_yields_when_it_counts_its_looks() {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cpu = one_allowed_cpu().expect("a CPU this test may run on");
+    let spin = Duration::from_millis(300);
+    let (took, allowed, batches) = poll_beside(cpu, true, spin);
+    assert!(batches >= 3, "the sibling ran {batches} batches");
+    assert!(
+        took >= spin && allowed,
+        "beside a counting sibling: poll ended after {took:?}, polling allowed: {allowed}"
+    );
+    let (took, allowed, batches) = poll_beside(cpu, false, spin);
+    assert!(batches >= 1, "the sibling ran {batches} batches");
+    assert!(
+        took < spin && !allowed,
+        "beside a sibling that does not count: poll ended after {took:?}, polling allowed: {allowed}"
     );
 }
