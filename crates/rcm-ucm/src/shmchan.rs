@@ -67,6 +67,9 @@ pub(crate) fn events_client(fd: impl AsFd) -> io::Result<Consumer> {
 /// is in flight per channel, so the rings never fill unless the other side breaks the rules.
 const FULL_FOR: Duration = Duration::from_secs(1);
 
+/// A wait for room when this thread is held off polling.
+const FULL_NAP: Duration = Duration::from_micros(100);
+
 /// One side of a mapped channel.
 pub(crate) struct ShmEnd {
     tx: Producer,
@@ -122,7 +125,11 @@ impl ShmEnd {
                     "the other side does not read its ring",
                 ));
             }
-            std::thread::yield_now();
+            // Beside a CPU-bound process a yield waits a scheduler tick each time; held off
+            // polling (see `rcm::yield_to_pollers`), this thread sleeps a little instead.
+            if !rcm::spin_allowed() || !rcm::yield_to_pollers() {
+                std::thread::sleep(FULL_NAP);
+            }
         }
         Ok(())
     }
