@@ -6,60 +6,20 @@
 
 #[path = "support/captures.rs"]
 mod captures;
+#[path = "support/harness.rs"]
+mod harness;
 #[path = "support/timers.rs"]
 mod timers;
+use harness::{ip, PEER, T};
 use rcm_proto::ib::{
-    CepHandle, CmEvent, Endpoint, EndpointConfig, RetryPolicy, SidrParams, SidrReplyParams, State,
-    TimedOut,
+    CmEvent, Endpoint, EndpointConfig, RetryPolicy, SidrParams, SidrReplyParams, State, TimedOut,
 };
 use rcm_wire::cm::{CmMad, CmMessage, SidrRep, SidrReq, SidrStatus};
 use rcm_wire::cma::{self, PortSpace};
 use rcm_wire::tid;
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-const ME: &str = "198.18.0.1";
-const PEER: &str = "198.18.0.2";
 const SVC: u64 = cma::service_id(PortSpace::Udp, 7174);
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap()
-}
-
-struct T {
-    ep: Endpoint,
-    now: Instant,
-}
-
-impl T {
-    fn new() -> Self {
-        let mut cfg = EndpointConfig::new(ip(ME), 0x0101_0101_0101_0101, 7);
-        cfg.retry = RetryPolicy::Classic;
-        T {
-            ep: Endpoint::new(cfg),
-            now: Instant::now(),
-        }
-    }
-
-    fn recv(&mut self, tid: u64, msg: CmMessage) {
-        let mad = CmMad::send(tid, msg).emit().unwrap();
-        self.ep.handle_datagram(self.now, ip(PEER), &mad);
-    }
-
-    fn sent(&mut self) -> Vec<CmMad> {
-        std::iter::from_fn(|| self.ep.poll_transmit())
-            .map(|t| CmMad::parse(&t.mad).unwrap())
-            .collect()
-    }
-
-    fn events(&mut self) -> Vec<(CepHandle, CmEvent)> {
-        std::iter::from_fn(|| self.ep.poll_event()).collect()
-    }
-
-    fn advance(&mut self, d: Duration) {
-        timers::advance(&mut self.ep, &mut self.now, d);
-    }
-}
 
 fn sidr_req(request_id: u32) -> SidrReq {
     SidrReq {

@@ -1592,17 +1592,11 @@ impl Endpoint {
     }
 
     fn on_rej(&mut self, now: Instant, from: IpAddr, mut rej: Rej) {
-        let h = if rej.remote_comm_id != 0 {
-            // A REJ of a REQ can only be for an attempt that has not learned the peer's comm
-            // ID (Linux's `cm_acquire_rejected_id` looks it up with remote ID 0): it does
-            // not end a connection past the REP, nor a passive one.
-            self.lookup(rej.remote_comm_id, rej.local_comm_id, from)
-                .filter(|h| {
-                    rej.message_rejected != MsgCode::Req
-                        || self.ceps.get(h).is_some_and(|c| c.remote_id == 0)
-                })
-        } else if rej.reason == RejReason::Timeout && rej.reject_info_length >= 8 {
-            // The active side gave up before it knew our ID: find us by its ID and GUID.
+        let h = if rej.reason == RejReason::Timeout {
+            // Linux's `cm_acquire_rejected_id` finds a REJ(TIMEOUT) only by the sender's comm
+            // ID and the CA GUID in the first 8 bytes of its ARI (whatever the ARI length
+            // and the remote comm ID say; the active side that sends it may not know ours):
+            // a connection whose peer is known, never an active side still in REQ_SENT.
             let guid = rej
                 .ari
                 .get(..8)
@@ -1612,6 +1606,15 @@ impl Endpoint {
                 .get(&(rej.local_comm_id, guid))
                 .copied()
                 .filter(|h| self.ceps.get(h).is_some_and(|c| c.peer == from))
+        } else if rej.remote_comm_id != 0 {
+            // A REJ of a REQ can only be for an attempt that has not learned the peer's comm
+            // ID (Linux's `cm_acquire_rejected_id` looks it up with remote ID 0): it does
+            // not end a connection past the REP, nor a passive one.
+            self.lookup(rej.remote_comm_id, rej.local_comm_id, from)
+                .filter(|h| {
+                    rej.message_rejected != MsgCode::Req
+                        || self.ceps.get(h).is_some_and(|c| c.remote_id == 0)
+                })
         } else {
             None
         };
