@@ -99,8 +99,12 @@ pub(crate) trait Scheduler<E>: Send + Sync {
 struct Extra<E> {
     /// Async destroys waiting.
     wakers: Vec<Waker>,
-    /// Slots whose next event waits for this slot's callback in flight to end.
-    parked: Vec<Arc<Slot<E>>>,
+    /// Slots whose next event waits for this slot's callback in flight to end, in the order
+    /// they came. Each end of a callback schedules one of them (`hand_off`), not all: they
+    /// can only go in one at a time, and waking every one at each end made a burst of `n`
+    /// connect requests on one listener cost `n²` schedules (the dispatcher's threads
+    /// taking turns to find the listener busy again).
+    parked: VecDeque<Arc<Slot<E>>>,
 }
 
 // Not derived: that would ask `E: Default`.
@@ -108,7 +112,7 @@ impl<E> Default for Extra<E> {
     fn default() -> Self {
         Extra {
             wakers: Vec::new(),
-            parked: Vec::new(),
+            parked: VecDeque::new(),
         }
     }
 }
@@ -129,6 +133,9 @@ struct Inner<E> {
     /// Threads waiting on the slot's condition variable: a state change with none waiting
     /// makes no wake-up system call (one per callback otherwise).
     waiters: u32,
+    /// This slot is in another slot's `parked` list (or was taken from it by a hand-off
+    /// that has not looked at it yet): parking again adds no second entry.
+    parked_on_gate: bool,
 }
 
 /// One id's serialisation domain.
@@ -287,6 +294,7 @@ impl<E: Send + 'static> Slot<E> {
                 deferred: false,
                 extra: None,
                 waiters: 0,
+                parked_on_gate: false,
             }),
             cond: Condvar::new(),
             target: Mutex::new(Some(target)),
@@ -357,7 +365,7 @@ impl<E: Send + 'static> Slot<E> {
         if g.phase != Phase::Live || g.removal_queued || target.is_none() {
             drop(g);
             drop(target);
-            self.sched.discard(ev);
+            self.discard(ev);
             return false;
         }
         let mut dropped = Vec::new();
@@ -389,9 +397,20 @@ impl<E: Send + 'static> Slot<E> {
             None => drop(target),
         }
         for d in dropped {
-            self.sched.discard(d);
+            self.discard(d);
         }
         true
+    }
+
+    /// Hands a queued event that will not be delivered to the scheduler's `discard`. If it
+    /// was to enter another slot (`Scheduler::gate`), this slot may have been the one that
+    /// slot's last callback handed off to (`hand_off`): the turn goes on to the next.
+    fn discard(&self, ev: E) {
+        let gate = self.sched.gate(&ev);
+        self.sched.discard(ev);
+        if let Some(gate) = gate {
+            hand_off(&gate);
+        }
     }
 
     /// Runs queued callbacks one at a time until the queue is empty (the scheduler's job).
@@ -431,7 +450,10 @@ impl<E: Send + 'static> Slot<E> {
             // An event delivered as a callback of another slot (a connect request on its
             // listener) waits for that slot's callback in flight parked there, so it holds
             // no thread meanwhile (lock order: this slot, then that one).
-            let entry = self.sched.gate(&ev).map(|gate| gate.try_enter(self));
+            let entry = self
+                .sched
+                .gate(&ev)
+                .map(|gate| gate.try_enter(self, &mut g.parked_on_gate));
             if let Some(Entry::Parked) = entry {
                 g.queue.push_front(ev);
                 g.scheduled = false;
@@ -452,7 +474,6 @@ impl<E: Send + 'static> Slot<E> {
             };
             let mut g = sync::lock(&self.inner);
             g.running = None;
-            let parked = take_parked(&mut g);
             if (flow == Flow::Destroy || g.deferred) && g.phase == Phase::Live {
                 g.phase = Phase::Destroying;
             }
@@ -472,9 +493,9 @@ impl<E: Send + 'static> Slot<E> {
             if wake {
                 self.cond.notify_all();
             }
-            unpark(parked);
+            hand_off(self);
             for d in dropped {
-                self.sched.discard(d);
+                self.discard(d);
             }
             if finish {
                 self.run_teardown();
@@ -546,7 +567,7 @@ impl<E: Send + 'static> Slot<E> {
             }
         }
         for d in dropped {
-            self.sched.discard(d);
+            self.discard(d);
         }
         if start_now {
             self.run_teardown();
@@ -603,6 +624,7 @@ impl<E: Send + 'static> Slot<E> {
         }
         let mut g = sync::lock(&self.inner);
         g.phase = Phase::Destroyed;
+        // Each parked slot finds this one closed, and its event dies undelivered.
         let Extra { wakers, parked } = g.extra.take().map(|e| *e).unwrap_or_default();
         let wake = g.waiters > 0;
         drop(g);
@@ -666,16 +688,20 @@ impl<E: Send + 'static> Slot<E> {
     /// for it (a connect request is serialised with its listener, as Linux delivers it
     /// under the listener's handler mutex). While a callback of this slot runs, `who` is
     /// parked here instead, and scheduled when that callback ends. `Closed` once the slot is
-    /// not live.
-    pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>) -> Entry<E> {
+    /// not live. `who_parked` is `who`'s `parked_on_gate`, its lock held by the caller.
+    pub(crate) fn try_enter(
+        self: &Arc<Self>,
+        who: &Arc<Slot<E>>,
+        who_parked: &mut bool,
+    ) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
         if g.phase != Phase::Live {
             return Entry::Closed;
         }
         if g.running.is_some() {
-            let parked = &mut extra(&mut g).parked;
-            if !parked.iter().any(|p| Arc::ptr_eq(p, who)) {
-                parked.push(who.clone());
+            if !*who_parked {
+                *who_parked = true;
+                extra(&mut g).parked.push_back(who.clone());
             }
             return Entry::Parked;
         }
@@ -769,32 +795,63 @@ fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
     g.extra.get_or_insert_with(Box::default)
 }
 
-/// Takes the slots parked on `g`'s callback, which just ended (freeing the box if nothing
-/// else is in it).
-fn take_parked<E>(g: &mut Inner<E>) -> Vec<Arc<Slot<E>>> {
-    let Some(e) = g.extra.as_mut() else {
-        return Vec::new();
-    };
-    let parked = std::mem::take(&mut e.parked);
-    if e.wakers.is_empty() {
+/// The next slot parked on `g`'s callback (freeing the box once nothing is in it).
+fn next_parked<E>(g: &mut Inner<E>) -> Option<Arc<Slot<E>>> {
+    let e = g.extra.as_mut()?;
+    let next = e.parked.pop_front();
+    if e.parked.is_empty() && e.wakers.is_empty() {
         g.extra = None;
     }
-    parked
+    next
 }
 
-/// Schedules slots that were parked on another slot's callback (their next event waits
-/// for it), unless something else has scheduled them meanwhile or they are gone.
-fn unpark<E: Send + 'static>(parked: Vec<Arc<Slot<E>>>) {
-    for p in parked {
-        let mut g = sync::lock(&p.inner);
-        let go = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
-        if go {
-            g.scheduled = true;
+/// A callback of `gate` ended, or a slot it handed off to will not come: schedules the
+/// first slot parked on it that still waits to go in (live, its event queued, not already
+/// scheduled), dropping from the list those that do not. Only one: while it runs as the
+/// gate's callback the others could only park again, and its end hands off in turn. Does
+/// nothing while a callback of the gate runs (its end hands off), and schedules every parked
+/// slot once the gate is not live (each then finds it closed).
+///
+/// Every entry stays listed until a hand-off takes it, so a slot parks again (`try_enter`)
+/// if it was scheduled by something else meanwhile and the gate is still busy. Lock order:
+/// a parked slot before its gate, so the gate's lock is let go before each is looked at.
+fn hand_off<E: Send + 'static>(gate: &Arc<Slot<E>>) {
+    loop {
+        let mut g = sync::lock(&gate.inner);
+        let closed = g.phase != Phase::Live;
+        if g.running.is_some() && !closed {
+            return;
         }
+        let Some(p) = next_parked(&mut g) else {
+            return;
+        };
         drop(g);
-        if go {
-            p.sched.schedule(p.clone());
+        if wake_parked(&p) && !closed {
+            return;
         }
+    }
+}
+
+/// Schedules `p`, taken from a gate's parked list, if it still waits to go in. Returns
+/// whether it was scheduled here.
+fn wake_parked<E: Send + 'static>(p: &Arc<Slot<E>>) -> bool {
+    let mut g = sync::lock(&p.inner);
+    g.parked_on_gate = false;
+    let go = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
+    if go {
+        g.scheduled = true;
+    }
+    drop(g);
+    if go {
+        p.sched.schedule(p.clone());
+    }
+    go
+}
+
+/// Schedules every slot that was parked on a gate now closed.
+fn unpark<E: Send + 'static>(parked: VecDeque<Arc<Slot<E>>>) {
+    for p in parked {
+        wake_parked(&p);
     }
 }
 
@@ -806,7 +863,6 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         let s = &self.0;
         let mut g = sync::lock(&s.inner);
         g.running = None;
-        let parked = take_parked(&mut g);
         let finish = g.phase == Phase::Destroying && g.held == 0 && !g.teardown_started;
         if finish {
             g.teardown_started = true;
@@ -821,7 +877,7 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         if wake {
             s.cond.notify_all();
         }
-        unpark(parked);
+        hand_off(s);
         if finish {
             s.run_teardown();
         }
@@ -1533,5 +1589,174 @@ mod tests {
         slot.push(7);
         let got = ch.take(&mut super::Deadline::new(None), none);
         assert_eq!(got.map(|(_, e)| e), Some(7));
+    }
+
+    /// Events from 1000 up are delivered as callbacks of `gate` (as a connect request is
+    /// of its listener); the test drains what is scheduled itself.
+    #[derive(Default)]
+    struct Gated {
+        ready: Mutex<Vec<Arc<Slot<u32>>>>,
+        gate: Mutex<Option<Arc<Slot<u32>>>>,
+        discarded: Mutex<Vec<u32>>,
+    }
+    impl Scheduler<u32> for Gated {
+        fn schedule(&self, slot: Arc<Slot<u32>>) {
+            self.ready.lock().unwrap().push(slot);
+        }
+        fn discard(&self, ev: u32) {
+            self.discarded.lock().unwrap().push(ev);
+        }
+        fn gate(&self, ev: &u32) -> Option<Arc<Slot<u32>>> {
+            (*ev >= 1000)
+                .then(|| self.gate.lock().unwrap().clone())
+                .flatten()
+        }
+    }
+    impl Gated {
+        fn take(&self) -> Vec<Arc<Slot<u32>>> {
+            std::mem::take(&mut *self.ready.lock().unwrap())
+        }
+    }
+
+    /// The scheduler, the listener, its children, the entry that holds the listener busy,
+    /// and the events that ran.
+    type Parked = (
+        Arc<Gated>,
+        Arc<Slot<u32>>,
+        Vec<Arc<Slot<u32>>>,
+        super::Entry<u32>,
+        Arc<Mutex<Vec<u32>>>,
+    );
+
+    /// A listener whose callback is held running (entered as another slot's would be), and
+    /// `n` children each with a gated event, parked on it.
+    fn parked_children(n: u32) -> Parked {
+        let sched = Arc::new(Gated::default());
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let r = ran.clone();
+        let cb: super::Callback<u32> = Arc::new(move |_, ev| {
+            r.lock().unwrap().push(ev);
+            Flow::Continue
+        });
+        let listener = Slot::new(Target::Callback(cb.clone()), sched.clone());
+        *sched.gate.lock().unwrap() = Some(listener.clone());
+        let holder = Slot::new(Target::Callback(cb.clone()), sched.clone());
+        let held = listener.try_enter(&holder, &mut false);
+        assert!(matches!(held, super::Entry::Entered(_)));
+        let children: Vec<_> = (0..n)
+            .map(|_| Slot::new(Target::Callback(cb.clone()), sched.clone()))
+            .collect();
+        for (i, c) in (0..).zip(&children) {
+            c.push(1000 + i);
+        }
+        for c in sched.take() {
+            c.drain();
+        }
+        assert!(ran.lock().unwrap().is_empty(), "the listener was busy");
+        assert!(sched.take().is_empty(), "parked slots hold no thread");
+        (sched, listener, children, held, ran)
+    }
+
+    /// When the listener's callback ends, one parked child is scheduled, not all of them
+    /// (each would only find the listener busy again with the first one's event: a burst
+    /// of n connect requests cost n² schedules); each entered child's end schedules the
+    /// next, in the order they came, so n children cost n schedules.
+    #[test]
+    fn a_gates_callback_end_schedules_one_parked_slot_and_each_end_the_next() {
+        let (sched, _listener, _children, held, ran) = parked_children(50);
+        drop(held);
+        let mut schedules = 0;
+        loop {
+            let ready = sched.take();
+            if ready.is_empty() {
+                break;
+            }
+            assert_eq!(ready.len(), 1, "one at a time");
+            schedules += 1;
+            ready[0].drain();
+        }
+        assert_eq!(schedules, 50);
+        assert_eq!(*ran.lock().unwrap(), (1000..1050).collect::<Vec<u32>>());
+    }
+
+    /// A child scheduled by a hand-off that is destroyed, or whose event a device removal
+    /// replaces, before it goes in passes the turn on: the rest are not left parked on an
+    /// idle listener.
+    #[test]
+    fn a_handed_off_slot_that_will_not_come_passes_the_turn_on() {
+        let (sched, _listener, children, held, ran) = parked_children(3);
+        drop(held);
+        let first = sched.take();
+        assert_eq!(first.len(), 1);
+        assert!(Arc::ptr_eq(&first[0], &children[0]));
+        assert!(children[0].destroy(false).is_ok());
+        let second = sched.take();
+        assert_eq!(second.len(), 1, "the turn went on at the destroy");
+        assert!(Arc::ptr_eq(&second[0], &children[1]));
+        assert!(children[1].push_removal(7));
+        let third = sched.take();
+        assert!(
+            third.iter().any(|s| Arc::ptr_eq(s, &children[2])),
+            "the turn went on at the removal"
+        );
+        for s in third.into_iter().chain(first).chain(second) {
+            s.drain();
+        }
+        for s in sched.take() {
+            s.drain();
+        }
+        // The removal ran on the second child; the third went in.
+        let mut got = ran.lock().unwrap().clone();
+        got.sort_unstable();
+        assert_eq!(got, vec![7, 1002]);
+        assert_eq!(*sched.discarded.lock().unwrap(), vec![1000, 1001]);
+    }
+
+    /// Destroying the listener while children are parked on it schedules every one: each
+    /// finds it closed, its event is discarded undelivered and the child destroyed.
+    #[test]
+    fn a_closed_gate_releases_every_parked_slot() {
+        let (sched, listener, children, held, ran) = parked_children(4);
+        assert!(listener.destroy(false).is_ok());
+        drop(held);
+        let ready = sched.take();
+        assert_eq!(ready.len(), 4);
+        for s in ready {
+            s.drain();
+        }
+        assert!(ran.lock().unwrap().is_empty());
+        assert_eq!(
+            sched.discarded.lock().unwrap().len(),
+            0,
+            "dropped where found closed"
+        );
+        for c in &children {
+            assert_ne!(c.phase(), super::Phase::Live);
+        }
+    }
+
+    /// A parked child that something else schedules (another event for it) while the
+    /// listener is still busy parks again without a second entry, and goes in once.
+    #[test]
+    fn a_slot_parked_twice_is_listed_once() {
+        let (sched, listener, children, held, ran) = parked_children(1);
+        children[0].push(5);
+        let again = sched.take();
+        assert_eq!(again.len(), 1);
+        again[0].drain();
+        let listed = listener
+            .inner
+            .lock()
+            .unwrap()
+            .extra
+            .as_ref()
+            .map_or(0, |e| e.parked.len());
+        assert_eq!(listed, 1);
+        drop(held);
+        for s in sched.take() {
+            s.drain();
+        }
+        assert!(sched.take().is_empty());
+        assert_eq!(*ran.lock().unwrap(), vec![1000, 5]);
     }
 }

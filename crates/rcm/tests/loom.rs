@@ -912,3 +912,56 @@ fn m11_gated_event_vs_the_gate_slots_callback() {
         crec.finish(1);
     });
 }
+
+/// 12. Two events parked on one gate, whose callback ends while one of them is destroyed:
+///     the gate's end schedules one parked slot at a time, and one that will not come (its
+///     event discarded by the destroy) passes the turn on, so the other's event is still
+///     delivered, exactly once, never overlapping the gate's callbacks, and never left
+///     parked on an idle gate.
+#[test]
+fn m12_hand_off_between_parked_events_vs_destroy() {
+    model("12 hand-off x destroy", Some(4), || {
+        let (lrec, c1rec, c2rec) = (Rec::new(), Rec::new(), Rec::new());
+        let busy = Arc::new(AtomicUsize::new(0));
+        let body = |rec: &Arc<Rec>| {
+            let (r, b) = (rec.clone(), busy.clone());
+            move |_: &Ev| {
+                r.check(b.fetch_add(1, SeqCst) == 0, "gated callback overlaps");
+                b.fetch_sub(1, SeqCst);
+                Flow::Continue
+            }
+        };
+        let listener = slot(&lrec, body(&lrec));
+        let child = |rec: &Arc<Rec>| {
+            let gate = listener.downgrade();
+            let c = SlotHandle::with_callback_gated(
+                handler(rec, body(rec)),
+                |s| s.drain(),
+                discard,
+                move |_| gate.upgrade(),
+            );
+            c.set_teardown(teardown(rec));
+            c
+        };
+        let (c1, c2) = (child(&c1rec), child(&c2rec));
+        let a = {
+            let (l, rec) = (listener.clone(), lrec.clone());
+            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
+        };
+        let b = {
+            let (c, rec) = (c1.clone(), c1rec.clone());
+            thread::spawn(move || c.push(ev(&rec, Kind::Normal(2))))
+        };
+        c2.push(ev(&c2rec, Kind::Normal(3)));
+        let _ = c1.destroy(false);
+        a.join().unwrap();
+        b.join().unwrap();
+        assert_eq!(lrec.started(), 1, "the gate's own event ran");
+        assert_eq!(c2rec.started(), 1, "the other parked event was delivered");
+        assert_eq!(c2.destroy(true), Ok(DestroyOutcome::Done));
+        assert_eq!(listener.destroy(true), Ok(DestroyOutcome::Done));
+        lrec.finish(1);
+        c1rec.finish(1);
+        c2rec.finish(1);
+    });
+}
