@@ -114,12 +114,20 @@ impl ShmEnd {
         })
     }
 
-    /// Sends one frame, ringing the doorbell if the other side sleeps.
+    /// Sends one frame, ringing the doorbell if the other side sleeps. A full ring is waited
+    /// on for up to [`FULL_FOR`]; then the error is `TimedOut`, or `BrokenPipe` as soon as
+    /// the other side is seen gone.
     pub(crate) fn send(&mut self, frame: &[u8]) -> io::Result<()> {
         let mut since = None;
         while !self.try_send(frame)? {
             let t0 = *since.get_or_insert_with(Instant::now);
-            if t0.elapsed() > FULL_FOR || hung_up(&self.stream) {
+            if hung_up(&self.stream) {
+                return Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "the other side hung up with its ring full",
+                ));
+            }
+            if t0.elapsed() > FULL_FOR {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "the other side does not read its ring",
@@ -331,4 +339,78 @@ pub(crate) fn recv_with_fd(
     let mut body = vec![0u8; h.body_len()];
     r.read_exact(&mut body)?;
     Ok((h, body, fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ShmEnd, FULL_FOR};
+    use std::os::unix::net::UnixStream;
+    use std::time::{Duration, Instant};
+
+    /// A daemon's end and a client's end of one mapped channel, the client's command ring
+    /// filled with `frame`s until no more goes in; returns how many went in.
+    fn full_channel(frame: &[u8]) -> (ShmEnd, ShmEnd, usize) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (daemon, fd) = ShmEnd::daemon(a).unwrap();
+        let mut client = ShmEnd::client(b, &fd, Duration::ZERO).unwrap();
+        let mut n = 0;
+        while client.try_send(frame).unwrap() {
+            n += 1;
+        }
+        assert!(n > 0);
+        (daemon, client, n)
+    }
+
+    /// A send into a full ring waits for room and goes in once the other side reads; the
+    /// frames come out whole and in order.
+    #[test]
+    fn a_send_into_a_full_ring_goes_in_once_the_reader_makes_room() {
+        let frame = [7u8; 1000];
+        let (mut daemon, mut client, n) = full_channel(&frame);
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            let mut got = 0;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while got < n + 1 && Instant::now() < deadline {
+                match daemon.try_recv(4096).unwrap() {
+                    Some(f) => {
+                        assert_eq!(f, &[7u8; 1000][..]);
+                        got += 1;
+                    }
+                    None => std::thread::yield_now(),
+                }
+            }
+            got
+        });
+        client.send(&frame).unwrap();
+        assert_eq!(reader.join().unwrap(), n + 1);
+    }
+
+    /// Nobody reads: the send gives up after `FULL_FOR` with `TimedOut`, and the ring
+    /// holds what it held.
+    #[test]
+    fn a_send_into_a_ring_nobody_reads_gives_up_with_timed_out() {
+        let frame = [1u8; 1000];
+        let (mut daemon, mut client, n) = full_channel(&frame);
+        let t0 = Instant::now();
+        let e = client.send(&frame).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t0.elapsed() >= FULL_FOR);
+        let mut left = 0;
+        while daemon.try_recv(4096).unwrap().is_some() {
+            left += 1;
+        }
+        assert_eq!(left, n);
+    }
+
+    /// The other side is gone: the send fails with `BrokenPipe` rather than waiting for
+    /// room that will never come.
+    #[test]
+    fn a_send_into_the_full_ring_of_a_hung_up_side_is_a_broken_pipe() {
+        let frame = [2u8; 1000];
+        let (daemon, mut client, _) = full_channel(&frame);
+        drop(daemon);
+        let e = client.send(&frame).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe);
+    }
 }
