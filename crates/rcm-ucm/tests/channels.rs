@@ -215,6 +215,45 @@ fn the_client_library_calls_on_channels_from_many_threads() {
     round_trip(&d, sa(1, 7304));
 }
 
+/// More calling threads than channels, on a session whose callbacks run on its reader (so
+/// a caller that finds every channel busy waits for one, rather than taking the session's
+/// connection): each channel given back wakes one waiter, and every call still completes.
+#[test]
+fn more_calling_threads_than_channels_each_get_one_in_turn() {
+    let mut cfg = config("ch-many-callers", 47313, &[1, 2]);
+    cfg.max_channels = 2;
+    let d = Daemon::start(cfg).expect("daemon");
+    let f = rcm_ucm::fabric_with(
+        d.socket(),
+        rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+    .expect("client");
+    let made = within_a_minute(move || {
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..16 {
+                s.spawn(|| {
+                    for _ in 0..30 {
+                        let ch = EventChannel::new();
+                        let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+                        id.bind(sa(2, 0)).expect("bind");
+                        assert_eq!(id.state(), rcm::State::AddrBound);
+                        id.destroy().expect("destroy");
+                        made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        made.into_inner()
+    });
+    assert_eq!(made, 16 * 30);
+    assert!(d.channels() <= 2, "{} channels", d.channels());
+    wait_ids(&d, 0, 0);
+}
+
 #[test]
 fn a_destroy_is_done_when_it_returns() {
     // One id allowed: each create right after a blocking destroy must find the place free,
