@@ -64,6 +64,10 @@ pub struct BenchOpts {
     /// Connections made one at a time before the measured run and not counted (cmtime's
     /// warm-up), at most `connections`.
     pub warmup: usize,
+    /// Threads that make a burst step's calls, each for every `issuers`-th connection (1:
+    /// one thread, as cmtime; an application with several threads calling at once, which
+    /// through a daemon overlap their round trips).
+    pub issuers: usize,
 }
 
 /// One row of the table.
@@ -105,6 +109,8 @@ pub struct Report {
     /// Connections made, established, disconnected and destroyed one at a time before the
     /// measured run, not counted in any figure (cmtime's warm-up).
     pub warmup: usize,
+    /// Threads that made a burst step's calls (1 one at a time).
+    pub issuers: usize,
     /// Connections per second: connections / wall time from first resolve to last established.
     pub conn_per_s: f64,
     /// Full cycles (connect + private-data exchange + disconnect) per second.
@@ -233,38 +239,56 @@ fn client_device_of(c: usize, n: usize, devices: usize, serial: bool) -> usize {
     }
 }
 
+/// How a step's calls are made: one at a time or in a burst, with datagrams sent together
+/// or not, and by how many threads.
+#[derive(Clone, Copy)]
+struct Issue {
+    serial: bool,
+    send_batch: bool,
+    issuers: usize,
+}
+
 /// Starts the connections of `chunk` with `issue` and handles their events with `wait`.
-/// In a burst the calls are made from a helper thread while this one already handles the
+/// In a burst the calls are made from helper threads while this one already handles the
 /// events (as cmtime's event thread does): the first connections' events are not left
 /// queued until the last call is made, and the calls' own work (sending, on loopback also
-/// the peer's receive processing) is not serialised with the event handling. One at a time
+/// the peer's receive processing) is not serialised with the event handling. With several
+/// issuers, thread `t` of `n` calls for connections `t`, `t + n`, ... One at a time
 /// (`serial`), both run here in turn. Returns the calls' errors.
 fn issue_and_wait(
-    (serial, send_batch): (bool, bool),
+    how: Issue,
     chunk: &[CmId],
     issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
     wait: impl FnOnce(),
 ) -> Vec<String> {
-    let run = || -> Vec<String> {
+    let n = if how.serial { 1 } else { how.issuers.max(1) };
+    let issue = &issue;
+    let run = move |t: usize| -> Vec<String> {
         // The calls' datagrams go out together, 64 at a time and when the loop ends.
-        let _batch = send_batch.then(rcm::SendBatch::begin);
+        let _batch = how.send_batch.then(rcm::SendBatch::begin);
         chunk
             .iter()
             .enumerate()
+            .skip(t)
+            .step_by(n)
             .filter_map(|(k, id)| issue(k, id))
             .collect()
     };
-    if serial {
-        let errs = run();
+    if how.serial {
+        let errs = run(0);
         wait();
         return errs;
     }
     std::thread::scope(|sc| {
-        let issuer = sc.spawn(run);
+        let issuers: Vec<_> = (0..n).map(|t| sc.spawn(move || run(t))).collect();
         wait();
-        issuer
-            .join()
-            .unwrap_or_else(|_| vec!["the issuing thread panicked".into()])
+        issuers
+            .into_iter()
+            .flat_map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| vec!["an issuing thread panicked".into()])
+            })
+            .collect()
     })
 }
 
@@ -527,6 +551,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         timeout: o.step_timeout,
         serial: o.serial,
         send_batch: o.send_batch,
+        issuers: o.issuers,
         call_failed: &call_failed,
         call_failures: &call_failures,
         late: &late,
@@ -812,6 +837,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         serial: o.serial,
         qp: if o.attached_qp { "attached" } else { "mimic" },
         warmup,
+        issuers: if o.serial { 1 } else { o.issuers.max(1) },
         conn_per_s: if full.is_zero() {
             0.0
         } else {
@@ -861,6 +887,7 @@ struct Events<'a> {
     timeout: Duration,
     serial: bool,
     send_batch: bool,
+    issuers: usize,
     /// Connections whose call failed (no event will come for them), set by the issuing
     /// thread or an event handler while the step waits, and how many have been set.
     call_failed: &'a [std::sync::atomic::AtomicBool],
@@ -912,7 +939,12 @@ fn run_step(
         from.call_failed(start + k, format!("connection {}: {e}", start + k));
         None
     };
-    let errs = issue_and_wait((from.serial, from.send_batch), chunk, issue, || {
+    let how = Issue {
+        serial: from.serial,
+        send_batch: from.send_batch,
+        issuers: from.issuers,
+    };
+    let errs = issue_and_wait(how, chunk, issue, || {
         wait(step, from, range, failures, failed, on);
     });
     failures.extend(errs);
@@ -1562,7 +1594,13 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
 /// Prints the cmtime-style table and the summary.
 pub fn print_table(r: &Report) {
     println!("cm_conn {}", r.connections);
-    println!("mode {}", if r.serial { "serial" } else { "burst" });
+    if r.serial {
+        println!("mode serial");
+    } else if r.issuers > 1 {
+        println!("mode burst, calls from {} threads", r.issuers);
+    } else {
+        println!("mode burst");
+    }
     println!("qp {}", r.qp);
     println!("warmup {}", r.warmup);
     println!(
@@ -1836,8 +1874,13 @@ mod tests {
         for serial in [false, true] {
             let issued = AtomicUsize::new(0);
             let seen_by_wait = AtomicUsize::new(usize::MAX);
+            let how = Issue {
+                serial,
+                send_batch: true,
+                issuers: 1,
+            };
             let errs = issue_and_wait(
-                (serial, true),
+                how,
                 &ids,
                 |k, _| {
                     if serial {
@@ -1866,6 +1909,66 @@ mod tests {
                 assert_eq!(seen, 0, "in a burst, the wait starts before the calls");
             }
         }
+        f.shutdown();
+    }
+
+    /// With several issuers each connection is called once, thread `t` of `n` taking
+    /// connections `t`, `t + n`, ..., and every thread's errors come back.
+    #[test]
+    fn issuers_share_a_burst_each_connection_called_once() {
+        let f = Fabric::new(FabricConfig::default());
+        let ids: Vec<CmId> = (0..10)
+            .map(|_| f.create_id_on(PortSpace::Tcp, &EventChannel::new()))
+            .collect();
+        let by = std::sync::Mutex::new(Vec::new());
+        let how = Issue {
+            serial: false,
+            send_batch: true,
+            issuers: 3,
+        };
+        let mut errs = issue_and_wait(
+            how,
+            &ids,
+            |k, _| {
+                by.lock().unwrap().push((k, std::thread::current().id()));
+                (k == 2 || k == 7).then(|| format!("{k} failed"))
+            },
+            || {},
+        );
+        errs.sort();
+        assert_eq!(errs, vec!["2 failed".to_string(), "7 failed".to_string()]);
+        let mut by = by.into_inner().unwrap();
+        by.sort_by_key(|(k, _)| *k);
+        assert_eq!(
+            by.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>()
+        );
+        for (k, t) in &by {
+            assert_eq!(*t, by[k % 3].1, "connection {k} on its thread");
+        }
+        assert_ne!(by[0].1, by[1].1);
+        assert_ne!(by[1].1, by[2].1);
+        assert_ne!(by[0].1, by[2].1);
+        // One at a time there is one issuer, whatever was asked.
+        let one = Issue {
+            serial: true,
+            send_batch: true,
+            issuers: 3,
+        };
+        let here = std::thread::current().id();
+        let others = AtomicUsize::new(0);
+        issue_and_wait(
+            one,
+            &ids,
+            |_, _| {
+                if std::thread::current().id() != here {
+                    others.fetch_add(1, Ordering::SeqCst);
+                }
+                None
+            },
+            || {},
+        );
+        assert_eq!(others.load(Ordering::SeqCst), 0);
         f.shutdown();
     }
 }

@@ -170,6 +170,12 @@ struct BenchArgs {
     #[arg(long, value_name = "N", conflicts_with = "listen",
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     warmup: Option<u32>,
+    /// Threads that make a burst's calls, each for every N-th connection (default 1, as
+    /// cmtime). Several calling threads are how a multi-threaded application uses rcm;
+    /// through --daemon their round trips to the daemon overlap.
+    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with_all = ["listen", "serial"],
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    issuers: u32,
 }
 
 #[derive(clap::Args)]
@@ -676,6 +682,7 @@ fn bench(a: &BenchArgs) -> ExitCode {
         pin: a.pin,
         attached_qp: a.qp == "attached",
         warmup: a.warmup.unwrap_or(if a.server.is_some() { 0 } else { 100 }) as usize,
+        issuers: a.issuers as usize,
     };
     // Created before the run: a long run must not end in "cannot write".
     let mut plot = match &a.plot {

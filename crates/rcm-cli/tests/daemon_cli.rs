@@ -189,6 +189,27 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["established"], 300);
     assert_eq!(v["errors"], 0);
+    // More calling threads than a session has channels (8), the server's callbacks on its
+    // reader and then on four callback threads.
+    for extra in [&[][..], &["--no-send-batch", "--threads", "4"][..]] {
+        let mut args = vec![
+            "bench",
+            "--daemon",
+            p,
+            "-c",
+            "300",
+            "--issuers",
+            "16",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 300, "{extra:?}");
+        assert_eq!(v["errors"], 0, "{extra:?}");
+        assert_eq!(v["issuers"], 16, "{extra:?}");
+    }
     // A second run on the same daemon, whose devices still hold the first run's timewait:
     // fresh QPNs, so no stale-connection rejects (found by running exactly this by hand).
     let (code, out, err) = rcm(&[

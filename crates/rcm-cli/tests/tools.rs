@@ -130,7 +130,12 @@ fn bench_without_polling() {
 /// threads (the default batches both); the run is the same.
 #[test]
 fn bench_without_send_batches() {
-    for extra in [&[][..], &["--serial"][..]] {
+    // And a burst whose calls come from four threads, the callbacks on callback threads.
+    for extra in [
+        &[][..],
+        &["--serial"][..],
+        &["--issuers", "4", "--threads", "4"][..],
+    ] {
         let mut args = vec![
             "bench",
             "-c",
@@ -146,6 +151,8 @@ fn bench_without_send_batches() {
         let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
         assert_eq!(r["established"], 200, "{out}");
         assert_eq!(r["errors"], 0, "{out}");
+        let issuers = if extra.contains(&"--issuers") { 4 } else { 1 };
+        assert_eq!(r["issuers"], issuers, "{out}");
         // The "full connect" row, as cmtime's: each connection's time to being up gives
         // max and min (the sum is left out: they overlap), within the row's total.
         let full = r["steps"]
@@ -193,6 +200,17 @@ fn bench_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["bench", "--listen", "--plot", "lat.svg"]);
     assert_eq!(code, 2);
     assert!(err.contains("--plot"), "{err}");
+    // Issuing threads make a burst's calls: none one at a time, none for a server, 1..=64.
+    for (args, what) in [
+        (vec!["bench", "--serial", "--issuers", "4"], "--serial"),
+        (vec!["bench", "--listen", "--issuers", "4"], "--listen"),
+        (vec!["bench", "--issuers", "0"], "issuers"),
+        (vec!["bench", "--issuers", "65"], "issuers"),
+    ] {
+        let (code, _, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
     // 0 connections means "serve forever" for a server only (a client made one).
     for args in [
         vec!["ping", "-c", "0"],
