@@ -587,7 +587,8 @@ impl Inner {
     }
 
     /// Wakes one thread waiting for an idle channel, or with `all` every one (channels
-    /// failed, or the session ended: each must look whether it can still wait). One is
+    /// failed, the session ended: each must look whether it can still wait; or the reader,
+    /// done waiting, leaves what came back meanwhile to the others). One is
     /// enough for a channel given back: waking every waiter for it (more calling threads
     /// than channels) had all of them take turns on the CPU to find it gone, and 16 calling
     /// threads made a third of the connections a second that 8 did through one daemon. All
@@ -643,9 +644,11 @@ impl Inner {
             drop(idle);
             self.idle_waiters.fetch_sub(1, Ordering::SeqCst);
             if on_reader {
-                // The others may take what the reader leaves.
+                // The others may take what the reader leaves: all of them look, since
+                // several channels may have come back while the reader waited and each
+                // of those woke callers only to wait again.
                 self.reader_waiting.store(false, Ordering::SeqCst);
-                self.wake_idle_waiter();
+                self.wake_idle_waiters(true);
             }
         }
     }

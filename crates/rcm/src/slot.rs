@@ -88,7 +88,7 @@ pub(crate) trait Scheduler<E>: Send + Sync {
     /// The slot `ev` must be delivered serialised with (a connect request's listener): its
     /// callback then runs as one of that slot's ([`Slot::try_enter`]). While that slot's
     /// callback runs, the event's slot is parked on it, holding no thread, and scheduled
-    /// again when it ends. Once that slot is not live the event is dropped undelivered and
+    /// again in its turn (one per callback end, in the order they parked). Once that slot is not live the event is dropped undelivered and
     /// its slot destroyed. None by default.
     fn gate(&self, _ev: &E) -> Option<Arc<Slot<E>>> {
         None
@@ -687,7 +687,7 @@ impl<E: Send + 'static> Slot<E> {
     /// marks this slot running until the guard drops, so this slot's blocking destroy waits
     /// for it (a connect request is serialised with its listener, as Linux delivers it
     /// under the listener's handler mutex). While a callback of this slot runs, `who` is
-    /// parked here instead, and scheduled when that callback ends. `Closed` once the slot is
+    /// parked here instead, and scheduled in its turn (`hand_off`). `Closed` once the slot is
     /// not live. `who_parked` is `who`'s `parked_on_gate`, its lock held by the caller.
     pub(crate) fn try_enter(
         self: &Arc<Self>,

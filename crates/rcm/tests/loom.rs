@@ -867,6 +867,35 @@ fn m10_nothing_after_removal() {
     });
 }
 
+/// A callback body that checks, on a counter shared by several slots, that no two of their
+/// callbacks overlap.
+fn no_overlap(rec: &Arc<Rec>, busy: &Arc<AtomicUsize>) -> impl Fn(&Ev) -> Flow + Send + Sync {
+    let (r, b) = (rec.clone(), busy.clone());
+    move |_: &Ev| {
+        r.check(b.fetch_add(1, SeqCst) == 0, "gated callback overlaps");
+        b.fetch_sub(1, SeqCst);
+        Flow::Continue
+    }
+}
+
+/// A slot (inline scheduler, recording handler) whose every event is delivered as a
+/// callback of `gate` (as a connect request is of its listener).
+fn gated(
+    rec: &Arc<Rec>,
+    body: impl Fn(&Ev) -> Flow + Send + Sync + 'static,
+    gate: &SlotHandle<Ev>,
+) -> SlotHandle<Ev> {
+    let gate = gate.downgrade();
+    let c = SlotHandle::with_callback_gated(
+        handler(rec, body),
+        |s| s.drain(),
+        discard,
+        move |_| gate.upgrade(),
+    );
+    c.set_teardown(teardown(rec));
+    c
+}
+
 /// 11. An event delivered as a callback of another slot (`Scheduler::gate`: a connect
 ///     request on its listener) against that slot's own callback: the two never overlap,
 ///     both run exactly once, and the gated one, parked while the other runs, is scheduled
@@ -878,23 +907,9 @@ fn m11_gated_event_vs_the_gate_slots_callback() {
         // the two slots' callbacks is checked on a counter they share.
         let (lrec, crec) = (Rec::new(), Rec::new());
         let busy = Arc::new(AtomicUsize::new(0));
-        let body = |rec: &Arc<Rec>| {
-            let (r, b) = (rec.clone(), busy.clone());
-            move |_: &Ev| {
-                r.check(b.fetch_add(1, SeqCst) == 0, "gated callback overlaps");
-                b.fetch_sub(1, SeqCst);
-                Flow::Continue
-            }
-        };
+        let body = |rec: &Arc<Rec>| no_overlap(rec, &busy);
         let listener = slot(&lrec, body(&lrec));
-        let gate = listener.downgrade();
-        let child = SlotHandle::with_callback_gated(
-            handler(&crec, body(&crec)),
-            |s| s.drain(),
-            discard,
-            move |_| gate.upgrade(),
-        );
-        child.set_teardown(teardown(&crec));
+        let child = gated(&crec, body(&crec), &listener);
         let a = {
             let (l, rec) = (listener.clone(), lrec.clone());
             thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
@@ -923,27 +938,12 @@ fn m12_hand_off_between_parked_events_vs_destroy() {
     model("12 hand-off x destroy", Some(4), || {
         let (lrec, c1rec, c2rec) = (Rec::new(), Rec::new(), Rec::new());
         let busy = Arc::new(AtomicUsize::new(0));
-        let body = |rec: &Arc<Rec>| {
-            let (r, b) = (rec.clone(), busy.clone());
-            move |_: &Ev| {
-                r.check(b.fetch_add(1, SeqCst) == 0, "gated callback overlaps");
-                b.fetch_sub(1, SeqCst);
-                Flow::Continue
-            }
-        };
+        let body = |rec: &Arc<Rec>| no_overlap(rec, &busy);
         let listener = slot(&lrec, body(&lrec));
-        let child = |rec: &Arc<Rec>| {
-            let gate = listener.downgrade();
-            let c = SlotHandle::with_callback_gated(
-                handler(rec, body(rec)),
-                |s| s.drain(),
-                discard,
-                move |_| gate.upgrade(),
-            );
-            c.set_teardown(teardown(rec));
-            c
-        };
-        let (c1, c2) = (child(&c1rec), child(&c2rec));
+        let (c1, c2) = (
+            gated(&c1rec, body(&c1rec), &listener),
+            gated(&c2rec, body(&c2rec), &listener),
+        );
         let a = {
             let (l, rec) = (listener.clone(), lrec.clone());
             thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
