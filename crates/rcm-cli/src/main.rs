@@ -170,9 +170,9 @@ struct BenchArgs {
     #[arg(long, value_name = "N", conflicts_with = "listen",
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     warmup: Option<u32>,
-    /// Threads that make a burst's calls, each for every N-th connection (default 1, as
-    /// cmtime). Several calling threads are how a multi-threaded application uses rcm;
-    /// through --daemon their round trips to the daemon overlap.
+    /// Threads that make a burst's calls: thread t of N calls for connections t, t+N, t+2N,
+    /// ... (default 1, as cmtime). Several calling threads are how a multi-threaded
+    /// application uses rcm; through --daemon their round trips to the daemon overlap.
     #[arg(long, value_name = "N", default_value_t = 1, conflicts_with_all = ["listen", "serial"],
           value_parser = clap::value_parser!(u32).range(1..=64))]
     issuers: u32,
