@@ -146,7 +146,7 @@ fn exchange(
     }
 }
 
-/// rcm's UD message number `seq`: "ping <seq> " + the private data, zero-padded (or cut) to
+/// rcm's UD message number `seq`: `"ping <seq> "` + the private data, zero-padded (or cut) to
 /// `size` bytes.
 fn ud_message(seq: usize, pd: &[u8], size: usize) -> Vec<u8> {
     let mut m = [format!("ping {seq} ").as_bytes(), pd].concat();
@@ -154,7 +154,7 @@ fn ud_message(seq: usize, pd: &[u8], size: usize) -> Vec<u8> {
     m
 }
 
-/// The sequence number of an rcm UD message or answer ("ping <seq> " / "pong <seq> "), if
+/// The sequence number of an rcm UD message or answer (`"ping <seq> "` / `"pong <seq> "`), if
 /// the payload has that shape.
 fn ud_seq(payload: &[u8], word: &str) -> Option<usize> {
     let rest = payload.strip_prefix(word.as_bytes())?.strip_prefix(b" ")?;

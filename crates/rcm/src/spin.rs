@@ -151,7 +151,7 @@ fn my_looks() -> (usize, &'static AtomicU64) {
 /// its own process ran there (see the module documentation). rcm's polling loops count at
 /// each look and before each yield or sleep, its device threads at each datagram and its
 /// dispatcher at each id's callbacks. A loop of another crate that works between its polls
-/// for longer than [`STOLEN_YIELD`] without passing through [`spin_until`] or
+/// for longer than `STOLEN_YIELD` (1 ms) without passing through [`spin_until`] or
 /// [`yield_to_pollers`] (a daemon's ring thread serving its clients) calls this at each
 /// piece of work, or the pollers beside it take its work for a stolen yield. At each
 /// piece, not only between batches: the scheduler may hand the CPU to a poller in the

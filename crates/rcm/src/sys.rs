@@ -81,7 +81,7 @@ pub(crate) fn grow_buffers(sock: &UdpSocket, bytes: usize) {
 pub(crate) const MAX_SEGMENTS: usize = 64;
 
 /// Turns on `UDP_GRO`: the kernel may then hand several datagrams of one flow to one receive
-/// call, of equal size but the last ([`recv_segments`] says the size). On loopback a batch
+/// call, of equal size but the last ([`gro_size`] reads the size). On loopback a batch
 /// sent with [`send_segments`] then crosses the stack once, not once per datagram.
 pub(crate) fn enable_gro(sock: &UdpSocket) -> std::io::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt::UdpGroSegment};
