@@ -248,6 +248,17 @@ struct Issue {
     issuers: usize,
 }
 
+impl Issue {
+    /// The run's: one issuing thread one at a time, at least one in a burst.
+    fn of(o: &BenchOpts) -> Issue {
+        Issue {
+            serial: o.serial,
+            send_batch: o.send_batch,
+            issuers: if o.serial { 1 } else { o.issuers.max(1) },
+        }
+    }
+}
+
 /// Starts the connections of `chunk` with `issue` and handles their events with `wait`.
 /// In a burst the calls are made from helper threads while this one already handles the
 /// events (as cmtime's event thread does): the first connections' events are not left
@@ -549,9 +560,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         ch: &ch,
         index: &index,
         timeout: o.step_timeout,
-        serial: o.serial,
-        send_batch: o.send_batch,
-        issuers: o.issuers,
+        how: Issue::of(o),
         call_failed: &call_failed,
         call_failures: &call_failures,
         late: &late,
@@ -837,7 +846,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         serial: o.serial,
         qp: if o.attached_qp { "attached" } else { "mimic" },
         warmup,
-        issuers: if o.serial { 1 } else { o.issuers.max(1) },
+        issuers: Issue::of(o).issuers,
         conn_per_s: if full.is_zero() {
             0.0
         } else {
@@ -885,9 +894,7 @@ struct Events<'a> {
     ch: &'a EventChannel,
     index: &'a foldhash::HashMap<u64, usize>,
     timeout: Duration,
-    serial: bool,
-    send_batch: bool,
-    issuers: usize,
+    how: Issue,
     /// Connections whose call failed (no event will come for them), set by the issuing
     /// thread or an event handler while the step waits, and how many have been set.
     call_failed: &'a [std::sync::atomic::AtomicBool],
@@ -922,7 +929,7 @@ fn run_step(
     issue: impl Fn(usize, &CmId) -> Option<String> + Sync,
     on: impl FnMut(usize, &Event, &CmId) -> bool,
 ) {
-    if !from.serial {
+    if !from.how.serial {
         // What this thread holds (the last RTUs of the step before) goes out before the
         // issuing thread's datagrams (DREQs, say) for the same connections.
         rcm::SendBatch::flush();
@@ -939,12 +946,7 @@ fn run_step(
         from.call_failed(start + k, format!("connection {}: {e}", start + k));
         None
     };
-    let how = Issue {
-        serial: from.serial,
-        send_batch: from.send_batch,
-        issuers: from.issuers,
-    };
-    let errs = issue_and_wait(how, chunk, issue, || {
+    let errs = issue_and_wait(from.how, chunk, issue, || {
         wait(step, from, range, failures, failed, on);
     });
     failures.extend(errs);
@@ -1865,12 +1867,18 @@ mod tests {
         assert!(first >= Duration::from_millis(2), "{first:?}");
     }
 
-    #[test]
-    fn issuing_and_waiting_run_concurrently_in_a_burst_and_in_turn_one_at_a_time() {
+    /// A fabric without devices and `n` ids on it, for the issuing tests.
+    fn fabric_with_ids(n: usize) -> (Fabric, Vec<CmId>) {
         let f = Fabric::new(FabricConfig::default());
-        let ids: Vec<CmId> = (0..4)
+        let ids = (0..n)
             .map(|_| f.create_id_on(PortSpace::Tcp, &EventChannel::new()))
             .collect();
+        (f, ids)
+    }
+
+    #[test]
+    fn issuing_and_waiting_run_concurrently_in_a_burst_and_in_turn_one_at_a_time() {
+        let (f, ids) = fabric_with_ids(4);
         for serial in [false, true] {
             let issued = AtomicUsize::new(0);
             let seen_by_wait = AtomicUsize::new(usize::MAX);
@@ -1916,10 +1924,7 @@ mod tests {
     /// connections `t`, `t + n`, ..., and every thread's errors come back.
     #[test]
     fn issuers_share_a_burst_each_connection_called_once() {
-        let f = Fabric::new(FabricConfig::default());
-        let ids: Vec<CmId> = (0..10)
-            .map(|_| f.create_id_on(PortSpace::Tcp, &EventChannel::new()))
-            .collect();
+        let (f, ids) = fabric_with_ids(10);
         let by = std::sync::Mutex::new(Vec::new());
         let how = Issue {
             serial: false,

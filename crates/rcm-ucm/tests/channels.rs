@@ -191,24 +191,33 @@ fn channels_close_with_their_session() {
     assert_eq!(attach_err(&d, &attach_cmd(ta)), WireError::NoSuchSession);
 }
 
-#[test]
-fn the_client_library_calls_on_channels_from_many_threads() {
-    let d = daemon("ch-client", 47304, &[1, 2]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    // Eight threads at once, 50 ids each, every call checked.
+/// `threads` threads at once each create, bind and destroy `each` ids on `f`, every call
+/// checked; returns how many ids went through.
+fn ids_from_threads(f: &rcm::Fabric, threads: usize, each: usize) -> usize {
+    let made = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|s| {
-        for _ in 0..8 {
+        for _ in 0..threads {
             s.spawn(|| {
-                for _ in 0..50 {
+                for _ in 0..each {
                     let ch = EventChannel::new();
                     let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
                     id.bind(sa(2, 0)).expect("bind");
                     assert_eq!(id.state(), rcm::State::AddrBound);
                     id.destroy().expect("destroy");
+                    made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
         }
     });
+    made.into_inner()
+}
+
+#[test]
+fn the_client_library_calls_on_channels_from_many_threads() {
+    let d = daemon("ch-client", 47304, &[1, 2]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    // Eight threads at once, 50 ids each, every call checked.
+    assert_eq!(ids_from_threads(&f, 8, 50), 8 * 50);
     let n = d.channels();
     assert!((1..=8).contains(&n), "{n} channels for 8 threads");
     wait_ids(&d, 0, 0);
@@ -231,24 +240,7 @@ fn more_calling_threads_than_channels_each_get_one_in_turn() {
         },
     )
     .expect("client");
-    let made = within_a_minute(move || {
-        let made = std::sync::atomic::AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..16 {
-                s.spawn(|| {
-                    for _ in 0..30 {
-                        let ch = EventChannel::new();
-                        let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
-                        id.bind(sa(2, 0)).expect("bind");
-                        assert_eq!(id.state(), rcm::State::AddrBound);
-                        id.destroy().expect("destroy");
-                        made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                });
-            }
-        });
-        made.into_inner()
-    });
+    let made = within_a_minute(move || ids_from_threads(&f, 16, 30));
     assert_eq!(made, 16 * 30);
     assert!(d.channels() <= 2, "{} channels", d.channels());
     wait_ids(&d, 0, 0);

@@ -474,6 +474,7 @@ impl<E: Send + 'static> Slot<E> {
             };
             let mut g = sync::lock(&self.inner);
             g.running = None;
+            let parked = has_parked(&g);
             if (flow == Flow::Destroy || g.deferred) && g.phase == Phase::Live {
                 g.phase = Phase::Destroying;
             }
@@ -493,7 +494,9 @@ impl<E: Send + 'static> Slot<E> {
             if wake {
                 self.cond.notify_all();
             }
-            hand_off(self);
+            if parked {
+                hand_off(self);
+            }
             for d in dropped {
                 self.discard(d);
             }
@@ -795,6 +798,13 @@ fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
     g.extra.get_or_insert_with(Box::default)
 }
 
+/// Whether a slot is parked on `g`'s callback. Read under the lock that ends the callback:
+/// none can park after it (the slot is no longer running), so a callback end with nothing
+/// parked skips `hand_off` and its second lock of the slot.
+fn has_parked<E>(g: &Inner<E>) -> bool {
+    g.extra.as_ref().is_some_and(|e| !e.parked.is_empty())
+}
+
 /// The next slot parked on `g`'s callback (freeing the box once nothing is in it).
 fn next_parked<E>(g: &mut Inner<E>) -> Option<Arc<Slot<E>>> {
     let e = g.extra.as_mut()?;
@@ -863,6 +873,7 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         let s = &self.0;
         let mut g = sync::lock(&s.inner);
         g.running = None;
+        let parked = has_parked(&g);
         let finish = g.phase == Phase::Destroying && g.held == 0 && !g.teardown_started;
         if finish {
             g.teardown_started = true;
@@ -877,7 +888,9 @@ impl<E: Send + 'static> Drop for EnterGuard<E> {
         if wake {
             s.cond.notify_all();
         }
-        hand_off(s);
+        if parked {
+            hand_off(s);
+        }
         if finish {
             s.run_teardown();
         }
