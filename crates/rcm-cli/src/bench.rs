@@ -1082,15 +1082,23 @@ fn resident_flags(n: usize) -> Vec<bool> {
     v
 }
 
+/// The process's resident set, from `VmRSS` of `/proc/self/status` (0 if unreadable). Not
+/// `statm` times `rustix::param::page_size`: rustix reads the page size from the auxiliary
+/// vector, whose vDSO entry it checks by reading a page valgrind leaves unmapped, so the bench
+/// crashed under valgrind (rustix issue 1559).
 fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .nth(1)
-                .and_then(|p| p.parse::<u64>().ok())
-        })
-        .map_or(0, |pages| pages * rustix::param::page_size() as u64)
+        .and_then(|s| vm_rss_bytes(&s))
+        .unwrap_or(0)
+}
+
+/// `VmRSS` of a `/proc/PID/status` text, in bytes.
+fn vm_rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let mut f = line.split_whitespace().skip(1);
+    let n: u64 = f.next()?.parse().ok()?;
+    (f.next() == Some("kB")).then_some(n * 1024)
 }
 
 /// The median and 99th percentile of latencies in microseconds (0 for none), kept in
@@ -1743,6 +1751,19 @@ pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<(
 
 #[cfg(test)]
 mod tests {
+    /// The resident set is read from `VmRSS`, in kB; a status without it, or in another
+    /// unit, gives nothing rather than a wrong number.
+    #[test]
+    fn rss_comes_from_vm_rss_in_kilobytes() {
+        let status = "Name:\trcm\nVmPeak:\t  9000 kB\nVmRSS:\t    1234 kB\nThreads:\t3\n";
+        assert_eq!(super::vm_rss_bytes(status), Some(1234 * 1024));
+        assert_eq!(super::vm_rss_bytes("Name:\trcm\n"), None);
+        assert_eq!(super::vm_rss_bytes("VmRSS:\t12 MB\n"), None);
+        assert_eq!(super::vm_rss_bytes("VmRSS:\t\n"), None);
+        // This process's own figure is there and plausible (more than a page).
+        assert!(super::rss_bytes() > 4096);
+    }
+
     /// A pinned thread runs on its one CPU, and where it ran before once the guard drops.
     #[test]
     fn a_pinned_thread_runs_on_one_cpu_and_goes_back_after() {

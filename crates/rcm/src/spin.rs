@@ -130,7 +130,7 @@ const CPUS: usize = 64;
 static LOOKS: [Looks; CPUS] = [const { Looks(AtomicU64::new(0)) }; CPUS];
 
 fn this_cpu() -> usize {
-    rustix::thread::sched_getcpu() % CPUS
+    crate::sys::current_cpu() % CPUS
 }
 
 /// The count of the CPU this thread runs on (as far as it knows), and the CPU.

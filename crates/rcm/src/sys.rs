@@ -35,7 +35,19 @@ pub(crate) fn bind_address_no_port(sock: &impl std::os::fd::AsRawFd) -> std::io:
     set_int(sock, libc::IPPROTO_IP, libc::IP_BIND_ADDRESS_NO_PORT, 1)
 }
 
-/// `setsockopt` with an `int` value: the one `unsafe` call of this module.
+/// The CPU this thread runs on now (it may move at once after), through glibc's
+/// `sched_getcpu`. Not `rustix::thread::sched_getcpu`: that looks the vDSO up through the
+/// auxiliary vector, which under valgrind names an unmapped page, so every program built
+/// on rcm crashed there (rustix issue 1559); glibc's call works under valgrind and natively
+/// costs the same vDSO call.
+pub(crate) fn current_cpu() -> usize {
+    // SAFETY: `sched_getcpu` takes no arguments and touches no memory of ours; it returns
+    // the CPU number or -1 with errno set.
+    let cpu = unsafe { libc::sched_getcpu() };
+    usize::try_from(cpu).unwrap_or(0)
+}
+
+/// `setsockopt` with an `int` value.
 fn set_int(
     sock: &impl std::os::fd::AsRawFd,
     level: libc::c_int,
