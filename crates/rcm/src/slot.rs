@@ -87,8 +87,9 @@ pub(crate) trait Scheduler<E>: Send + Sync {
     }
     /// The slot `ev` must be delivered serialised with (a connect request's listener): its
     /// callback then runs as one of that slot's ([`Slot::try_enter`]). While that slot's
-    /// callback runs, the event's slot is parked on it, holding no thread, and scheduled
-    /// again in its turn (one per callback end, in the order they parked). Once that slot is not live the event is dropped undelivered and
+    /// callback runs, or other events wait for it, the event's slot is parked on it,
+    /// holding no thread, and scheduled again in its turn (one per callback end, in the
+    /// order they parked). Once that slot is not live the event is dropped undelivered and
     /// its slot destroyed. None by default.
     fn gate(&self, _ev: &E) -> Option<Arc<Slot<E>>> {
         None
@@ -133,9 +134,24 @@ struct Inner<E> {
     /// Threads waiting on the slot's condition variable: a state change with none waiting
     /// makes no wake-up system call (one per callback otherwise).
     waiters: u32,
-    /// This slot is in another slot's `parked` list (or was taken from it by a hand-off
-    /// that has not looked at it yet): parking again adds no second entry.
-    parked_on_gate: bool,
+    /// Where this slot stands with the slot its event is to enter (see `GateWait`).
+    gate_wait: GateWait,
+}
+
+/// Where a slot whose event is to enter another slot (`Scheduler::gate`) stands with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GateWait {
+    /// Not waiting for it.
+    No,
+    /// In its `parked` list (or taken from it by a hand-off that has not looked at it
+    /// yet): parking again adds no second entry.
+    Parked,
+    /// Scheduled by a hand-off: it is this slot's turn. Parked slots stay parked until a
+    /// hand-off schedules them, so a slot that arrives while others wait queues behind them
+    /// instead of going in first; and one whose turn finds the gate busy (an event of the
+    /// gate's own went first) goes back to the front. Without both, a request could be
+    /// overtaken again and again while the listener stays busy, and time out at its peer.
+    Turn,
 }
 
 /// One id's serialisation domain.
@@ -294,7 +310,7 @@ impl<E: Send + 'static> Slot<E> {
                 deferred: false,
                 extra: None,
                 waiters: 0,
-                parked_on_gate: false,
+                gate_wait: GateWait::No,
             }),
             cond: Condvar::new(),
             target: Mutex::new(Some(target)),
@@ -453,7 +469,7 @@ impl<E: Send + 'static> Slot<E> {
             let entry = self
                 .sched
                 .gate(&ev)
-                .map(|gate| gate.try_enter(self, &mut g.parked_on_gate));
+                .map(|gate| gate.try_enter(self, &mut g.gate_wait));
             if let Some(Entry::Parked) = entry {
                 g.queue.push_front(ev);
                 g.scheduled = false;
@@ -689,25 +705,34 @@ impl<E: Send + 'static> Slot<E> {
     /// Runs code of another slot's event (`who`'s) as if it were a callback of this slot:
     /// marks this slot running until the guard drops, so this slot's blocking destroy waits
     /// for it (a connect request is serialised with its listener, as Linux delivers it
-    /// under the listener's handler mutex). While a callback of this slot runs, `who` is
-    /// parked here instead, and scheduled in its turn (`hand_off`). `Closed` once the slot is
-    /// not live. `who_parked` is `who`'s `parked_on_gate`, its lock held by the caller.
-    pub(crate) fn try_enter(
-        self: &Arc<Self>,
-        who: &Arc<Slot<E>>,
-        who_parked: &mut bool,
-    ) -> Entry<E> {
+    /// under the listener's handler mutex). While a callback of this slot runs, or other
+    /// slots wait for their turn, `who` is parked here instead, and scheduled in its turn
+    /// (`hand_off`), in the order they parked. `Closed` once the slot is not live. `wait` is
+    /// `who`'s `gate_wait`, its lock held by the caller.
+    pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>, wait: &mut GateWait) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
         if g.phase != Phase::Live {
             return Entry::Closed;
         }
-        if g.running.is_some() {
-            if !*who_parked {
-                *who_parked = true;
-                extra(&mut g).parked.push_back(who.clone());
+        let busy = g.running.is_some();
+        match *wait {
+            GateWait::Turn if busy => {
+                *wait = GateWait::Parked;
+                extra(&mut g).parked.push_front(who.clone());
+                return Entry::Parked;
             }
-            return Entry::Parked;
+            // Listed already; it goes in when a hand-off takes it (see `GateWait`).
+            GateWait::Parked if busy || has_parked(&g) => return Entry::Parked,
+            // A turn handed on is in flight whenever slots are listed and the gate is idle
+            // (`hand_off`): that slot's end, or its discard, hands on to this one in turn.
+            GateWait::No if busy || has_parked(&g) => {
+                *wait = GateWait::Parked;
+                extra(&mut g).parked.push_back(who.clone());
+                return Entry::Parked;
+            }
+            _ => {}
         }
+        *wait = GateWait::No;
         g.running = Some(sync::thread::current().id());
         Entry::Entered(EnterGuard(self.clone()))
     }
@@ -842,12 +867,14 @@ fn hand_off<E: Send + 'static>(gate: &Arc<Slot<E>>) {
     }
 }
 
-/// Schedules `p`, taken from a gate's parked list, if it still waits to go in. Returns
-/// whether it was scheduled here.
+/// Gives `p`, taken from a gate's parked list, the turn if it still waits to go in, and
+/// schedules it unless something else already did (it then comes by itself, and goes in as
+/// the one whose turn it is). Returns whether it took the turn.
 fn wake_parked<E: Send + 'static>(p: &Arc<Slot<E>>) -> bool {
     let mut g = sync::lock(&p.inner);
-    g.parked_on_gate = false;
-    let go = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
+    let waits = g.phase == Phase::Live && !g.queue.is_empty();
+    let go = waits && !g.scheduled;
+    g.gate_wait = if waits { GateWait::Turn } else { GateWait::No };
     if go {
         g.scheduled = true;
     }
@@ -855,7 +882,7 @@ fn wake_parked<E: Send + 'static>(p: &Arc<Slot<E>>) -> bool {
     if go {
         p.sched.schedule(p.clone());
     }
-    go
+    waits
 }
 
 /// Schedules every slot that was parked on a gate now closed.
@@ -1654,7 +1681,7 @@ mod tests {
         let listener = Slot::new(Target::Callback(cb.clone()), sched.clone());
         *sched.gate.lock().unwrap() = Some(listener.clone());
         let holder = Slot::new(Target::Callback(cb.clone()), sched.clone());
-        let held = listener.try_enter(&holder, &mut false);
+        let held = listener.try_enter(&holder, &mut super::GateWait::No);
         assert!(matches!(held, super::Entry::Entered(_)));
         let children: Vec<_> = (0..n)
             .map(|_| Slot::new(Target::Callback(cb.clone()), sched.clone()))
@@ -1690,6 +1717,47 @@ mod tests {
         }
         assert_eq!(schedules, 50);
         assert_eq!(*ran.lock().unwrap(), (1000..1050).collect::<Vec<u32>>());
+    }
+
+    /// A request that arrives while others are parked, the listener idle with a turn handed
+    /// on in flight, parks behind them instead of going in first; and one whose turn finds
+    /// the listener busy again (an event of its own went first) goes back to the front. So
+    /// the requests go in in the order they came, however often the listener is busy.
+    #[test]
+    fn parked_slots_go_in_in_order_past_newcomers_and_busy_turns() {
+        let (sched, listener, _children, held, ran) = parked_children(3);
+        drop(held);
+        let turn = sched.take();
+        assert_eq!(turn.len(), 1, "the turn went to the first");
+        // A newcomer arrives while that turn is in flight: it parks, last.
+        let r = ran.clone();
+        let record: super::Callback<u32> = Arc::new(move |_, ev| {
+            r.lock().unwrap().push(ev);
+            Flow::Continue
+        });
+        let late = Slot::new(Target::Callback(record), sched.clone());
+        late.push(1099);
+        for s in sched.take() {
+            s.drain();
+        }
+        assert!(ran.lock().unwrap().is_empty(), "the newcomer went in first");
+        // The listener's own event runs before the turn comes: the turn goes back to the
+        // front, not behind the newcomer.
+        listener.inner.lock().unwrap().running = Some(std::thread::current().id());
+        // Its end is a callback's end, as a guard's drop is.
+        let entry = super::EnterGuard(listener.clone());
+        turn[0].drain();
+        assert!(ran.lock().unwrap().is_empty());
+        drop(entry);
+        loop {
+            let ready = sched.take();
+            if ready.is_empty() {
+                break;
+            }
+            assert_eq!(ready.len(), 1, "one at a time");
+            ready[0].drain();
+        }
+        assert_eq!(*ran.lock().unwrap(), vec![1000, 1001, 1002, 1099]);
     }
 
     /// A child scheduled by a hand-off that is destroyed, or whose event a device removal

@@ -965,3 +965,52 @@ fn m12_hand_off_between_parked_events_vs_destroy() {
         c2rec.finish(1);
     });
 }
+
+/// 13. Three events to enter one gate, from three threads, against the gate's own callback:
+///     a newcomer that finds others parked parks behind them even when the gate is idle
+///     (a turn handed on is in flight), and a turn that finds the gate busy goes back to
+///     the front. No event is left parked on an idle gate: each is delivered exactly once,
+///     and none overlaps another or the gate's callback.
+#[test]
+fn m13_newcomers_queue_behind_parked_events() {
+    model("13 newcomer x hand-off", None, || {
+        let (lrec, c1rec, c2rec, c3rec) = (Rec::new(), Rec::new(), Rec::new(), Rec::new());
+        let busy = Arc::new(AtomicUsize::new(0));
+        let body = |rec: &Arc<Rec>| no_overlap(rec, &busy);
+        let listener = slot(&lrec, body(&lrec));
+        let (c1, c2, c3) = (
+            gated(&c1rec, body(&c1rec), &listener),
+            gated(&c2rec, body(&c2rec), &listener),
+            gated(&c3rec, body(&c3rec), &listener),
+        );
+        let a = {
+            let (l, rec) = (listener.clone(), lrec.clone());
+            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
+        };
+        let b = {
+            let (c, rec) = (c1.clone(), c1rec.clone());
+            thread::spawn(move || c.push(ev(&rec, Kind::Normal(2))))
+        };
+        c2.push(ev(&c2rec, Kind::Normal(3)));
+        c3.push(ev(&c3rec, Kind::Normal(4)));
+        a.join().unwrap();
+        b.join().unwrap();
+        assert_eq!(
+            (
+                lrec.started(),
+                c1rec.started(),
+                c2rec.started(),
+                c3rec.started()
+            ),
+            (1, 1, 1, 1),
+            "every event delivered, once"
+        );
+        for c in [&c1, &c2, &c3] {
+            assert_eq!(c.destroy(true), Ok(DestroyOutcome::Done));
+        }
+        assert_eq!(listener.destroy(true), Ok(DestroyOutcome::Done));
+        for r in [&lrec, &c1rec, &c2rec, &c3rec] {
+            r.finish(1);
+        }
+    });
+}
