@@ -124,7 +124,8 @@ struct BenchArgs {
     /// once to spread its ids over several devices: one address has ~28,000 ephemeral
     /// ports, so 100,000 connections need four. Default with --listen 127.0.0.1; with
     /// --server, 127.0.0.2 toward a loopback server, else the address the routing table
-    /// picks for the server.
+    /// picks for the server. Refused without --listen, --server or --daemon: the embedded
+    /// run's devices are 127.0.0.1 and 127.0.0.2.
     #[arg(long, value_name = "IP")]
     bind: Vec<std::net::IpAddr>,
     /// Seconds to wait for any one step before giving up (at most a day).
@@ -367,7 +368,8 @@ struct PingArgs {
     connect: Option<std::net::IpAddr>,
     /// This side's address (its device). Defaults: server 127.0.0.1; client 127.0.0.2 toward
     /// a loopback server (127.0.0.1 toward 127.0.0.2), else the address the routing table
-    /// picks for --connect.
+    /// picks for --connect. With neither --listen nor --connect, both ends use this one
+    /// device (e.g. `--bind ::1`); by default they are 127.0.0.1 and 127.0.0.2.
     #[arg(long, value_name = "IP")]
     bind: Option<std::net::IpAddr>,
     /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
@@ -647,6 +649,18 @@ fn fix_mmap_threshold() {}
 
 fn bench(a: &BenchArgs) -> ExitCode {
     use rcm_cli::bench;
+    if !a.bind.is_empty() && !a.listen && a.server.is_none() && a.daemon.is_none() {
+        // The embedded run's devices are fixed (127.0.0.1 serves, 127.0.0.2 and up connect):
+        // an address given here would be ignored.
+        eprintln!(
+            "rcm bench: --bind picks a side's address with --listen, --server or --daemon; \
+             the embedded run's devices are 127.0.0.1 and 127.0.0.2 (for other addresses, \
+             run `rcm bench --listen --bind IP` and `rcm bench --server IP` in two processes, \
+             or, for one address such as ::1, `rcm daemon --bind IP` and \
+             `rcm bench --daemon PATH`)"
+        );
+        return ExitCode::from(2);
+    }
     let mut bind = a.bind.clone();
     if bind.is_empty() && a.daemon.is_none() {
         if a.listen {

@@ -906,8 +906,10 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
             );
         }
         None => {
-            let s = first.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            let c = second.unwrap_or(IpAddr::from([127, 0, 0, 2]));
+            // `--bind` puts both ends on that one device (the client connects to its own
+            // address, as two clients of a one-address daemon do: `::1` has no second).
+            let s = o.bind.or(first).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            let c = o.bind.or(second).unwrap_or(IpAddr::from([127, 0, 0, 2]));
             add(s)?;
             if c != s {
                 add(c)?;

@@ -176,6 +176,14 @@ fn bench_usage_errors_are_clear() {
     let (code, _, err) = rcm(&["bench", "--listen", "--server", "127.0.0.1"]);
     assert_eq!(code, 2);
     assert!(err.contains("--server"), "{err}");
+    // The embedded run's devices are fixed: an address it would ignore is refused.
+    let (code, out, err) = rcm(&["bench", "--bind", "::1", "-c", "10"]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(out.is_empty(), "the bench ran: {out}");
+    assert!(
+        err.contains("--bind picks a side's address with --listen"),
+        "{err}"
+    );
     let (code, _, err) = rcm(&["bench", "--timeout", "18446744073709551615"]);
     assert_eq!(
         code, 2,
@@ -521,6 +529,29 @@ fn ping_both_roles_in_one_process() {
         ),
         "{out}"
     );
+}
+
+/// With both ends in one process, `--bind` puts both on that one device: over IPv6 (`::1`
+/// has no second loopback address) for RoCEv2 connections, UD and iWARP. It was ignored,
+/// and the run went over 127.0.0.1 and 127.0.0.2 whatever was asked.
+#[test]
+fn ping_both_roles_on_one_device_given_by_bind() {
+    let (code, out, err) = rcm(&["ping", "--bind", "::1", "-c", "2", "--udp-port", "26797"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("established to [::1]:7471"), "{out}");
+    assert!(!out.contains("127.0.0."), "{out}");
+    assert!(out.contains("2 of 2 established, 2 disconnected"), "{out}");
+    for extra in [
+        &["--ps", "udp"][..],
+        &["--transport", "iwarp", "-p", "26798"][..],
+    ] {
+        let mut args = vec!["ping", "--bind", "::1", "-c", "1", "--udp-port", "26797"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
+        assert!(out.contains("[::1]"), "{extra:?}: {out}");
+        assert!(out.contains("1 of 1 established, 1 disconnected"), "{out}");
+    }
 }
 
 #[test]
