@@ -896,6 +896,12 @@ fn gated(
     c
 }
 
+/// Pushes `Normal(n)` to `s` from a thread of its own.
+fn push_on_a_thread(s: &SlotHandle<Ev>, rec: &Arc<Rec>, n: u8) -> thread::JoinHandle<()> {
+    let (s, rec) = (s.clone(), rec.clone());
+    thread::spawn(move || s.push(ev(&rec, Kind::Normal(n))))
+}
+
 /// 11. An event delivered as a callback of another slot (`Scheduler::gate`: a connect
 ///     request on its listener) against that slot's own callback: the two never overlap,
 ///     both run exactly once, and the gated one, parked while the other runs, is scheduled
@@ -910,10 +916,7 @@ fn m11_gated_event_vs_the_gate_slots_callback() {
         let body = |rec: &Arc<Rec>| no_overlap(rec, &busy);
         let listener = slot(&lrec, body(&lrec));
         let child = gated(&crec, body(&crec), &listener);
-        let a = {
-            let (l, rec) = (listener.clone(), lrec.clone());
-            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
-        };
+        let a = push_on_a_thread(&listener, &lrec, 1);
         child.push(ev(&crec, Kind::Normal(2)));
         a.join().unwrap();
         assert_eq!(
@@ -944,14 +947,8 @@ fn m12_hand_off_between_parked_events_vs_destroy() {
             gated(&c1rec, body(&c1rec), &listener),
             gated(&c2rec, body(&c2rec), &listener),
         );
-        let a = {
-            let (l, rec) = (listener.clone(), lrec.clone());
-            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
-        };
-        let b = {
-            let (c, rec) = (c1.clone(), c1rec.clone());
-            thread::spawn(move || c.push(ev(&rec, Kind::Normal(2))))
-        };
+        let a = push_on_a_thread(&listener, &lrec, 1);
+        let b = push_on_a_thread(&c1, &c1rec, 2);
         c2.push(ev(&c2rec, Kind::Normal(3)));
         let _ = c1.destroy(false);
         a.join().unwrap();
@@ -983,14 +980,8 @@ fn m13_newcomers_queue_behind_parked_events() {
             gated(&c2rec, body(&c2rec), &listener),
             gated(&c3rec, body(&c3rec), &listener),
         );
-        let a = {
-            let (l, rec) = (listener.clone(), lrec.clone());
-            thread::spawn(move || l.push(ev(&rec, Kind::Normal(1))))
-        };
-        let b = {
-            let (c, rec) = (c1.clone(), c1rec.clone());
-            thread::spawn(move || c.push(ev(&rec, Kind::Normal(2))))
-        };
+        let a = push_on_a_thread(&listener, &lrec, 1);
+        let b = push_on_a_thread(&c1, &c1rec, 2);
         c2.push(ev(&c2rec, Kind::Normal(3)));
         c3.push(ev(&c3rec, Kind::Normal(4)));
         a.join().unwrap();
