@@ -126,6 +126,10 @@ pub struct Report {
     /// sleep, as rcm's threads do, each on a CPU of its own where there are two (the floor
     /// for rcm's own waiting; 0 when not measured).
     pub udp_rtt_poll_p50_us: f64,
+    /// The CPUs the polling round trip's two ends were pinned to; absent when this process
+    /// may run on one CPU only (both ends then took turns on it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub udp_rtt_poll_cpus: Option<[usize; 2]>,
     /// The per-step table.
     pub steps: Vec<Step>,
     /// TCP baseline: connect + QP-info-sized exchange + close, per second.
@@ -861,6 +865,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         connect_p99_us: p99,
         udp_rtt_p50_us: 0.0,
         udp_rtt_poll_p50_us: 0.0,
+        udp_rtt_poll_cpus: None,
         rss_per_conn_bytes: if o.serial || established == 0 {
             0.0
         } else {
@@ -1243,6 +1248,8 @@ fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration) {
     r.udp_rtt_p50_us = udp_rtt(a, b, 2000, Duration::ZERO).unwrap_or(0.0);
     if !spin.is_zero() {
         r.udp_rtt_poll_p50_us = udp_rtt(a, b, 2000, spin).unwrap_or(0.0);
+        // As `udp_rtt` placed its ends.
+        r.udp_rtt_poll_cpus = two_cpus().map(|(a, b)| [a, b]);
     }
 }
 
@@ -1651,8 +1658,13 @@ pub fn print_table(r: &Report) {
         } else {
             String::new()
         };
+        let cpus = if r.udp_rtt_poll_cpus.is_some() {
+            "on two CPUs"
+        } else {
+            "taking turns on the one CPU this process may use"
+        };
         println!(
-            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, on two CPUs, see --spin-us{ratio})",
+            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, {cpus}, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
         );
     }

@@ -332,6 +332,40 @@ fn bench_with_attached_qps_leaves_the_qp_steps_to_rcm() {
     assert!(err.contains("--qp"), "{err}");
 }
 
+/// The polling round trip says where its two ends ran: on two CPUs where the process may
+/// use two, taking turns on one where it may use one (`taskset -c 0`). The report said
+/// "on two CPUs" in both cases.
+#[test]
+fn bench_says_where_the_polling_round_trip_ran() {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let args = ["bench", "--serial", "-c", "20", "--udp-port", "26813"];
+    let out = std::process::Command::new("taskset")
+        .args(["-c", "0", env!("CARGO_BIN_EXE_rcm")])
+        .args(args)
+        .output()
+        .expect("taskset (util-linux)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("taking turns on the one CPU this process may use"),
+        "{text}"
+    );
+    let mut json = args.to_vec();
+    json.push("--json");
+    let (code, out, err) = rcm(&json);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    if cpus < 2 {
+        assert!(v.get("udp_rtt_poll_cpus").is_none(), "{out}");
+        return;
+    }
+    let two = v["udp_rtt_poll_cpus"]
+        .as_array()
+        .expect("udp_rtt_poll_cpus");
+    assert_eq!(two.len(), 2, "{out}");
+    assert_ne!(two[0], two[1], "{out}");
+}
+
 /// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
 /// the report, and is refused where the other side's threads are not this process's.
 #[test]
