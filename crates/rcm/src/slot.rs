@@ -824,7 +824,8 @@ fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
 }
 
 /// Whether a slot is parked on `g`'s callback. Read under the lock that ends the callback:
-/// none can park after it (the slot is no longer running), so a callback end with nothing
+/// with the slot no longer running and nothing parked, none can park after it (a slot parks
+/// only on a busy slot or behind others, see `try_enter`), so a callback end with nothing
 /// parked skips `hand_off` and its second lock of the slot.
 fn has_parked<E>(g: &Inner<E>) -> bool {
     g.extra.as_ref().is_some_and(|e| !e.parked.is_empty())
