@@ -591,6 +591,11 @@ fn client_loop(
     // each one; if its REP retries all died (a half-open connection IBTA allows under loss),
     // nobody would, so after a grace period the client disconnects itself (reported apart).
     let mut open: HashMap<u64, (Instant, CmId)> = HashMap::new();
+    // Connections whose reply's private data a CONNECT_RESPONSE carried and was checked.
+    // Without one (iWARP: the MPA Reply's data comes with ESTABLISHED), ESTABLISHED's is
+    // checked, whether or not this side was told the transport: through an iWARP daemon
+    // without `--transport iwarp` the reply's data went unchecked.
+    let mut replied: std::collections::HashSet<u64> = std::collections::HashSet::new();
     while finished < ids.len() {
         let now = Instant::now();
         let left = deadline.saturating_duration_since(now);
@@ -645,6 +650,7 @@ fn client_loop(
                 }
             }
             Event::ConnectResponse { private_data, .. } => {
+                replied.insert(id.key());
                 if pd_matches(private_data, &o.private_data) {
                     r.private_data_ok += 1;
                 } else {
@@ -682,6 +688,15 @@ fn client_loop(
                         r.errors
                             .push(format!("client {i}: reply private data differs"));
                     }
+                } else if udp.is_none() && !replied.contains(&id.key()) {
+                    if pd_matches(private_data, &o.private_data) {
+                        r.private_data_ok += 1;
+                    } else {
+                        r.errors
+                            .push(format!("client {i}: reply private data differs"));
+                    }
+                }
+                if o.iwarp {
                     let pd = &o.private_data;
                     let who = format!("client {i}");
                     let (ping, pong) = (ping_message(pd), pong_message(pd));

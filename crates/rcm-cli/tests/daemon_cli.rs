@@ -537,6 +537,9 @@ fn iwarp_daemon_serves_ping_and_bench() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["established"], 5);
     assert_eq!(v["disconnected"], 5);
+    // Both ways, though the client was not told the transport: the reply's private data
+    // comes with ESTABLISHED (no CONNECT_RESPONSE on iWARP), and was left unchecked.
+    assert_eq!(v["private_data_ok"], 10, "{out}");
     // The bench does not need to be told the daemon's transport.
     let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "200", "-p", "7651", "--json"]);
     assert_eq!(code, 0, "{out}\n{err}");
@@ -558,8 +561,11 @@ fn iwarp_daemon_serves_ping_and_bench() {
         "3",
         "-p",
         "7652",
+        "--json",
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["private_data_ok"], 6, "{out}");
     sigterm(&d);
     assert_eq!(wait_exit(&mut d), 0);
 }

@@ -87,9 +87,8 @@ pub(crate) trait Scheduler<E>: Send + Sync {
     }
     /// The slot `ev` must be delivered serialised with (a connect request's listener): its
     /// callback then runs as one of that slot's ([`Slot::try_enter`]). While that slot's
-    /// callback runs, or other events wait for it, the event's slot is parked on it,
-    /// holding no thread, and scheduled again in its turn (one per callback end, in the
-    /// order they parked). Once that slot is not live the event is dropped undelivered and
+    /// callback runs, the event's slot is parked on it, holding no thread, and scheduled
+    /// again in its turn (one per callback end, in the order they parked). Once that slot is not live the event is dropped undelivered and
     /// its slot destroyed. None by default.
     fn gate(&self, _ev: &E) -> Option<Arc<Slot<E>>> {
         None
@@ -146,11 +145,14 @@ pub(crate) enum GateWait {
     /// In its `parked` list (or taken from it by a hand-off that has not looked at it
     /// yet): parking again adds no second entry.
     Parked,
-    /// Scheduled by a hand-off: it is this slot's turn. Parked slots stay parked until a
-    /// hand-off schedules them, so a slot that arrives while others wait queues behind them
-    /// instead of going in first; and one whose turn finds the gate busy (an event of the
-    /// gate's own went first) goes back to the front. Without both, a request could be
-    /// overtaken again and again while the listener stays busy, and time out at its peer.
+    /// Scheduled by a hand-off: it is this slot's turn. If it finds the gate busy (an event
+    /// of the gate's own, or a newcomer, went in first) it goes back to the front of the
+    /// list, not the back, so the next hand-off is its again: it went behind every slot that
+    /// parked meanwhile, and under a steady stream a request could wait for all of them
+    /// again and again. A newcomer that finds the gate idle still goes in at once, even with
+    /// slots parked: making it wait for the hand-offs cost the daemon (whose callbacks run
+    /// inline, its hand-offs on callback threads that sleep) nearly all of its connections
+    /// under `rcm stress`.
     Turn,
 }
 
@@ -705,34 +707,30 @@ impl<E: Send + 'static> Slot<E> {
     /// Runs code of another slot's event (`who`'s) as if it were a callback of this slot:
     /// marks this slot running until the guard drops, so this slot's blocking destroy waits
     /// for it (a connect request is serialised with its listener, as Linux delivers it
-    /// under the listener's handler mutex). While a callback of this slot runs, or other
-    /// slots wait for their turn, `who` is parked here instead, and scheduled in its turn
-    /// (`hand_off`), in the order they parked. `Closed` once the slot is not live. `wait` is
-    /// `who`'s `gate_wait`, its lock held by the caller.
+    /// under the listener's handler mutex). While a callback of this slot runs, `who` is
+    /// parked here instead, and scheduled in its turn (`hand_off`), in the order they parked
+    /// (see `GateWait::Turn`). `Closed` once the slot is not live. `wait` is `who`'s
+    /// `gate_wait`, its lock held by the caller.
     pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>, wait: &mut GateWait) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
         if g.phase != Phase::Live {
             return Entry::Closed;
         }
-        let busy = g.running.is_some();
-        match *wait {
-            GateWait::Turn if busy => {
-                *wait = GateWait::Parked;
-                extra(&mut g).parked.push_front(who.clone());
-                return Entry::Parked;
+        if g.running.is_some() {
+            match *wait {
+                GateWait::Turn => extra(&mut g).parked.push_front(who.clone()),
+                GateWait::No => extra(&mut g).parked.push_back(who.clone()),
+                // Listed already.
+                GateWait::Parked => {}
             }
-            // Listed already; it goes in when a hand-off takes it (see `GateWait`).
-            GateWait::Parked if busy || has_parked(&g) => return Entry::Parked,
-            // A turn handed on is in flight whenever slots are listed and the gate is idle
-            // (`hand_off`): that slot's end, or its discard, hands on to this one in turn.
-            GateWait::No if busy || has_parked(&g) => {
-                *wait = GateWait::Parked;
-                extra(&mut g).parked.push_back(who.clone());
-                return Entry::Parked;
-            }
-            _ => {}
+            *wait = GateWait::Parked;
+            return Entry::Parked;
         }
-        *wait = GateWait::No;
+        // A slot still listed that goes in (scheduled by something else) stays listed until
+        // a hand-off takes it, which then finds it not waiting and passes it by.
+        if *wait == GateWait::Turn {
+            *wait = GateWait::No;
+        }
         g.running = Some(sync::thread::current().id());
         Entry::Entered(EnterGuard(self.clone()))
     }
@@ -824,8 +822,7 @@ fn extra<E>(g: &mut Inner<E>) -> &mut Extra<E> {
 }
 
 /// Whether a slot is parked on `g`'s callback. Read under the lock that ends the callback:
-/// with the slot no longer running and nothing parked, none can park after it (a slot parks
-/// only on a busy slot or behind others, see `try_enter`), so a callback end with nothing
+/// none can park after it (the slot is no longer running), so a callback end with nothing
 /// parked skips `hand_off` and its second lock of the slot.
 fn has_parked<E>(g: &Inner<E>) -> bool {
     g.extra.as_ref().is_some_and(|e| !e.parked.is_empty())
@@ -868,14 +865,14 @@ fn hand_off<E: Send + 'static>(gate: &Arc<Slot<E>>) {
     }
 }
 
-/// Gives `p`, taken from a gate's parked list, the turn if it still waits to go in, and
-/// schedules it unless something else already did (it then comes by itself, and goes in as
-/// the one whose turn it is). Returns whether it took the turn.
+/// Schedules `p`, taken from a gate's parked list, if it still waits to go in, and gives
+/// it the turn. Returns whether it was scheduled here: one scheduled by something else
+/// may not come for this gate (it went in already, its event delivered), so the turn
+/// goes on to the next; if it does come and finds the gate busy, it parks again.
 fn wake_parked<E: Send + 'static>(p: &Arc<Slot<E>>) -> bool {
     let mut g = sync::lock(&p.inner);
-    let waits = g.phase == Phase::Live && !g.queue.is_empty();
-    let go = waits && !g.scheduled;
-    g.gate_wait = if waits { GateWait::Turn } else { GateWait::No };
+    let go = g.phase == Phase::Live && !g.queue.is_empty() && !g.scheduled;
+    g.gate_wait = if go { GateWait::Turn } else { GateWait::No };
     if go {
         g.scheduled = true;
     }
@@ -883,7 +880,7 @@ fn wake_parked<E: Send + 'static>(p: &Arc<Slot<E>>) -> bool {
     if go {
         p.sched.schedule(p.clone());
     }
-    waits
+    go
 }
 
 /// Schedules every slot that was parked on a gate now closed.
@@ -1720,17 +1717,23 @@ mod tests {
         assert_eq!(*ran.lock().unwrap(), (1000..1050).collect::<Vec<u32>>());
     }
 
-    /// A request that arrives while others are parked, the listener idle with a turn handed
-    /// on in flight, parks behind them instead of going in first; and one whose turn finds
-    /// the listener busy again (an event of its own went first) goes back to the front. So
-    /// the requests go in in the order they came, however often the listener is busy.
+    /// A parked request whose turn finds the listener busy again (a newcomer, or an event of
+    /// its own, went in first) goes back to the front, and the next turn is its: the
+    /// requests that parked go in in the order they came, however often the listener is
+    /// busy when a turn comes. (It went to the back, behind all that parked meanwhile.)
     #[test]
-    fn parked_slots_go_in_in_order_past_newcomers_and_busy_turns() {
+    fn a_turn_that_finds_the_gate_busy_keeps_its_place() {
         let (sched, listener, _children, held, ran) = parked_children(3);
         drop(held);
         let turn = sched.take();
         assert_eq!(turn.len(), 1, "the turn went to the first");
-        // A newcomer arrives while that turn is in flight: it parks, last.
+        // A newcomer goes in meanwhile and is still running when the turn comes.
+        listener.inner.lock().unwrap().running = Some(std::thread::current().id());
+        // Its end is a callback's end, as a guard's drop is.
+        let newcomer = super::EnterGuard(listener.clone());
+        turn[0].drain();
+        assert!(ran.lock().unwrap().is_empty(), "went in on a busy listener");
+        // Another parks while the listener is busy: behind the three.
         let r = ran.clone();
         let record: super::Callback<u32> = Arc::new(move |_, ev| {
             r.lock().unwrap().push(ev);
@@ -1741,15 +1744,7 @@ mod tests {
         for s in sched.take() {
             s.drain();
         }
-        assert!(ran.lock().unwrap().is_empty(), "the newcomer went in first");
-        // The listener's own event runs before the turn comes: the turn goes back to the
-        // front, not behind the newcomer.
-        listener.inner.lock().unwrap().running = Some(std::thread::current().id());
-        // Its end is a callback's end, as a guard's drop is.
-        let entry = super::EnterGuard(listener.clone());
-        turn[0].drain();
-        assert!(ran.lock().unwrap().is_empty());
-        drop(entry);
+        drop(newcomer);
         loop {
             let ready = sched.take();
             if ready.is_empty() {

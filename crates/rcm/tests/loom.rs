@@ -964,13 +964,13 @@ fn m12_hand_off_between_parked_events_vs_destroy() {
 }
 
 /// 13. Three events to enter one gate, from three threads, against the gate's own callback:
-///     a newcomer that finds others parked parks behind them even when the gate is idle
-///     (a turn handed on is in flight), and a turn that finds the gate busy goes back to
-///     the front. No event is left parked on an idle gate: each is delivered exactly once,
-///     and none overlaps another or the gate's callback.
+///     a newcomer may go in while a turn handed on is in flight, and that turn, finding the
+///     gate busy, goes back to the front of the list. No event is left parked on an idle
+///     gate: each is delivered exactly once, and none overlaps another or the gate's
+///     callback.
 #[test]
-fn m13_newcomers_queue_behind_parked_events() {
-    model("13 newcomer x hand-off", None, || {
+fn m13_a_busy_turn_goes_back_to_the_front() {
+    model("13 newcomer x busy turn", None, || {
         let (lrec, c1rec, c2rec, c3rec) = (Rec::new(), Rec::new(), Rec::new(), Rec::new());
         let busy = Arc::new(AtomicUsize::new(0));
         let body = |rec: &Arc<Rec>| no_overlap(rec, &busy);
