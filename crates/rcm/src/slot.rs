@@ -147,9 +147,9 @@ pub(crate) enum GateWait {
     Parked,
     /// Scheduled by a hand-off: it is this slot's turn. If it finds the gate busy (an event
     /// of the gate's own, or a newcomer, went in first) it goes back to the front of the
-    /// list, not the back, so the next hand-off is its again: it went behind every slot that
-    /// parked meanwhile, and under a steady stream a request could wait for all of them
-    /// again and again. A newcomer that finds the gate idle still goes in at once, even with
+    /// list, so the next hand-off is its again. (At the back, behind every slot that parked
+    /// meanwhile, a request could wait for all of them again and again under a steady
+    /// stream.) A newcomer that finds the gate idle still goes in at once, even with
     /// slots parked: making it wait for the hand-offs cost the daemon (whose callbacks run
     /// inline, its hand-offs on callback threads that sleep) nearly all of its connections
     /// under `rcm stress`.
@@ -708,8 +708,8 @@ impl<E: Send + 'static> Slot<E> {
     /// marks this slot running until the guard drops, so this slot's blocking destroy waits
     /// for it (a connect request is serialised with its listener, as Linux delivers it
     /// under the listener's handler mutex). While a callback of this slot runs, `who` is
-    /// parked here instead, and scheduled in its turn (`hand_off`), in the order they parked
-    /// (see `GateWait::Turn`). `Closed` once the slot is not live. `wait` is `who`'s
+    /// parked here instead, and scheduled in its turn (`hand_off`): parked slots go in in the
+    /// order they parked, a newcomer that finds this slot idle at once (see `GateWait::Turn`). `Closed` once the slot is not live. `wait` is `who`'s
     /// `gate_wait`, its lock held by the caller.
     pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>, wait: &mut GateWait) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
