@@ -1174,7 +1174,14 @@ impl Drop for OnCpu {
 /// scheduler happens to put on one CPU take turns through `sched_yield` at every hop, which
 /// on the 2-core VMs made the median 11-15 µs instead of 7-9, at random from run to run
 /// (so the connect latency's ratio to it swung between 1.4 and 2.7 for the same p50).
-pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::Result<f64> {
+/// Returns the median and the two CPUs the ends were pinned to (none without `spin`, or
+/// where the process may use one CPU only).
+pub fn udp_rtt(
+    a: IpAddr,
+    b: IpAddr,
+    rounds: usize,
+    spin: Duration,
+) -> std::io::Result<(f64, Option<[usize; 2]>)> {
     let cpus = if spin.is_zero() { None } else { two_cpus() };
     let s1 = UdpSocket::bind(SocketAddr::new(a, 0))?;
     let s2 = UdpSocket::bind(SocketAddr::new(b, 0))?;
@@ -1214,7 +1221,8 @@ pub fn udp_rtt(a: IpAddr, b: IpAddr, rounds: usize, spin: Duration) -> std::io::
     let _ = echo.join();
     done?;
     v.sort_by(f64::total_cmp);
-    Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
+    let p50 = v.get(v.len() / 2).copied().unwrap_or(0.0);
+    Ok((p50, cpus.map(|(a, b)| [a, b])))
 }
 
 /// `recv`, polling for up to `spin` first with the loop rcm's own threads use
@@ -1245,11 +1253,12 @@ fn recv_polling(s: &UdpSocket, buf: &mut [u8], spin: Duration) -> std::io::Resul
 
 /// Both round trips of the report (sleeping, and polling as the run's threads did).
 fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration) {
-    r.udp_rtt_p50_us = udp_rtt(a, b, 2000, Duration::ZERO).unwrap_or(0.0);
+    r.udp_rtt_p50_us = udp_rtt(a, b, 2000, Duration::ZERO).map_or(0.0, |(p50, _)| p50);
     if !spin.is_zero() {
-        r.udp_rtt_poll_p50_us = udp_rtt(a, b, 2000, spin).unwrap_or(0.0);
-        // As `udp_rtt` placed its ends.
-        r.udp_rtt_poll_cpus = two_cpus().map(|(a, b)| [a, b]);
+        if let Ok((p50, cpus)) = udp_rtt(a, b, 2000, spin) {
+            r.udp_rtt_poll_p50_us = p50;
+            r.udp_rtt_poll_cpus = cpus;
+        }
     }
 }
 

@@ -9,50 +9,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::rcm;
+use common::{rcm, Started};
 
 fn sock(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("rcm-cli-d-{}-{name}.sock", std::process::id()))
-}
-
-/// A daemon this test started: killed (by its PID) if the test fails before stopping it.
-struct Started {
-    child: Child,
-    /// Its standard error after the "serving" line, read on as it comes.
-    log: std::sync::Arc<std::sync::Mutex<String>>,
-    drain: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Started {
-    /// What it wrote to standard error after it began serving, once it has exited.
-    fn log(&mut self) -> String {
-        if let Some(h) = self.drain.take() {
-            let _ = h.join();
-        }
-        self.log.lock().map(|l| l.clone()).unwrap_or_default()
-    }
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl std::ops::Deref for Started {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        &self.child
-    }
-}
-
-impl std::ops::DerefMut for Started {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.child
-    }
 }
 
 /// Starts `rcm daemon` and waits until it serves.
@@ -74,45 +34,9 @@ fn start_with(path: &Path, udp: u16, binds: &[&str], extra: &[&str]) -> Started 
         args.push((*b).into());
     }
     args.extend(extra.iter().map(|e| (*e).to_string()));
-    let mut c = Command::new(env!("CARGO_BIN_EXE_rcm"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn rcm daemon");
-    let err = c.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(err).lines();
-    let t0 = Instant::now();
-    loop {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "daemon did not start"
-        );
-        match lines.next() {
-            Some(Ok(l)) if l.contains("SIGTERM or Ctrl-C to stop") => break,
-            Some(Ok(_)) => {}
-            _ => {
-                let _ = c.kill();
-                panic!("daemon exited before serving: {:?}", c.wait())
-            }
-        }
-    }
-    // Keep draining its log so it never blocks on a full pipe.
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let kept = log.clone();
-    let drain = std::thread::spawn(move || {
-        for l in lines.map_while(Result::ok) {
-            if let Ok(mut k) = kept.lock() {
-                k.push_str(&l);
-                k.push('\n');
-            }
-        }
-    });
-    Started {
-        child: c,
-        log,
-        drain: Some(drain),
-    }
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rcm"));
+    c.args(&args);
+    Started::serving(c, Duration::from_secs(10))
 }
 
 /// `rcm ping --listen -c 0` through the daemon at `p` on `port`, once it listens; with the

@@ -224,6 +224,17 @@ fn the_client_library_calls_on_channels_from_many_threads() {
     round_trip(&d, sa(1, 7304));
 }
 
+/// A session of `d` whose callbacks run on its reader (`CallbackMode::Inline`).
+fn inline_session(d: &Daemon) -> rcm::Result<rcm::Fabric> {
+    rcm_ucm::fabric_with(
+        d.socket(),
+        rcm::FabricConfig {
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+}
+
 /// More calling threads than channels, on a session whose callbacks run on its reader (so
 /// a caller that finds every channel busy waits for one, rather than taking the session's
 /// connection): each channel given back wakes one waiter, and every call still completes.
@@ -232,14 +243,7 @@ fn more_calling_threads_than_channels_each_get_one_in_turn() {
     let mut cfg = config("ch-many-callers", 47313, &[1, 2]);
     cfg.max_channels = 2;
     let d = Daemon::start(cfg).expect("daemon");
-    let f = rcm_ucm::fabric_with(
-        d.socket(),
-        rcm::FabricConfig {
-            callbacks: rcm::CallbackMode::Inline,
-            ..rcm::FabricConfig::default()
-        },
-    )
-    .expect("client");
+    let f = inline_session(&d).expect("client");
     let made = within_a_minute(move || ids_from_threads(&f, 16, 30));
     assert_eq!(made, 16 * 30);
     assert!(d.channels() <= 2, "{} channels", d.channels());
@@ -400,14 +404,7 @@ fn inline_accepts_under_load(
     let mut cfg = config_patient(name, port, &[1, 2]);
     cfg.max_channels = max_channels;
     let d = Daemon::start(cfg).expect("daemon");
-    let server = rcm_ucm::fabric_with(
-        d.socket(),
-        rcm::FabricConfig {
-            callbacks: rcm::CallbackMode::Inline,
-            ..rcm::FabricConfig::default()
-        },
-    )
-    .expect("server");
+    let server = inline_session(&d).expect("server");
     let client = rcm_ucm::fabric(d.socket()).expect("client");
     let names = Arc::new(Mutex::new(Vec::new()));
     let seen = names.clone();
@@ -522,14 +519,7 @@ fn a_fabric_shutdown_waits_for_the_callback_on_the_reader() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let d = daemon("ch-inline-shutdown", 47311, &[1, 2]);
-    let server = rcm_ucm::fabric_with(
-        d.socket(),
-        rcm::FabricConfig {
-            callbacks: rcm::CallbackMode::Inline,
-            ..rcm::FabricConfig::default()
-        },
-    )
-    .expect("server");
+    let server = inline_session(&d).expect("server");
     let client = rcm_ucm::fabric(d.socket()).expect("client");
     let (started, done) = (
         Arc::new(AtomicBool::new(false)),

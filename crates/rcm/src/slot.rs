@@ -88,8 +88,8 @@ pub(crate) trait Scheduler<E>: Send + Sync {
     /// The slot `ev` must be delivered serialised with (a connect request's listener): its
     /// callback then runs as one of that slot's ([`Slot::try_enter`]). While that slot's
     /// callback runs, the event's slot is parked on it, holding no thread, and scheduled
-    /// again in its turn (one per callback end, in the order they parked). Once that slot is not live the event is dropped undelivered and
-    /// its slot destroyed. None by default.
+    /// again in its turn (one per callback end, in the order they parked). Once that slot
+    /// is not live the event is dropped undelivered and its slot destroyed. None by default.
     fn gate(&self, _ev: &E) -> Option<Arc<Slot<E>>> {
         None
     }
@@ -709,8 +709,9 @@ impl<E: Send + 'static> Slot<E> {
     /// for it (a connect request is serialised with its listener, as Linux delivers it
     /// under the listener's handler mutex). While a callback of this slot runs, `who` is
     /// parked here instead, and scheduled in its turn (`hand_off`): parked slots go in in the
-    /// order they parked, a newcomer that finds this slot idle at once (see `GateWait::Turn`). `Closed` once the slot is not live. `wait` is `who`'s
-    /// `gate_wait`, its lock held by the caller.
+    /// order they parked, a newcomer that finds this slot idle at once (see
+    /// `GateWait::Turn`). `Closed` once the slot is not live. `wait` is `who`'s `gate_wait`,
+    /// its lock held by the caller.
     pub(crate) fn try_enter(self: &Arc<Self>, who: &Arc<Slot<E>>, wait: &mut GateWait) -> Entry<E> {
         let mut g = sync::lock(&self.inner);
         if g.phase != Phase::Live {

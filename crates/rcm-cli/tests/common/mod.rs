@@ -82,3 +82,91 @@ pub fn dreq_mad(local: u32, remote: u32, remote_qpn: u32) -> [u8; 256] {
         .emit()
         .expect("DREQ encodes")
 }
+
+/// A daemon a test started: killed (by its PID) if the test fails before stopping it.
+pub struct Started {
+    child: std::process::Child,
+    /// Its standard error after the "serving" line, read on as it comes.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+    drain: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Started {
+    /// Spawns `cmd` (an `rcm daemon`, perhaps under a wrapper such as valgrind) and waits
+    /// up to `limit` for its "serving" line on standard error, which is then read on so
+    /// the daemon never blocks on a full pipe. Panics if it exits first or takes longer.
+    pub fn serving(mut cmd: Command, limit: std::time::Duration) -> Started {
+        use std::io::{BufRead, BufReader};
+        let mut c = cmd
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn rcm daemon");
+        let err = c.stderr.take().expect("stderr");
+        let mut lines = BufReader::new(err).lines();
+        let t0 = std::time::Instant::now();
+        let mut before = String::new();
+        loop {
+            if t0.elapsed() >= limit {
+                let _ = c.kill();
+                panic!("daemon did not start within {limit:?}:\n{before}");
+            }
+            match lines.next() {
+                Some(Ok(l)) if l.contains("SIGTERM or Ctrl-C to stop") => break,
+                Some(Ok(l)) => {
+                    before.push_str(&l);
+                    before.push('\n');
+                }
+                _ => {
+                    let _ = c.kill();
+                    panic!("daemon exited before serving: {:?}\n{before}", c.wait())
+                }
+            }
+        }
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let kept = log.clone();
+        let drain = std::thread::spawn(move || {
+            for l in lines.map_while(Result::ok) {
+                if let Ok(mut k) = kept.lock() {
+                    k.push_str(&l);
+                    k.push('\n');
+                }
+            }
+        });
+        Started {
+            child: c,
+            log,
+            drain: Some(drain),
+        }
+    }
+
+    /// What it wrote to standard error after it began serving, once it has exited.
+    pub fn log(&mut self) -> String {
+        if let Some(h) = self.drain.take() {
+            let _ = h.join();
+        }
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for Started {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for Started {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.child
+    }
+}
