@@ -392,7 +392,11 @@ fn worker(d: &Weak<Dispatcher>) {
                 {
                     polled = true;
                     drop(q);
-                    spin_until(disp.spin, || disp.queued.load(Ordering::Relaxed) > 0);
+                    // Ended by a stop too: `stop` joins this thread, and a fabric's shutdown
+                    // would otherwise last as long as the spin (it may be set to seconds).
+                    spin_until(disp.spin, || {
+                        disp.queued.load(Ordering::Relaxed) > 0 || disp.stop.load(Ordering::Relaxed)
+                    });
                     disp.spinning.store(false, Ordering::Release);
                     q = sync::lock(&disp.ready);
                     continue;

@@ -1444,6 +1444,43 @@ fn a_second_shutdown_waits_for_the_first() {
     );
 }
 
+/// A fabric whose threads poll long before they sleep (`FabricConfig::spin`, here a
+/// minute) shuts down without waiting the polls out: a callback thread polling for more
+/// work, and each device's own thread (RoCEv2 and iWARP), end their polls when told to stop.
+/// (The callback threads' poll looked only for work, so a shutdown waited for its end.)
+#[test]
+fn a_shutdown_does_not_wait_out_the_threads_polls() {
+    let f = Fabric::loopback_with(
+        2,
+        rcm::FabricConfig {
+            spin: Duration::from_secs(60),
+            ..config(25029)
+        },
+    )
+    .expect("loopback devices");
+    f.add_iwarp_device(ip(3)).expect("iWARP device");
+    // An event for a callback, so that a callback thread has worked and then polls.
+    let (tx, got) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let a = f.create_id(PortSpace::Tcp, move |_, ev| {
+        let _ = tx.lock().unwrap().send(matches!(ev, Event::AddrResolved));
+        Flow::Continue
+    });
+    a.resolve_addr(None, addr(1, 7000)).unwrap();
+    assert_eq!(got.recv_timeout(T), Ok(true));
+    let (done_tx, done) = mpsc::channel();
+    let f2 = f.clone();
+    let stopper = thread::spawn(move || {
+        f2.shutdown();
+        let _ = done_tx.send(());
+    });
+    assert!(
+        done.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the shutdown waited for a thread's poll to run out"
+    );
+    stopper.join().unwrap();
+}
+
 // ----- No deadlock under concurrent protocol traffic ---------------------------------------
 
 /// Sets its flag when dropped (stops helper threads even when an assertion fails).
