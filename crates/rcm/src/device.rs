@@ -63,6 +63,9 @@ pub struct DeviceStats {
     pub looped: AtomicU64,
     /// Datagrams received by a thread waiting for an event (see `rxgate`).
     pub rx_polled: AtomicU64,
+    /// Times the device's own thread went to sleep until its socket (or one of its iWARP
+    /// sockets) had something, its poll (`FabricConfig::spin`) over with nothing found.
+    pub sleeps: AtomicU64,
 }
 
 pub(crate) struct DeviceInner {
@@ -193,6 +196,7 @@ impl DeviceInner {
         cfg: rcm_proto::iw::CepConfig,
         engine: Endpoint,
         max_half_open: usize,
+        spin: Duration,
     ) -> crate::Result<Arc<Self>> {
         crate::iwarp::check_addr(ip)?;
         let dev = Arc::new(DeviceInner {
@@ -218,7 +222,7 @@ impl DeviceInner {
             gate: None,
             poller: None,
         });
-        crate::iwarp::IwDev::start(&dev)?;
+        crate::iwarp::IwDev::start(&dev, spin)?;
         Ok(dev)
     }
 
@@ -915,6 +919,9 @@ fn io_loop(
                 let left = until.saturating_duration_since(Instant::now());
                 // Woken by a datagram a waiter that began polling meanwhile is there for.
                 if !left.is_zero() {
+                    if let Some(d) = dev.upgrade() {
+                        d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+                    }
                     wait_readable(sock, left);
                     if gate.polled_left().is_zero() {
                         turn = take_batch(gate, &mut batch, sock);

@@ -657,9 +657,13 @@ impl Fabric {
         cfg.max_half_open = self.0.cfg.max_half_open;
         let _listens = sync::lock(&self.0.listen_lock);
         let dev = match iwarp {
-            Some(icfg) => {
-                DeviceInner::open_iwarp(ip, icfg, Endpoint::new(cfg), self.0.cfg.max_half_open)?
-            }
+            Some(icfg) => DeviceInner::open_iwarp(
+                ip,
+                icfg,
+                Endpoint::new(cfg),
+                self.0.cfg.max_half_open,
+                self.0.cfg.spin,
+            )?,
             None => DeviceInner::open(
                 ip,
                 self.0.cfg.udp_port,
@@ -825,6 +829,13 @@ impl Device {
     /// [`EventChannel::set_spin`]: crate::EventChannel::set_spin
     pub fn busy_polled(&self) -> u64 {
         self.0.stats.rx_polled.load(Ordering::Relaxed)
+    }
+
+    /// How many times the device's own thread went to sleep until its socket (an iWARP
+    /// device's: any of its TCP sockets) had something: after each stretch of work it polls
+    /// for [`FabricConfig::spin`] first, and sleeps only when that found nothing.
+    pub fn sleeps(&self) -> u64 {
+        self.0.stats.sleeps.load(Ordering::Relaxed)
     }
 
     /// Its receive side, for a thread of a provider that polls for work of its own and can

@@ -220,8 +220,9 @@ impl IwDev {
         })
     }
 
-    /// Starts the I/O thread (once the device is built).
-    pub(crate) fn start(dev: &Arc<DeviceInner>) -> crate::Result<()> {
+    /// Starts the I/O thread (once the device is built); it polls for `spin` after it last
+    /// had something to do before it sleeps (`FabricConfig::spin`).
+    pub(crate) fn start(dev: &Arc<DeviceInner>, spin: Duration) -> crate::Result<()> {
         let Some(iw) = dev.iw.as_ref() else {
             return Ok(());
         };
@@ -233,7 +234,7 @@ impl IwDev {
             .name(format!("rcm-iw-{}", dev.ip))
             .spawn(move || {
                 crate::fabric::mark_own_thread();
-                io_loop(&weak, poll);
+                io_loop(&weak, poll, spin);
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&iw.thread) = Some(h);
@@ -825,12 +826,33 @@ impl DeviceInner {
     }
 }
 
-fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll) {
+fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
     let mut events = Events::with_capacity(256);
     let mut wait = Duration::from_millis(100);
+    // Until when this thread polls rather than sleeps: `spin` after it last had something to
+    // do. Each step of a connection's setup (the TCP connect, the MPA Request, the Reply)
+    // makes the other end's thread ready; asleep in epoll, each would cost a wake-up.
+    let mut poll_until = Instant::now();
     loop {
-        if poll.poll(&mut events, Some(wait)).is_err() {
-            std::thread::sleep(Duration::from_millis(1));
+        let start = Instant::now();
+        let polled = !wait.is_zero()
+            && crate::spin::spin_until(
+                poll_until.saturating_duration_since(start).min(wait),
+                || poll.poll(&mut events, Some(Duration::ZERO)).is_ok() && !events.is_empty(),
+            );
+        if !polled {
+            let left = wait.saturating_sub(start.elapsed());
+            if !left.is_zero() {
+                if let Some(d) = dev.upgrade() {
+                    d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if poll.poll(&mut events, Some(left)).is_err() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if !events.is_empty() {
+            poll_until = Instant::now() + spin;
         }
         let Some(d) = dev.upgrade() else { return };
         let Some(iw) = d.iw.as_ref() else { return };
