@@ -607,3 +607,50 @@ fn a_client_flooding_its_doorbell_holds_up_no_one_else_nor_the_shutdown() {
         "the daemon's shutdown did not finish during the flood"
     );
 }
+
+/// A daemon and a client whose threads poll long before they sleep (`FabricConfig::spin`, a
+/// minute here) both shut down without waiting the polls out: the client's session reader
+/// (which runs its callbacks), its callback threads, the daemon's ring thread and its
+/// devices' threads each end a poll when told to stop.
+#[test]
+fn long_polls_hold_up_no_shutdown() {
+    let long = Duration::from_secs(60);
+    let mut cfg = config("shm-long-polls", 49314, &[1]);
+    cfg.fabric.spin = long;
+    let d = Daemon::start(cfg).expect("daemon");
+    let f = rcm_ucm::fabric_with(
+        d.socket(),
+        rcm::FabricConfig {
+            spin: long,
+            callbacks: rcm::CallbackMode::Inline,
+            ..rcm::FabricConfig::default()
+        },
+    )
+    .expect("session");
+    // A call answered and a callback run, so that the threads have worked and now poll.
+    let (tx, got) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let id = f.create_id(rcm::PortSpace::Tcp, move |_, ev| {
+        let _ = tx
+            .lock()
+            .unwrap()
+            .send(matches!(ev, rcm::Event::AddrResolved));
+        rcm::Flow::Continue
+    });
+    id.resolve_addr(None, sa(1, 7314)).expect("resolve_addr");
+    assert_eq!(got.recv_timeout(T), Ok(true));
+    let within = |what: &str, stop: Box<dyn FnOnce() + Send>| {
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            stop();
+            let _ = done_tx.send(());
+        });
+        assert!(
+            done.recv_timeout(Duration::from_secs(30)).is_ok(),
+            "{what} waited for a thread's poll to run out"
+        );
+        t.join().unwrap();
+    };
+    within("the client's shutdown", Box::new(move || f.shutdown()));
+    within("the daemon's shutdown", Box::new(move || d.shutdown()));
+}
