@@ -952,12 +952,26 @@ fn flush_soon(s: &Arc<Session>) {
     }
 }
 
-/// Sends what `flush_soon` put off on this thread.
+/// Sends what `flush_soon` put off on this thread. The list's room is kept for the next
+/// round (a burst's rounds each made and freed one).
 fn flush_round() {
-    let list = FLUSH_AFTER_ROUND.with(|f| f.borrow_mut().as_mut().map(std::mem::take));
-    for s in list.into_iter().flatten() {
+    let Some(mut list) = FLUSH_AFTER_ROUND.with(|f| {
+        let mut f = f.borrow_mut();
+        let list = f.as_mut()?;
+        (!list.is_empty()).then(|| std::mem::take(list))
+    }) else {
+        return;
+    };
+    for s in list.drain(..) {
         flush_now(&s);
     }
+    FLUSH_AFTER_ROUND.with(|f| {
+        if let Some(cur) = f.borrow_mut().as_mut() {
+            if cur.is_empty() {
+                *cur = list;
+            }
+        }
+    });
 }
 
 /// How long a writer waits before it looks again at an events ring that had no room.

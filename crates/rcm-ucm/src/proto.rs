@@ -426,7 +426,9 @@ struct W(Vec<u8>);
 
 impl W {
     fn frame(kind: u16, seq: u32) -> Self {
-        let mut v = Vec::with_capacity(64);
+        // Room for an event with its QP attributes and private data: grown from less, a
+        // burst's events spent ~3 % of the daemon's instructions in reallocation.
+        let mut v = Vec::with_capacity(256);
         v.extend_from_slice(&[0; 4]);
         v.extend_from_slice(&kind.to_le_bytes());
         v.extend_from_slice(&0u16.to_le_bytes());
