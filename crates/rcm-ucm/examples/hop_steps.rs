@@ -2,8 +2,9 @@
 //! drives both ends (as the `hop` bench's cycle), through a one-address daemon started in
 //! this process, and prints each step's median, mean and 90th percentile in µs.
 //!
-//! `cargo run --release -p rcm-ucm --example hop_steps -- [CYCLES] [--no-shm]`
-//! (`--no-shm`: the daemon keeps command channels on their sockets).
+//! `cargo run --release -p rcm-ucm --example hop_steps -- [CYCLES] [--no-shm] [--one-session]`
+//! (`--no-shm`: the daemon keeps command channels on their sockets; `--one-session`: both
+//! ends' ids on one session, so one session reader instead of two polls beside the thread).
 
 use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, PortSpace};
 use rcm_ucm::{Daemon, DaemonConfig};
@@ -51,7 +52,11 @@ fn main() {
     dc.shared_memory = !args.iter().any(|a| a == "--no-shm");
     let d = Daemon::start(dc).expect("daemon");
     let server = rcm_ucm::fabric(d.socket()).expect("server session");
-    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    let client = if args.iter().any(|a| a == "--one-session") {
+        server.clone()
+    } else {
+        rcm_ucm::fabric(d.socket()).expect("client session")
+    };
     let sch = EventChannel::new();
     let l = server.create_id_on(PortSpace::Tcp, &sch);
     let dst = SocketAddr::new(ip, 7999);
