@@ -366,23 +366,6 @@ impl Drop for Stop<'_> {
     }
 }
 
-/// `f`'s result; fails the test if it takes over a minute (a deadlock would hang it, and the
-/// threads it hangs with, for good).
-fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("still running after a minute: deadlocked")
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("sent before"),
-    }
-}
-
 /// A server fabric whose callbacks run on its session's reader (`CallbackMode::Inline`) and
 /// accept every request from there; `max_channels` command channels per session at the
 /// daemon. Connects `n` clients while four threads of the server make calls on the same

@@ -840,13 +840,10 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
                 poll_until.saturating_duration_since(start).min(wait),
                 || poll.poll(&mut events, Some(Duration::ZERO)).is_ok() && !events.is_empty(),
             );
+        let mut slept = false;
         if !polled {
             let left = wait.saturating_sub(start.elapsed());
-            if !left.is_zero() {
-                if let Some(d) = dev.upgrade() {
-                    d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+            slept = !left.is_zero();
             if poll.poll(&mut events, Some(left)).is_err() {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -855,6 +852,9 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
             poll_until = Instant::now() + spin;
         }
         let Some(d) = dev.upgrade() else { return };
+        if slept {
+            d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        }
         let Some(iw) = d.iw.as_ref() else { return };
         if iw.stop.load(Ordering::SeqCst) {
             return;

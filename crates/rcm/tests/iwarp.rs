@@ -18,7 +18,12 @@ use std::time::{Duration, Instant};
 
 /// A fabric of iWARP devices on 127.0.0.`last` for each of `lasts`.
 fn iw_fabric(lasts: &[u8]) -> Fabric {
-    let f = Fabric::new(common::config(27990));
+    iw_fabric_with(common::config(27990), lasts)
+}
+
+/// [`iw_fabric`] with the configuration `cfg`.
+fn iw_fabric_with(cfg: FabricConfig, lasts: &[u8]) -> Fabric {
+    let f = Fabric::new(cfg);
     for &l in lasts {
         f.add_iwarp_device(ip(l)).expect("iWARP device");
     }
@@ -1264,12 +1269,14 @@ fn a_destroy_does_not_wait_out_a_callbacks_recv_message() {
 /// established at both ends, then disconnected and destroyed; returns how many times the
 /// listener device's own thread went to sleep meanwhile.
 fn server_sleeps_over_connects(port: u16, spin: Duration, n: usize) -> u64 {
-    let f = Fabric::new(FabricConfig {
-        spin,
-        ..common::config(27990)
-    });
-    let server = f.add_iwarp_device(ip(1)).expect("iWARP device");
-    f.add_iwarp_device(ip(2)).expect("iWARP device");
+    let f = iw_fabric_with(
+        FabricConfig {
+            spin,
+            ..common::config(27990)
+        },
+        &[1, 2],
+    );
+    let server = f.device(ip(1)).expect("the listener's device");
     let log = Log::new();
     let l = listener(&f, addr(1, port), &log, |id, ev| match ev {
         Event::ConnectRequest { .. } => {

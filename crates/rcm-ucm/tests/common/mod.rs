@@ -443,3 +443,20 @@ pub fn events_ring_asleep(region: &rcm_shm::Region) -> bool {
         .load(std::sync::atomic::Ordering::SeqCst)
         != 0
 }
+
+/// `f`'s result; fails the test if it takes over a minute (a deadlock would hang it, and the
+/// threads it hangs with, for good).
+pub fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("still running after a minute: deadlocked")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("sent before"),
+    }
+}
