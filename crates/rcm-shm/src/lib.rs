@@ -269,6 +269,12 @@ impl Producer {
         Ok(Some(asleep))
     }
 
+    /// Whether the consumer took everything this end wrote (its index caught up): on a ring
+    /// whose consumer polls, a sign that it is running now.
+    pub fn taken(&self) -> bool {
+        self.r.u32_at(self.at.ctl + HEAD).load(Ordering::Acquire) == self.tail
+    }
+
     fn write(&self, at: u32, bytes: &[u8]) {
         let cap = self.at.cap as usize;
         let start = (at as usize) & (cap - 1);

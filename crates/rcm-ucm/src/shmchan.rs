@@ -80,7 +80,30 @@ pub(crate) struct ShmEnd {
     spin: Duration,
     /// The last frame received.
     buf: Vec<u8>,
+    /// When the last frame went out to a side that was not asleep (no doorbell), until the
+    /// wait for its answer begins: see `look_unyielding`.
+    sent: Option<Instant>,
+    /// Waits for an answer left to begin with a yield, after one whose answer did not come
+    /// in time without (see `look_unyielding`).
+    unyielding_off: u8,
+    /// Answers found by `look_unyielding` (for the tests).
+    #[cfg(test)]
+    unyielding_got: u32,
 }
+
+/// How soon a polling daemon takes a command: a command not taken by then finds the daemon's
+/// ring thread not running (descheduled, or sharing this CPU), so its caller yields.
+const TAKEN_WITHIN: Duration = Duration::from_micros(2);
+
+/// How long a caller looks for its answer without yielding once its command was taken.
+const ANSWER_WITHIN: Duration = Duration::from_micros(5);
+
+/// How many waits after one that found no answer in time begin with a yield.
+const UNYIELDING_OFF: u8 = 32;
+
+/// How many waits after one whose command was taken but whose answer came late begin with
+/// a yield: the daemon runs, but was busy.
+const LATE_OFF: u8 = 4;
 
 fn corrupt(e: rcm_shm::Corrupt) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
@@ -98,6 +121,10 @@ impl ShmEnd {
             stream,
             spin: Duration::ZERO,
             buf: Vec::new(),
+            sent: None,
+            unyielding_off: 0,
+            #[cfg(test)]
+            unyielding_got: 0,
         };
         Ok((end, fd))
     }
@@ -111,6 +138,10 @@ impl ShmEnd {
             stream,
             spin,
             buf: Vec::new(),
+            sent: None,
+            unyielding_off: 0,
+            #[cfg(test)]
+            unyielding_got: 0,
         })
     }
 
@@ -145,7 +176,18 @@ impl ShmEnd {
     /// Writes one frame if the ring has room now, ringing the doorbell if the other side
     /// sleeps; false (nothing written) when it has not.
     pub(crate) fn try_send(&mut self, frame: &[u8]) -> io::Result<bool> {
-        push_ringing(&mut self.tx, &self.stream, frame)
+        let pushed = self.tx.push(frame).map_err(corrupt)?;
+        self.sent = None;
+        match pushed {
+            None => return Ok(false),
+            Some(true) => ring(&self.stream)?,
+            Some(false) => {
+                if !self.spin.is_zero() {
+                    self.sent = Some(Instant::now());
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// The next frame (up to `max` bytes) if one is there now.
@@ -176,12 +218,13 @@ impl ShmEnd {
     /// Waits for the next frame (up to `max` bytes): polls the ring for the spin, then sleeps
     /// on the socket until the doorbell or the other side's end.
     pub(crate) fn recv(&mut self, max: usize) -> io::Result<&[u8]> {
-        let mut got = Ok(false);
-        let spin = self.spin;
-        rcm::spin_until(spin, || {
-            got = self.rx.pop(&mut self.buf, max);
-            !matches!(got, Ok(false))
-        });
+        let mut got = self.look_unyielding(max);
+        if matches!(got, Ok(false)) {
+            rcm::spin_until(self.spin, || {
+                got = self.rx.pop(&mut self.buf, max);
+                !matches!(got, Ok(false))
+            });
+        }
         loop {
             if got.map_err(corrupt)? {
                 return Ok(&self.buf);
@@ -192,6 +235,49 @@ impl ShmEnd {
                 r?;
             }
             got = self.rx.pop(&mut self.buf, max);
+        }
+    }
+}
+
+impl ShmEnd {
+    /// The first part of the wait for the answer to a command just sent to a polling side:
+    /// looks at the ring without yielding, for as long as that side is seen to run (it took
+    /// the command within `TAKEN_WITHIN`) and up to `ANSWER_WITHIN`. A polling wait yields
+    /// between its looks, and on a CPU shared with other pollers (a client's threads waiting
+    /// for their calls and events) each yield is a context switch to one of them, which looks
+    /// once and yields back: through the daemon a connection's calls made ~25 such yields in
+    /// a burst (`perf stat`). An answer that did not come in time (the daemon's thread was not
+    /// running, as when it shares this CPU, or was busy) makes the next `UNYIELDING_OFF` waits
+    /// yield from the start, so that a CPU shared with the daemon loses little to this.
+    fn look_unyielding(&mut self, max: usize) -> Result<bool, rcm_shm::Corrupt> {
+        let Some(sent) = self.sent.take() else {
+            return Ok(false);
+        };
+        if self.unyielding_off > 0 {
+            self.unyielding_off -= 1;
+            return Ok(false);
+        }
+        if !rcm::spin_allowed() {
+            return Ok(false);
+        }
+        loop {
+            if self.rx.pop(&mut self.buf, max)? {
+                #[cfg(test)]
+                {
+                    self.unyielding_got += 1;
+                }
+                return Ok(true);
+            }
+            let waited = sent.elapsed();
+            if waited >= TAKEN_WITHIN && !self.tx.taken() {
+                self.unyielding_off = UNYIELDING_OFF;
+                return Ok(false);
+            }
+            if waited >= ANSWER_WITHIN {
+                self.unyielding_off = LATE_OFF;
+                return Ok(false);
+            }
+            std::hint::spin_loop();
         }
     }
 }
@@ -343,7 +429,7 @@ pub(crate) fn recv_with_fd(
 
 #[cfg(test)]
 mod tests {
-    use super::{ShmEnd, FULL_FOR};
+    use super::{ShmEnd, FULL_FOR, LATE_OFF, UNYIELDING_OFF};
     use std::os::unix::net::UnixStream;
     use std::time::{Duration, Instant};
 
@@ -412,5 +498,94 @@ mod tests {
         drop(daemon);
         let e = client.send(&frame).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe);
+    }
+
+    /// A daemon's end and a client's end of one mapped channel, the client polling for `spin`.
+    fn channel(spin: Duration) -> (ShmEnd, ShmEnd) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (daemon, fd) = ShmEnd::daemon(a).unwrap();
+        let client = ShmEnd::client(b, &fd, spin).unwrap();
+        (daemon, client)
+    }
+
+    /// Answers every command with its own bytes until `stop`, polling without a pause, and
+    /// showing its CPU's pollers that it is of this process, as a ring thread does.
+    fn echo(mut daemon: ShmEnd, stop: &std::sync::atomic::AtomicBool) {
+        use std::sync::atomic::Ordering;
+        while !stop.load(Ordering::Relaxed) {
+            rcm::look_here();
+            if let Some(f) = daemon.try_recv(4096).unwrap() {
+                let f = f.to_vec();
+                assert!(daemon.try_send(&f).unwrap());
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// A command the other side does not take in time (its thread is not running) is waited
+    /// for as before, and the next UNYIELDING_OFF waits start with a yield; once back, a
+    /// polling daemon's answers are found without yielding.
+    #[test]
+    fn a_command_not_taken_at_once_turns_the_unyielding_look_off_for_a_while() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (mut daemon, mut client) = channel(Duration::from_millis(1));
+        assert!(client.try_send(b"late").unwrap());
+        let answer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(daemon.try_recv(64).unwrap(), Some(&b"late"[..]));
+            assert!(daemon.try_send(b"late answer").unwrap());
+            daemon
+        });
+        assert_eq!(client.recv(64).unwrap(), b"late answer");
+        assert_eq!(client.unyielding_off, UNYIELDING_OFF);
+        assert_eq!(client.unyielding_got, 0);
+        let daemon = answer.join().unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let server = {
+            let stop = stop.clone();
+            std::thread::spawn(move || echo(daemon, &stop))
+        };
+        for k in 0..UNYIELDING_OFF {
+            let f = [k; 8];
+            assert!(client.try_send(&f).unwrap());
+            assert_eq!(client.recv(64).unwrap(), &f);
+            assert_eq!(client.unyielding_got, 0, "wait {k} started with a yield");
+        }
+        // Off no more: with the echo polling on another CPU, most answers come within the
+        // unyielding look (each late one turns it off for LATE_OFF waits only).
+        let calls = 2000u32;
+        for k in 0..calls {
+            let f = k.to_le_bytes();
+            assert!(client.try_send(&f).unwrap());
+            assert_eq!(client.recv(64).unwrap(), &f);
+        }
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+        assert!(
+            client.unyielding_got > 0,
+            "no answer of {calls} found without a yield"
+        );
+        assert!(client.unyielding_off <= UNYIELDING_OFF.max(LATE_OFF));
+    }
+
+    /// A client that does not poll (spin zero) never looks without yielding: its waits sleep.
+    #[test]
+    fn a_client_that_does_not_poll_does_not_look_unyielding() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (daemon, mut client) = channel(Duration::ZERO);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let server = {
+            let stop = stop.clone();
+            std::thread::spawn(move || echo(daemon, &stop))
+        };
+        for k in 0..200u32 {
+            let f = k.to_le_bytes();
+            assert!(client.try_send(&f).unwrap());
+            assert_eq!(client.recv(64).unwrap(), &f);
+        }
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap();
+        assert_eq!(client.unyielding_got, 0);
     }
 }
