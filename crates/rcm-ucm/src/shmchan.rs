@@ -429,8 +429,9 @@ pub(crate) fn recv_with_fd(
 
 #[cfg(test)]
 mod tests {
-    use super::{ShmEnd, FULL_FOR, LATE_OFF, UNYIELDING_OFF};
+    use super::{ShmEnd, FULL_FOR, UNYIELDING_OFF};
     use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
 
     /// A daemon's end and a client's end of one mapped channel, the client's command ring
@@ -508,84 +509,124 @@ mod tests {
         (daemon, client)
     }
 
-    /// Answers every command with its own bytes until `stop`, polling without a pause, and
-    /// showing its CPU's pollers that it is of this process, as a ring thread does.
-    fn echo(mut daemon: ShmEnd, stop: &std::sync::atomic::AtomicBool) {
-        use std::sync::atomic::Ordering;
-        while !stop.load(Ordering::Relaxed) {
-            rcm::look_here();
-            if let Some(f) = daemon.try_recv(4096).unwrap() {
-                let f = f.to_vec();
-                assert!(daemon.try_send(&f).unwrap());
-            } else {
-                std::hint::spin_loop();
-            }
+    /// Two CPUs this process may run on, if it may run on two.
+    fn two_cpus() -> Option<(usize, usize)> {
+        let set = rustix::thread::sched_getaffinity(None).ok()?;
+        let mut cpus = (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| set.is_set(c));
+        Some((cpus.next()?, cpus.next()?))
+    }
+
+    fn pin(cpu: usize) {
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu);
+        rustix::thread::sched_setaffinity(None, &set).expect("pin");
+    }
+
+    /// Sets its flag when dropped: the echo stops however the test's part ends (a failed
+    /// assertion must fail the test, not leave the scope waiting for the echo).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
         }
     }
 
-    /// A command the other side does not take in time (its thread is not running) is waited
-    /// for as before, and the next UNYIELDING_OFF waits start with a yield; once back, a
-    /// polling daemon's answers are found without yielding.
+    /// Runs `f` while another thread (on `cpu`) answers every command on `daemon` with its
+    /// own bytes, polling without a pause and showing its CPU's pollers that it is of this
+    /// process, as a ring thread does; it takes nothing while `paused` is set.
+    fn with_echo<R>(
+        mut daemon: ShmEnd,
+        cpu: Option<usize>,
+        paused: &AtomicBool,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                if let Some(c) = cpu {
+                    pin(c);
+                }
+                while !stop.load(Ordering::Relaxed) {
+                    rcm::look_here();
+                    if paused.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    if let Some(frame) = daemon.try_recv(4096).unwrap() {
+                        let frame = frame.to_vec();
+                        assert!(daemon.try_send(&frame).unwrap());
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+            let _stop = StopOnDrop(&stop);
+            f()
+        })
+    }
+
+    /// One call: `frame` out, its echo back.
+    fn call(client: &mut ShmEnd, frame: &[u8]) {
+        assert!(client.try_send(frame).unwrap());
+        assert_eq!(client.recv(64).unwrap(), frame);
+    }
+
+    /// With the daemon's side polling on another CPU, answers are found without a yield; a
+    /// command it does not take in time (its thread not running: here, paused) is waited
+    /// for as before, and the next UNYIELDING_OFF waits start with a yield, though the
+    /// answers then come as fast.
     #[test]
     fn a_command_not_taken_at_once_turns_the_unyielding_look_off_for_a_while() {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let (mut daemon, mut client) = channel(Duration::from_millis(1));
-        assert!(client.try_send(b"late").unwrap());
-        let answer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            assert_eq!(daemon.try_recv(64).unwrap(), Some(&b"late"[..]));
-            assert!(daemon.try_send(b"late answer").unwrap());
-            daemon
-        });
-        assert_eq!(client.recv(64).unwrap(), b"late answer");
-        assert_eq!(client.unyielding_off, UNYIELDING_OFF);
-        assert_eq!(client.unyielding_got, 0);
-        let daemon = answer.join().unwrap();
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let server = {
-            let stop = stop.clone();
-            std::thread::spawn(move || echo(daemon, &stop))
+        let Some((here, there)) = two_cpus() else {
+            eprintln!("skipped: this process may run on one CPU only");
+            return;
         };
-        for k in 0..UNYIELDING_OFF {
-            let f = [k; 8];
-            assert!(client.try_send(&f).unwrap());
-            assert_eq!(client.recv(64).unwrap(), &f);
-            assert_eq!(client.unyielding_got, 0, "wait {k} started with a yield");
-        }
-        // Off no more: with the echo polling on another CPU, most answers come within the
-        // unyielding look (each late one turns it off for LATE_OFF waits only).
-        let calls = 2000u32;
-        for k in 0..calls {
-            let f = k.to_le_bytes();
-            assert!(client.try_send(&f).unwrap());
-            assert_eq!(client.recv(64).unwrap(), &f);
-        }
-        stop.store(true, Ordering::Relaxed);
-        server.join().unwrap();
-        assert!(
-            client.unyielding_got > 0,
-            "no answer of {calls} found without a yield"
-        );
-        assert!(client.unyielding_off <= UNYIELDING_OFF.max(LATE_OFF));
+        pin(here);
+        let (daemon, mut client) = channel(Duration::from_millis(1));
+        let paused = AtomicBool::new(false);
+        with_echo(daemon, Some(there), &paused, || {
+            // Until the echo runs (its thread may take a while to start), and no late answer
+            // left the look off.
+            let calls = 100_000u32;
+            let mut k = 0;
+            while (client.unyielding_got == 0 || client.unyielding_off > 0) && k < calls {
+                call(&mut client, &k.to_le_bytes());
+                k += 1;
+            }
+            assert!(
+                client.unyielding_got > 0,
+                "no answer of {calls} found without a yield"
+            );
+            assert_eq!(client.unyielding_off, 0);
+            let got = client.unyielding_got;
+            paused.store(true, Ordering::Relaxed);
+            assert!(client.try_send(b"late").unwrap());
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    paused.store(false, Ordering::Relaxed);
+                });
+                assert_eq!(client.recv(64).unwrap(), b"late");
+            });
+            assert_eq!(client.unyielding_off, UNYIELDING_OFF);
+            for k in 0..UNYIELDING_OFF {
+                call(&mut client, &[k; 8]);
+                assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
+            }
+            assert_eq!(client.unyielding_off, 0);
+        });
     }
 
     /// A client that does not poll (spin zero) never looks without yielding: its waits sleep.
     #[test]
     fn a_client_that_does_not_poll_does_not_look_unyielding() {
-        use std::sync::atomic::{AtomicBool, Ordering};
         let (daemon, mut client) = channel(Duration::ZERO);
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let server = {
-            let stop = stop.clone();
-            std::thread::spawn(move || echo(daemon, &stop))
-        };
-        for k in 0..200u32 {
-            let f = k.to_le_bytes();
-            assert!(client.try_send(&f).unwrap());
-            assert_eq!(client.recv(64).unwrap(), &f);
-        }
-        stop.store(true, Ordering::Relaxed);
-        server.join().unwrap();
+        with_echo(daemon, None, &AtomicBool::new(false), || {
+            for k in 0..200u32 {
+                call(&mut client, &k.to_le_bytes());
+            }
+        });
         assert_eq!(client.unyielding_got, 0);
     }
 }
