@@ -246,9 +246,10 @@ impl ShmEnd {
     /// between its looks, and on a CPU shared with other pollers (a client's threads waiting
     /// for their calls and events) each yield is a context switch to one of them, which looks
     /// once and yields back: through the daemon a connection's calls made ~25 such yields in
-    /// a burst (`perf stat`). An answer that did not come in time (the daemon's thread was not
-    /// running, as when it shares this CPU, or was busy) makes the next `UNYIELDING_OFF` waits
-    /// yield from the start, so that a CPU shared with the daemon loses little to this.
+    /// a burst (`perf stat`). A command not taken in time (the daemon's thread was not
+    /// running, as when it shares this CPU) makes the next `UNYIELDING_OFF` waits yield from
+    /// the start, so that a CPU shared with the daemon loses little to this; one taken whose
+    /// answer came late (the daemon was busy), the next `LATE_OFF`.
     fn look_unyielding(&mut self, max: usize) -> Result<bool, rcm_shm::Corrupt> {
         let Some(sent) = self.sent.take() else {
             return Ok(false);
