@@ -176,18 +176,9 @@ impl ShmEnd {
     /// Writes one frame if the ring has room now, ringing the doorbell if the other side
     /// sleeps; false (nothing written) when it has not.
     pub(crate) fn try_send(&mut self, frame: &[u8]) -> io::Result<bool> {
-        let pushed = self.tx.push(frame).map_err(corrupt)?;
-        self.sent = None;
-        match pushed {
-            None => return Ok(false),
-            Some(true) => ring(&self.stream)?,
-            Some(false) => {
-                if !self.spin.is_zero() {
-                    self.sent = Some(Instant::now());
-                }
-            }
-        }
-        Ok(true)
+        let rang = push_and_ring(&mut self.tx, &self.stream, frame)?;
+        self.sent = (rang == Some(false) && !self.spin.is_zero()).then(Instant::now);
+        Ok(rang.is_some())
     }
 
     /// The next frame (up to `max` bytes) if one is there now.
@@ -237,9 +228,7 @@ impl ShmEnd {
             got = self.rx.pop(&mut self.buf, max);
         }
     }
-}
 
-impl ShmEnd {
     /// The first part of the wait for the answer to a command just sent to a polling side:
     /// looks at the ring without yielding, for as long as that side is seen to run (it took
     /// the command within `TAKEN_WITHIN`) and up to `ANSWER_WITHIN`. A polling wait yields
@@ -287,11 +276,17 @@ impl ShmEnd {
 /// sleeps; false (nothing written) when it has not. The one way a producer writes, on a
 /// channel's ring and on a session's events ring alike.
 pub(crate) fn push_ringing(p: &mut Producer, s: &UnixStream, frame: &[u8]) -> io::Result<bool> {
-    match p.push(frame).map_err(corrupt)? {
-        None => Ok(false),
-        Some(false) => Ok(true),
-        Some(true) => ring(s).map(|()| true),
+    Ok(push_and_ring(p, s, frame)?.is_some())
+}
+
+/// [`push_ringing`], saying more: `None` when nothing was written, else whether the doorbell
+/// was rung (the consumer sleeps).
+fn push_and_ring(p: &mut Producer, s: &UnixStream, frame: &[u8]) -> io::Result<Option<bool>> {
+    let pushed = p.push(frame).map_err(corrupt)?;
+    if pushed == Some(true) {
+        ring(s)?;
     }
+    Ok(pushed)
 }
 
 /// Rings the doorbell: one byte on the channel's socket. One the socket cannot take now is
@@ -438,9 +433,7 @@ mod tests {
     /// A daemon's end and a client's end of one mapped channel, the client's command ring
     /// filled with `frame`s until no more goes in; returns how many went in.
     fn full_channel(frame: &[u8]) -> (ShmEnd, ShmEnd, usize) {
-        let (a, b) = UnixStream::pair().unwrap();
-        let (daemon, fd) = ShmEnd::daemon(a).unwrap();
-        let mut client = ShmEnd::client(b, &fd, Duration::ZERO).unwrap();
+        let (daemon, mut client) = channel(Duration::ZERO);
         let mut n = 0;
         while client.try_send(frame).unwrap() {
             n += 1;
