@@ -130,6 +130,9 @@ pub struct Report {
     /// may run on one CPU only (both ends then took turns on it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub udp_rtt_poll_cpus: Option<[usize; 2]>,
+    /// How many windows spread over a one-at-a-time run the polling round trip was measured
+    /// in ([`RttWindows`]); 0 when it was measured once, after the run.
+    pub udp_rtt_poll_windows: usize,
     /// The per-step table.
     pub steps: Vec<Step>,
     /// TCP baseline: connect + QP-info-sized exchange + close, per second.
@@ -466,7 +469,16 @@ fn warm_up(
 
 /// Runs the client side against `dst` on `fabric`, all connections in flight at once (or one
 /// at a time with `serial`).
-pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOpts) -> Report {
+///
+/// One at a time, `rtt` (if any) measures its windows between the connections
+/// ([`RttWindows::before`]), outside every step's timing.
+pub fn run_client(
+    fabric: &Fabric,
+    srcs: &[IpAddr],
+    dst: SocketAddr,
+    o: &BenchOpts,
+    mut rtt: Option<&mut RttWindows>,
+) -> Report {
     let n = o.connections;
     let mut failures = Vec::new();
     let mut steps = Vec::new();
@@ -579,6 +591,11 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);
         let chunk_ids = &ids[range.clone()];
+        if o.serial && RttWindows::before(chunk_start, n) {
+            if let Some(w) = rtt.as_deref_mut() {
+                w.window();
+            }
+        }
         let full_start = Instant::now();
         for i in range.clone() {
             full_conn.begin(i);
@@ -810,6 +827,11 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         cycle += full_start.elapsed().saturating_sub(reading);
     }
     drop(sends);
+    if o.serial {
+        if let Some(w) = rtt {
+            w.window();
+        }
+    }
     failures.extend(
         late.into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner),
@@ -866,6 +888,7 @@ pub fn run_client(fabric: &Fabric, srcs: &[IpAddr], dst: SocketAddr, o: &BenchOp
         udp_rtt_p50_us: 0.0,
         udp_rtt_poll_p50_us: 0.0,
         udp_rtt_poll_cpus: None,
+        udp_rtt_poll_windows: 0,
         rss_per_conn_bytes: if o.serial || established == 0 {
             0.0
         } else {
@@ -1183,6 +1206,26 @@ pub fn udp_rtt(
     spin: Duration,
 ) -> std::io::Result<(f64, Option<[usize; 2]>)> {
     let cpus = if spin.is_zero() { None } else { two_cpus() };
+    let mut v = udp_rtt_rounds(a, b, rounds, spin, cpus)?;
+    Ok((median(&mut v), cpus.map(|(a, b)| [a, b])))
+}
+
+/// The median of `v` (sorted in place); 0 for none.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// `rounds` round trips of a 280-byte datagram (a GSI datagram's size) between a socket on
+/// `a` and an echo on `b`, each in microseconds; the calling thread's end on the first of
+/// `cpus`, the echo's on the second.
+fn udp_rtt_rounds(
+    a: IpAddr,
+    b: IpAddr,
+    rounds: usize,
+    spin: Duration,
+    cpus: Option<(usize, usize)>,
+) -> std::io::Result<Vec<f64>> {
     let s1 = UdpSocket::bind(SocketAddr::new(a, 0))?;
     let s2 = UdpSocket::bind(SocketAddr::new(b, 0))?;
     s1.set_read_timeout(Some(Duration::from_secs(1)))?;
@@ -1220,9 +1263,66 @@ pub fn udp_rtt(
     let _ = UdpSocket::bind(SocketAddr::new(a, 0)).and_then(|s| s.send_to(&[0], b2));
     let _ = echo.join();
     done?;
-    v.sort_by(f64::total_cmp);
-    let p50 = v.get(v.len() / 2).copied().unwrap_or(0.0);
-    Ok((p50, cpus.map(|(a, b)| [a, b])))
+    Ok(v)
+}
+
+/// The polling round trip of a one-at-a-time run, measured in windows spread over the run
+/// (before its first connection, after every tenth of them, and after the last) instead of
+/// once after it. This host's speed changes from one fraction of a second to the next (a
+/// loopback `sendto` took 3.0 or 3.9 µs for stretches of ~0.2 s on the 2-vCPU VM), and a
+/// round trip measured after the connections often fell in another stretch than most of
+/// them: the ratio of the same build's p50 to it went 1.33 to 1.75 from run to run. In
+/// windows the round trip has the connections' mixture of stretches.
+pub struct RttWindows {
+    a: IpAddr,
+    b: IpAddr,
+    spin: Duration,
+    cpus: Option<(usize, usize)>,
+    rounds: Vec<f64>,
+    windows: usize,
+}
+
+impl RttWindows {
+    /// Round trips in each window.
+    pub const ROUNDS: usize = 200;
+
+    /// Windows between `a` and `b` polling for `spin` each look, on two CPUs of the process
+    /// (taken now: the caller may be pinned to one of them later).
+    pub fn new(a: IpAddr, b: IpAddr, spin: Duration) -> RttWindows {
+        RttWindows {
+            a,
+            b,
+            spin,
+            cpus: two_cpus(),
+            rounds: Vec::new(),
+            windows: 0,
+        }
+    }
+
+    /// Measures one window; a window that fails (a lost datagram) adds nothing.
+    pub fn window(&mut self) {
+        if let Ok(v) = udp_rtt_rounds(self.a, self.b, Self::ROUNDS, self.spin, self.cpus) {
+            self.rounds.extend(v);
+            self.windows += 1;
+        }
+    }
+
+    /// Windows measured.
+    pub fn windows(&self) -> usize {
+        self.windows
+    }
+
+    /// Whether window `k` (of connections `0..n`, one at a time) comes before connection
+    /// `k`: at the first, at every tenth, and after the last (`k == n`).
+    pub fn before(k: usize, n: usize) -> bool {
+        k == n || k % n.div_ceil(10).max(1) == 0
+    }
+
+    /// The median of every window's rounds and the two CPUs, if any window was measured.
+    fn result(mut self) -> Option<(f64, Option<[usize; 2]>)> {
+        (!self.rounds.is_empty())
+            .then(|| (median(&mut self.rounds), self.cpus.map(|(a, b)| [a, b])))
+    }
 }
 
 /// `recv`, polling for up to `spin` first with the loop rcm's own threads use
@@ -1251,14 +1351,21 @@ fn recv_polling(s: &UdpSocket, buf: &mut [u8], spin: Duration) -> std::io::Resul
     s.recv(buf)
 }
 
-/// Both round trips of the report (sleeping, and polling as the run's threads did).
-fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration) {
+/// Both round trips of the report (sleeping, and polling as the run's threads did). The
+/// polling one from `windows` when the run measured it in windows, else measured now.
+fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration, windows: Option<RttWindows>) {
     r.udp_rtt_p50_us = udp_rtt(a, b, 2000, Duration::ZERO).map_or(0.0, |(p50, _)| p50);
-    if !spin.is_zero() {
-        if let Ok((p50, cpus)) = udp_rtt(a, b, 2000, spin) {
-            r.udp_rtt_poll_p50_us = p50;
-            r.udp_rtt_poll_cpus = cpus;
-        }
+    if spin.is_zero() {
+        return;
+    }
+    r.udp_rtt_poll_windows = windows.as_ref().map_or(0, RttWindows::windows);
+    let got = match windows.and_then(RttWindows::result) {
+        Some(got) => Some(got),
+        None => udp_rtt(a, b, 2000, spin).ok(),
+    };
+    if let Some((p50, cpus)) = got {
+        r.udp_rtt_poll_p50_us = p50;
+        r.udp_rtt_poll_cpus = cpus;
     }
 }
 
@@ -1457,7 +1564,7 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
     if let Some(w) = too_few_ports(o.connections, &binds) {
         eprintln!("rcm bench: {w}; add client addresses with --bind");
     }
-    let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o);
+    let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o, None);
     fabric.shutdown();
     Ok(Some(r))
 }
@@ -1489,12 +1596,20 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
         served,
     )
     .map_err(|e| format!("listen: {e}"))?;
-    let mut r = run_client(&cf, &srcs, SocketAddr::new(server_ip, o.port), o);
+    let mut windows = (o.serial && server_ip.is_loopback() && !o.spin.is_zero())
+        .then(|| RttWindows::new(srcs[0], server_ip, o.spin));
+    let mut r = run_client(
+        &cf,
+        &srcs,
+        SocketAddr::new(server_ip, o.port),
+        o,
+        windows.as_mut(),
+    );
     let _ = srv.destroy();
     cf.shutdown();
     sf.shutdown();
     if server_ip.is_loopback() {
-        measure_rtt(&mut r, srcs[0], server_ip, o.spin);
+        measure_rtt(&mut r, srcs[0], server_ip, o.spin, windows);
     }
     // The baseline is this host's loopback TCP, whatever the daemon serves.
     add_baseline(&mut r, o);
@@ -1558,6 +1673,10 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     };
     // One client device per 25,000 connections (an address has ~28k ephemeral ports).
     let client_devices = o.connections.div_ceil(25_000).clamp(1, 200) as u8;
+    let (client_ip, server_ip) = (IpAddr::from([127, 0, 0, 2]), IpAddr::from([127, 0, 0, 1]));
+    // Made before this thread is pinned: it takes two CPUs of the process.
+    let mut windows =
+        (o.serial && !o.spin.is_zero()).then(|| RttWindows::new(client_ip, server_ip, o.spin));
     // `--pin`: the fabric's threads inherit the CPU this thread is on while it opens the
     // devices (they are all started then); then this thread moves to the other CPU.
     let cpus = if o.pin {
@@ -1602,17 +1721,13 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
         &srcs,
         SocketAddr::new(IpAddr::from([127, 0, 0, 1]), o.port),
         o,
+        windows.as_mut(),
     );
     let _ = srv.destroy();
     fabric.shutdown();
     drop(on_client_cpu);
     r.pinned_cpus = cpus.map(|(a, b)| [a, b]);
-    measure_rtt(
-        &mut r,
-        IpAddr::from([127, 0, 0, 2]),
-        IpAddr::from([127, 0, 0, 1]),
-        o.spin,
-    );
+    measure_rtt(&mut r, client_ip, server_ip, o.spin, windows);
     add_baseline(&mut r, o);
     Ok(Some(r))
 }
@@ -1672,8 +1787,16 @@ pub fn print_table(r: &Report) {
         } else {
             "taking turns on the one CPU this process may use"
         };
+        let when = if r.udp_rtt_poll_windows > 0 {
+            format!(
+                ", in {} windows between the connections",
+                r.udp_rtt_poll_windows
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, {cpus}, see --spin-us{ratio})",
+            "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, {cpus}{when}, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
         );
     }
@@ -1853,6 +1976,21 @@ mod tests {
             0,
             "no client devices: the one default"
         );
+    }
+
+    #[test]
+    fn round_trip_windows_come_before_the_first_every_tenth_and_after_the_last() {
+        let at =
+            |n: usize| -> Vec<usize> { (0..=n).filter(|&k| RttWindows::before(k, n)).collect() };
+        assert_eq!(
+            at(3000),
+            [0, 300, 600, 900, 1200, 1500, 1800, 2100, 2400, 2700, 3000]
+        );
+        // Fewer than ten connections: a window between every two of them.
+        assert_eq!(at(3), [0, 1, 2, 3]);
+        assert_eq!(at(1), [0, 1]);
+        // Not a multiple of ten: tenths rounded up, the last one shorter.
+        assert_eq!(at(25), [0, 3, 6, 9, 12, 15, 18, 21, 24, 25]);
     }
 
     #[test]

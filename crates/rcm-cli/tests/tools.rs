@@ -119,6 +119,7 @@ fn bench_without_polling() {
     assert_eq!(r["established"], 20, "{out}");
     assert!(r["udp_rtt_p50_us"].as_f64().unwrap() > 0.0, "{out}");
     assert_eq!(r["udp_rtt_poll_p50_us"].as_f64(), Some(0.0), "{out}");
+    assert_eq!(r["udp_rtt_poll_windows"], 0, "{out}");
     // A thread that does not poll receives nothing itself.
     assert_eq!(r["busy_polled"], 0, "{out}");
     let (code, _, err) = rcm(&["bench", "--spin-us", "200000"]);
@@ -364,6 +365,38 @@ fn bench_says_where_the_polling_round_trip_ran() {
         .expect("udp_rtt_poll_cpus");
     assert_eq!(two.len(), 2, "{out}");
     assert_ne!(two[0], two[1], "{out}");
+}
+
+/// One at a time, the polling round trip is measured in windows between the connections
+/// (before the first, after every tenth, after the last), so that it and the connections
+/// see the same stretches of the host's speed; a burst measures it once, after the run.
+#[test]
+fn bench_serial_measures_the_polling_round_trip_between_its_connections() {
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--serial",
+        "-c",
+        "30",
+        "--udp-port",
+        "26831",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 30, "{out}");
+    assert_eq!(v["udp_rtt_poll_windows"], 11, "{out}");
+    assert!(v["udp_rtt_poll_p50_us"].as_f64().unwrap() > 0.0, "{out}");
+    let (code, out, err) = rcm(&["bench", "--serial", "-c", "30", "--udp-port", "26831"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("in 11 windows between the connections"),
+        "{out}"
+    );
+    let (code, out, err) = rcm(&["bench", "-c", "30", "--udp-port", "26831", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["udp_rtt_poll_windows"], 0, "{out}");
+    assert!(v["udp_rtt_poll_p50_us"].as_f64().unwrap() > 0.0, "{out}");
 }
 
 /// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
