@@ -525,7 +525,7 @@ impl DeviceInner {
                         self,
                         listener,
                         cep,
-                        &crate::id::Incoming::Rc(info),
+                        crate::id::Incoming::Rc(info),
                     );
                 }
                 CmEvent::SidrReqReceived {
@@ -539,7 +539,7 @@ impl DeviceInner {
                         self,
                         listener,
                         cep,
-                        &crate::id::Incoming::Ud {
+                        crate::id::Incoming::Ud {
                             service_id,
                             private_data,
                         },

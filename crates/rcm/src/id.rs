@@ -2028,9 +2028,9 @@ pub(crate) fn on_connect_request(
     dev: &Arc<DeviceInner>,
     listener: CepHandle,
     cep: CepHandle,
-    inc: &Incoming,
+    inc: Incoming,
 ) {
-    let (sid, pd): (u64, &[u8]) = match inc {
+    let (sid, pd): (u64, &[u8]) = match &inc {
         Incoming::Rc(info) => (info.service_id, &info.private_data),
         Incoming::Ud {
             service_id,
@@ -2039,7 +2039,7 @@ pub(crate) fn on_connect_request(
         } => (*service_id, private_data),
     };
     let refuse = |dev: &Arc<DeviceInner>| {
-        dev.with_engine(|ep, now| match inc {
+        dev.with_engine(|ep, now| match &inc {
             Incoming::Rc(_) => {
                 let _ = ep.reject(now, cep, RejReason::ConsumerDefined, &[], &[]);
                 let _ = ep.destroy(now, cep);
@@ -2099,7 +2099,7 @@ pub(crate) fn on_connect_request(
     // The child shares the listener's handler or channel, as rdma_cm children do.
     let child = build(&lst.fabric, lst.ps, target);
     let ud = matches!(inc, Incoming::Ud { .. });
-    let param = match inc {
+    let param = match &inc {
         // From our side (see `ConnParam`): the peer's initiator depth is what we must be
         // able to respond to.
         Incoming::Rc(info) => ConnParam {
@@ -2121,7 +2121,7 @@ pub(crate) fn on_connect_request(
         g.cep = Some(cep);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
-        if let Incoming::Rc(info) = inc {
+        if let Incoming::Rc(info) = &inc {
             g.conn.remote_qpn = info.remote_qpn;
             g.conn.remote_psn = info.starting_psn;
             // Chosen now, not at accept (as cma.c's `seq_num` is at creation): librdmacm's
@@ -2168,7 +2168,12 @@ pub(crate) fn on_connect_request(
         sync::lock(&dev.ceps).remove(&cep);
         return;
     }
-    let user_pd = pd.get(CMA_HDR_LEN..).unwrap_or_default().to_vec();
+    // The request's own buffer, the header taken off the front: no second allocation.
+    let mut user_pd = match inc {
+        Incoming::Rc(info) => info.private_data,
+        Incoming::Ud { private_data, .. } => private_data,
+    };
+    user_pd.drain(..CMA_HDR_LEN.min(user_pd.len()));
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
         private_data: user_pd,
