@@ -4,6 +4,7 @@
 //! events out.
 
 use super::cep::{Cep, Outstanding, State, TimerKind};
+use super::peers::{PeerTable, PeerTables};
 use super::timers::Timers;
 use super::types::{
     ibta_time_ms, AcceptParams, CepHandle, CmError, CmEvent, ConnectParams, EndpointConfig,
@@ -86,8 +87,11 @@ pub struct Endpoint {
     /// DREP again (`cm_dreq_handler` answers with the id's saved private data).
     drep_pd: foldhash::HashMap<CepHandle, Vec<u8>>,
     local_ids: foldhash::HashMap<u32, CepHandle>,
-    remote_ids: HashMap<(u32, u64), CepHandle>,
-    remote_qps: HashMap<(u32, u64), CepHandle>,
+    /// The peer's comm ID and CA GUID, and its QPN and CA GUID, to our endpoint (see
+    /// `ib/peers.rs`), and the keyed hash of both.
+    remote_ids: PeerTable,
+    remote_qps: PeerTable,
+    peers: PeerTables,
     sidr_remote: HashMap<(u32, IpAddr), CepHandle>,
     listeners: foldhash::HashMap<CepHandle, Listener>,
     listen_exact: BTreeMap<u64, CepHandle>,
@@ -163,8 +167,9 @@ impl Endpoint {
             parked: foldhash::HashMap::default(),
             drep_pd: foldhash::HashMap::default(),
             local_ids: foldhash::HashMap::default(),
-            remote_ids: HashMap::new(),
-            remote_qps: HashMap::new(),
+            remote_ids: PeerTable::default(),
+            remote_qps: PeerTable::default(),
+            peers: PeerTables::default(),
             sidr_remote: HashMap::new(),
             listeners: foldhash::HashMap::default(),
             listen_exact: BTreeMap::new(),
@@ -493,8 +498,14 @@ impl Endpoint {
                 }
             }
         }
-        unlink(&mut self.remote_ids, (remote_id, remote_guid), h);
-        unlink(&mut self.remote_qps, (remote_qpn, remote_guid), h);
+        if !self.remote_ids.is_empty() {
+            self.remote_ids
+                .remove_if(self.peers.key(remote_id, remote_guid), h);
+        }
+        if !self.remote_qps.is_empty() {
+            self.remote_qps
+                .remove_if(self.peers.key(remote_qpn, remote_guid), h);
+        }
         unlink(&mut self.sidr_remote, (remote_id, peer), h);
     }
 
@@ -1295,9 +1306,13 @@ impl Endpoint {
             return;
         }
         let guid = req.local_ca_guid;
+        let (rid, rqp) = (
+            self.peers.key(req.local_comm_id, guid),
+            self.peers.key(req.local_qpn, guid),
+        );
         // A REQ we already know: answer from the state it reached (IBTA 12.9.8.1; Linux
         // cm_dup_req_handler, plus resending the REP, which recovers a lost REP at once).
-        if let Some(&h) = self.remote_ids.get(&(req.local_comm_id, guid)) {
+        if let Some(h) = self.remote_ids.get(rid) {
             self.stats.rx_duplicates += 1;
             let Some(c) = self.ceps.get_mut(&h) else {
                 return;
@@ -1330,7 +1345,7 @@ impl Endpoint {
         // connection it names is ended (Linux cm_req_handler sends it a DREQ) only when the
         // REQ comes from that connection's peer: the QPN and CA GUID travel in the clear,
         // and from anyone else this would let any host end anyone's connection.
-        if let Some(&old) = self.remote_qps.get(&(req.local_qpn, guid)) {
+        if let Some(old) = self.remote_qps.get(rqp) {
             self.issue_rej(from, tid, &req, RejReason::StaleConn, MsgCode::Req);
             self.stats.stale_rejects += 1;
             if self
@@ -1390,8 +1405,8 @@ impl Endpoint {
         c.max_retries = req.max_cm_retries;
         c.ack_timeout = req.primary_path.local_ack_timeout;
         let h = self.insert_cep(c);
-        self.remote_ids.insert((req.local_comm_id, guid), h);
-        self.remote_qps.insert((req.local_qpn, guid), h);
+        self.peers.insert(&mut self.remote_ids, rid, h);
+        self.peers.insert(&mut self.remote_qps, rqp, h);
         if let Some(l) = self.listeners.get_mut(&lh) {
             l.pending += 1;
         }
@@ -1486,17 +1501,17 @@ impl Endpoint {
             return;
         }
         let guid = rep.local_ca_guid;
+        let (rid, rqp) = (
+            self.peers.key(rep.local_comm_id, guid),
+            self.peers.key(rep.local_qpn, guid),
+        );
         // Linux's `cm_rep_handler` inserts the remote comm ID before the remote QPN: a REP
         // naming a connection we already have is a duplicate, dropped without a word,
         // before any stale-QPN REJ or DREQ.
-        if self
-            .remote_ids
-            .get(&(rep.local_comm_id, guid))
-            .is_some_and(|&o| o != h)
-        {
+        if self.remote_ids.get(rid).is_some_and(|o| o != h) {
             return self.stats.rx_duplicates += 1;
         }
-        if let Some(&other) = self.remote_qps.get(&(rep.local_qpn, guid)) {
+        if let Some(other) = self.remote_qps.get(rqp) {
             if other != h {
                 // Stale: reject this REP, tear the old connection down, keep waiting.
                 let rej = stale_rep_rej(&rep);
@@ -1528,8 +1543,8 @@ impl Endpoint {
         c.remote_guid = guid;
         c.remote_qpn = rep.local_qpn;
         let establish = c.establish_on_rep;
-        self.remote_ids.insert((rep.local_comm_id, guid), h);
-        self.remote_qps.insert((rep.local_qpn, guid), h);
+        self.peers.insert(&mut self.remote_ids, rid, h);
+        self.peers.insert(&mut self.remote_qps, rqp, h);
         let info = RepInfo {
             remote_qpn: rep.local_qpn,
             starting_psn: rep.starting_psn,
@@ -1603,8 +1618,7 @@ impl Endpoint {
                 .and_then(|a| a.try_into().ok())
                 .map_or(0, u64::from_be_bytes);
             self.remote_ids
-                .get(&(rej.local_comm_id, guid))
-                .copied()
+                .get(self.peers.key(rej.local_comm_id, guid))
                 .filter(|h| self.ceps.get(h).is_some_and(|c| c.peer == from))
         } else if rej.remote_comm_id != 0 {
             // A REJ of a REQ can only be for an attempt that has not learned the peer's comm

@@ -7,6 +7,7 @@
 
 mod cep;
 mod endpoint;
+mod peers;
 mod timers;
 mod types;
 
