@@ -1271,7 +1271,7 @@ fn udp_rtt_rounds(
 /// once after it. This host's speed changes from one fraction of a second to the next (a
 /// loopback `sendto` took 3.0 or 3.9 µs for stretches of ~0.2 s on the 2-vCPU VM), and a
 /// round trip measured after the connections often fell in another stretch than most of
-/// them: the ratio of the same build's p50 to it went 1.33 to 1.75 from run to run. In
+/// them: the ratio of the same build's p50 to it went 1.20 to 1.84 from run to run. In
 /// windows the round trip has the connections' mixture of stretches.
 pub struct RttWindows {
     a: IpAddr,
