@@ -425,7 +425,7 @@ pub(crate) fn recv_with_fd(
 
 #[cfg(test)]
 mod tests {
-    use super::{ShmEnd, FULL_FOR, UNYIELDING_OFF};
+    use super::{ShmEnd, FULL_FOR, LATE_OFF, UNYIELDING_OFF};
     use std::os::unix::net::UnixStream;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
@@ -530,9 +530,21 @@ mod tests {
     /// own bytes, polling without a pause and showing its CPU's pollers that it is of this
     /// process, as a ring thread does; it takes nothing while `paused` is set.
     fn with_echo<R>(
+        daemon: ShmEnd,
+        cpu: Option<usize>,
+        paused: &AtomicBool,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        with_echo_slow(daemon, cpu, paused, &AtomicBool::new(false), f)
+    }
+
+    /// [`with_echo`], whose echo, while `slow` is set, takes a command at once but answers
+    /// it 200 µs later (a daemon that runs but is busy).
+    fn with_echo_slow<R>(
         mut daemon: ShmEnd,
         cpu: Option<usize>,
         paused: &AtomicBool,
+        slow: &AtomicBool,
         f: impl FnOnce() -> R,
     ) -> R {
         let stop = AtomicBool::new(false);
@@ -549,6 +561,12 @@ mod tests {
                     }
                     if let Some(frame) = daemon.try_recv(4096).unwrap() {
                         let frame = frame.to_vec();
+                        if slow.load(Ordering::Relaxed) {
+                            let t = Instant::now();
+                            while t.elapsed() < Duration::from_micros(200) {
+                                std::hint::spin_loop();
+                            }
+                        }
                         assert!(daemon.try_send(&frame).unwrap());
                     } else {
                         std::hint::spin_loop();
@@ -605,6 +623,42 @@ mod tests {
             });
             assert_eq!(client.unyielding_off, UNYIELDING_OFF);
             for k in 0..UNYIELDING_OFF {
+                call(&mut client, &[k; 8]);
+                assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
+            }
+            assert_eq!(client.unyielding_off, 0);
+        });
+    }
+
+    /// A command the daemon's side takes at once but answers late (it runs, but is busy) is
+    /// still answered, and turns the unyielding look off for the next LATE_OFF waits only.
+    #[test]
+    fn a_command_taken_but_answered_late_turns_the_look_off_for_fewer_waits() {
+        let Some((here, there)) = two_cpus() else {
+            eprintln!("skipped: this process may run on one CPU only");
+            return;
+        };
+        pin(here);
+        let (daemon, mut client) = channel(Duration::from_millis(1));
+        let (paused, slow) = (AtomicBool::new(false), AtomicBool::new(false));
+        with_echo_slow(daemon, Some(there), &paused, &slow, || {
+            let calls = 100_000u32;
+            let mut k = 0;
+            while (client.unyielding_got == 0 || client.unyielding_off > 0) && k < calls {
+                call(&mut client, &k.to_le_bytes());
+                k += 1;
+            }
+            assert!(
+                client.unyielding_got > 0,
+                "no answer of {calls} found without a yield"
+            );
+            assert_eq!(client.unyielding_off, 0);
+            let got = client.unyielding_got;
+            slow.store(true, Ordering::Relaxed);
+            call(&mut client, b"busy");
+            slow.store(false, Ordering::Relaxed);
+            assert_eq!(client.unyielding_off, LATE_OFF);
+            for k in 0..LATE_OFF {
                 call(&mut client, &[k; 8]);
                 assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
             }

@@ -498,13 +498,13 @@ impl Endpoint {
                 }
             }
         }
-        if !self.remote_ids.is_empty() {
-            self.remote_ids
-                .remove_if(self.peers.key(remote_id, remote_guid), h);
-        }
-        if !self.remote_qps.is_empty() {
-            self.remote_qps
-                .remove_if(self.peers.key(remote_qpn, remote_guid), h);
+        for (t, id) in [
+            (&mut self.remote_ids, remote_id),
+            (&mut self.remote_qps, remote_qpn),
+        ] {
+            if !t.is_empty() {
+                t.remove_if(self.peers.key(id, remote_guid), h);
+            }
         }
         unlink(&mut self.sidr_remote, (remote_id, peer), h);
     }
