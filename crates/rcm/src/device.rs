@@ -371,6 +371,17 @@ impl DeviceInner {
         sync::lock(&self.sock).clone()
     }
 
+    /// Turns `UDP_GRO` off for good (a UD QP is about to receive here): each receive then
+    /// brings one datagram, so runs of UD SENDs, whose sizes say nothing, are never
+    /// guessed at. Segmented sends to this device are cut by the kernel from then on, one
+    /// receive each.
+    pub(crate) fn receive_one_by_one(&self) -> crate::Result<()> {
+        let Some(sock) = self.socket() else {
+            return Ok(());
+        };
+        crate::sys::disable_gro(&sock).map_err(|e| crate::Error::Io(format!("UDP_GRO off: {e}")))
+    }
+
     fn send_all(&self, tx: &[Transmit]) {
         if tx.is_empty() {
             return;
@@ -800,7 +811,11 @@ impl RxBatch {
     /// datagram with a receive call of one: one at a time, the datagram that answers a
     /// polling thread is usually alone, and the receive of two then spends its second try
     /// finding the socket empty (a ping-pong on the 2-core VM: 8.37 µs a round trip with
-    /// `recvmmsg` of two, 8.05 of one). Two fills in a row that found something make the
+    /// `recvmmsg` of two, 8.05 of one). That call is `recvfrom` (`sys::recv_one`), whose
+    /// empty look costs a third less than a `recvmmsg` of one; it cannot tell a coalesced
+    /// run, which is then cut as `sys::gsi_run_stride` guesses (serial connects, `--pin`,
+    /// 11 interleaved rounds: p50 10.45–12.83 µs against 10.86–13.27, 0.2–0.5 less in
+    /// each). Two fills in a row that found something make the
     /// socket busy until a fill finds it empty. Serial connects, `--pin`, 10 interleaved
     /// rounds: p50 10.5-12.9 µs (median 10.85) against 10.9-12.8 (11.1); unpinned
     /// 16.7-17.0 against 17.3-17.8 (3 rounds); bursts within noise.
@@ -821,8 +836,12 @@ impl RxBatch {
             let bufs: [&mut [u8]; RECV_MANY] =
                 std::array::from_fn(|_| first.take().or_else(|| rest.next()).unwrap_or_default());
             let mut out = [None; RECV_MANY];
-            let want = if self.many { RECV_MANY } else { 1 };
-            let n = crate::sys::recv_many(sock, bufs, &mut out, want);
+            let n = if self.many {
+                crate::sys::recv_many(sock, bufs, &mut out, RECV_MANY)
+            } else {
+                let [first, ..] = bufs;
+                crate::sys::recv_one(sock, first, &mut out[0])
+            };
             for (i, r) in out.iter().enumerate().take(n) {
                 let Some((from, len, stride)) = *r else {
                     continue;
@@ -1682,6 +1701,28 @@ mod tests {
         }
         assert_eq!(take(), [6], "an empty look made it quiet again");
         assert_eq!(take(), [7]);
+    }
+
+    /// A quiet batch's receive cannot see `UDP_GRO`'s control message: a segmented run of
+    /// GSI datagrams still comes as its datagrams, cut by their size, in order.
+    #[test]
+    fn a_quiet_batch_cuts_a_run_of_gsi_datagrams() {
+        use rcm_wire::roce::{emit_gsi, IpForIcrc, GSI_UDP_PAYLOAD_LEN as GSI, MAD_LEN};
+        let rx = UdpSocket::bind("127.0.0.1:0").expect("receiver");
+        crate::sys::enable_gro(&rx).expect("UDP_GRO");
+        let to = rx.local_addr().expect("addr");
+        let tx = UdpSocket::bind("127.0.0.7:0").expect("sender");
+        let ip = IpForIcrc::v4([127, 0, 0, 7].into(), [127, 0, 0, 1].into());
+        let gsi: Vec<Vec<u8>> = (0..4u8)
+            .map(|k| emit_gsi(&ip, 4791, k.into(), &[k; MAD_LEN]))
+            .collect();
+        crate::sys::send_segments(&tx, to, &gsi.concat(), GSI as u16).expect("segmented send");
+        let mut b = RxBatch::new();
+        b.fill(&rx);
+        assert!(!b.many, "taken as a quiet batch");
+        let got: Vec<Vec<u8>> = b.datagrams().map(|(_, d)| d.to_vec()).collect();
+        assert_eq!(got, gsi);
+        assert_eq!((b.count(), b.coalesced()), (4, 1));
     }
 
     /// One receive call may bring two datagrams (the second is moved down beside the

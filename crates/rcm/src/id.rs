@@ -3210,6 +3210,10 @@ impl CmId {
 /// Makes `id` the receiver of UD datagrams to `qpn` on `dev`. A QPN another live UD id of
 /// the device receives on is refused (two UD QPs cannot share a number).
 fn register_ud(dev: &Arc<DeviceInner>, qpn: u32, id: &Arc<IdInner>) -> Result<()> {
+    // Before the QPN can be known to a peer: a quiet device's receive cannot tell a run of
+    // datagrams the kernel coalesced from one datagram (see `sys::gsi_run_stride`), which
+    // for UD SENDs, unlike GSI datagrams, no size gives away.
+    dev.receive_one_by_one()?;
     {
         let mut m = sync::lock(&dev.ud_qps);
         if let Some(other) = m.get(&qpn).and_then(Weak::upgrade) {

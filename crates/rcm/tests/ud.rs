@@ -583,3 +583,39 @@ fn a_qpn_receives_for_one_ud_id_only() {
     assert!(second.try_recv_ud().is_none());
     s.fabric.shutdown();
 }
+
+/// A peer's UD SENDs in one segmented send (`UDP_SEGMENT`, as rcm sends a batch of GSI
+/// datagrams) reach the UD id one by one, each whole: a device with a UD QP has the kernel
+/// cut coalesced runs, since a quiet device's receive could not tell them from one datagram.
+#[test]
+fn a_segmented_run_of_ud_sends_arrives_datagram_by_datagram() {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, SockaddrStorage};
+    use std::os::fd::AsRawFd;
+    let s = setup(28118, 1);
+    let (_, ud, child) = &s.pairs[0];
+    let peer = UdpSocket::bind("127.0.0.3:0").expect("peer socket");
+    let sends: Vec<Vec<u8>> = (0..3u8)
+        .map(|k| ud_packet(Opcode::UD_SEND_ONLY, ud.qpn, RDMA_UDP_QKEY, None, &[k; 100]))
+        .collect();
+    let seg = u16::try_from(sends[0].len()).expect("size");
+    let run = sends.concat();
+    let to = SockaddrStorage::from(SocketAddr::new(server_ip(), 28118));
+    for round in 0..2 {
+        sendmsg(
+            peer.as_raw_fd(),
+            &[std::io::IoSlice::new(&run)],
+            &[ControlMessage::UdpGsoSegments(&seg)],
+            MsgFlags::empty(),
+            Some(&to),
+        )
+        .expect("segmented send");
+        for k in 0..3u8 {
+            let m = child.recv_ud(T).expect("delivered");
+            assert_eq!(m.payload, [k; 100], "round {round}, datagram {k}");
+        }
+        assert!(child.try_recv_ud().is_none(), "round {round}: nothing more");
+    }
+    let st = s.server_dev.ud_stats();
+    assert_eq!((st.garbage, st.delivered), (0, 6), "{st:?}");
+    s.fabric.shutdown();
+}
