@@ -814,9 +814,9 @@ impl RxBatch {
     /// `recvmmsg` of two, 8.05 of one). That call is `recvfrom` (`sys::recv_one`), whose
     /// empty look costs a third less than a `recvmmsg` of one; it cannot tell a coalesced
     /// run, which is then cut as `sys::gsi_run_stride` guesses (serial connects, `--pin`,
-    /// 11 interleaved rounds: p50 10.45–12.83 µs against 10.86–13.27, 0.2–0.5 less in
-    /// each). Two fills in a row that found something make the
-    /// socket busy until a fill finds it empty. Serial connects, `--pin`, 10 interleaved
+    /// 11 interleaved rounds: p50 10.45–12.83 µs against 10.86–13.27, lower in 10 of
+    /// them). Two fills in a row that found something make the socket busy until a fill
+    /// finds it empty. Serial connects, `--pin`, 10 interleaved
     /// rounds: p50 10.5-12.9 µs (median 10.85) against 10.9-12.8 (11.1); unpinned
     /// 16.7-17.0 against 17.3-17.8 (3 rounds); bursts within noise.
     fn fill(&mut self, sock: &UdpSocket) {
