@@ -811,14 +811,15 @@ impl RxBatch {
     /// datagram with a receive call of one: one at a time, the datagram that answers a
     /// polling thread is usually alone, and the receive of two then spends its second try
     /// finding the socket empty (a ping-pong on the 2-core VM: 8.37 µs a round trip with
-    /// `recvmmsg` of two, 8.05 of one). That call is `recvfrom` (`sys::recv_one`), whose
-    /// empty look costs a third less than a `recvmmsg` of one; it cannot tell a coalesced
-    /// run, which is then cut as `sys::gsi_run_stride` guesses (serial connects, `--pin`,
-    /// 11 interleaved rounds: p50 10.45–12.83 µs against 10.86–13.27, lower in 10 of
-    /// them). Two fills in a row that found something make the socket busy until a fill
-    /// finds it empty. Serial connects, `--pin`, 10 interleaved
+    /// `recvmmsg` of two, 8.05 of one). Two fills in a row that found something make the
+    /// socket busy until a fill finds it empty. Serial connects, `--pin`, 10 interleaved
     /// rounds: p50 10.5-12.9 µs (median 10.85) against 10.9-12.8 (11.1); unpinned
     /// 16.7-17.0 against 17.3-17.8 (3 rounds); bursts within noise.
+    ///
+    /// The quiet fill's call is `recvfrom` (`sys::recv_one`), not a `recvmmsg` of one: its
+    /// empty look costs a third less, and a polling thread makes many. It cannot tell a
+    /// coalesced run, which is then cut as `sys::gsi_run_stride` guesses. Serial connects,
+    /// `--pin`, 11 interleaved rounds: p50 10.45–12.83 µs against 10.86–13.27, lower in 10.
     fn fill(&mut self, sock: &UdpSocket) {
         use crate::sys::RECV_MANY;
         let spare = (RECV_MANY - 1) * RX_MAX;

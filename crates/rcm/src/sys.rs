@@ -316,7 +316,7 @@ mod tests {
         assert_eq!(take(&mut areas).0, 0, "nothing was left");
     }
 
-    /// A GSI datagram of the given PSN (its first byte after the BTH's differs per PSN).
+    /// A GSI datagram with PSN `psn` and a MAD of `psn`'s low byte throughout.
     fn gsi(psn: u32) -> Vec<u8> {
         let ip = rcm_wire::roce::IpForIcrc::v4([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
         rcm_wire::roce::emit_gsi(&ip, 4791, psn, &[psn as u8; rcm_wire::roce::MAD_LEN])

@@ -114,7 +114,9 @@ fn a_batch_holds_its_datagrams_until_it_ends_then_sends_them_in_one_call() {
     wait_until("20 connect requests", || {
         requests.load(Ordering::SeqCst) == 20
     });
-    assert!(d1.traffic().0 >= rx0 + 20);
+    // Counted once the engine call that handled them returns, which can be after their
+    // callbacks ran.
+    wait_until("20 datagrams counted", || d1.traffic().0 >= rx0 + 20);
     for _ in 0..20 {
         let ev = next(&ch, common::T);
         assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
@@ -285,9 +287,13 @@ fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
         names.iter().all(|n| n == "rcm-dev-127.0.0.1"),
         "callbacks ran on {names:?}"
     );
-    // 30 REQs arrive in one receive (or a few): far fewer sends than REPs.
-    let sends = d1.batched_io().0 - seg0;
+    // 30 REQs arrive in one receive (or a few): far fewer sends than REPs. The sends are
+    // counted when their system call returns, and on loopback the client may have taken
+    // the REPs before that (a loop of this file saw 0 of 30 counted, about once in a
+    // thousand runs).
+    wait_until("30 REPs counted", || d1.traffic().1 - tx0 >= 30);
     assert_eq!(d1.traffic().1 - tx0, 30);
+    let sends = d1.batched_io().0 - seg0;
     assert!(sends >= 1, "no REP was sent with another");
     f.shutdown();
 }
@@ -449,6 +455,12 @@ fn shutdown_sends_the_held_disconnects_before_the_devices_close() {
 /// again, which sends it before waiting (nothing lost, and the peer's ESTABLISHED follows).
 /// The server accepts 30 ms after the request, and the channel polls for 2 s, so the REP
 /// comes while the waiter polls its device and is received by it.
+///
+/// The event is not always queued when that poll returns: the device's own thread may be
+/// routing events at that moment (its timers), and it then routes this one too, a little
+/// later. The waiter goes on waiting, so it sends what it holds first (a CI run saw it
+/// once, and loops of the test about 1 in 300): then the connection is tried again, up to
+/// five times, and one of them must show the RTU held.
 #[test]
 fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
     let f = Fabric::new(slow_retry(28411));
@@ -473,26 +485,44 @@ fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
     l.listen(16).expect("listen");
     let ch = EventChannel::new();
     ch.set_spin(Duration::from_secs(2));
-    let ids = resolved(&f, &ch, 1, common::addr(1, SERVICE));
-    ids[0].create_qp().expect("a soft QP");
-    let polled0 = d2.busy_polled();
-    let b = SendBatch::begin();
-    ids[0].connect(&ConnectOptions::default()).expect("connect");
-    let (_, tx0) = d2.traffic();
-    let ev = next(&ch, common::T);
-    assert!(matches!(ev, Some(Event::Established { .. })), "{ev:?}");
-    assert_eq!(d2.busy_polled(), polled0 + 1, "the waiter received the REP");
-    // The REQ went out before the wait; the RTU is still held.
-    assert_eq!(d2.traffic().1, tx0 + 1, "the REQ only");
-    std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(up.load(Ordering::SeqCst), 0, "the server has no RTU yet");
-    assert_eq!(d1.engine_cep_states().get("RepSent"), Some(&1));
-    // The next wait sends it first.
-    assert!(next(&ch, Duration::from_millis(20)).is_none());
-    assert_eq!(d2.traffic().1, tx0 + 2, "the RTU left");
-    wait_until("the server's ESTABLISHED", || {
-        up.load(Ordering::SeqCst) == 1
-    });
-    drop(b);
+    let mut held = false;
+    let mut ids = Vec::new();
+    for attempt in 1..=5 {
+        let id = resolved(&f, &ch, 1, common::addr(1, SERVICE)).remove(0);
+        id.create_qp().expect("a soft QP");
+        let polled0 = d2.busy_polled();
+        let _b = SendBatch::begin();
+        id.connect(&ConnectOptions::default()).expect("connect");
+        let (_, tx0) = d2.traffic();
+        let ev = next(&ch, common::T);
+        assert!(matches!(ev, Some(Event::Established { .. })), "{ev:?}");
+        assert_eq!(d2.busy_polled(), polled0 + 1, "the waiter received the REP");
+        ids.push(id);
+        if d2.traffic().1 == tx0 + 2 {
+            // Its event came after the poll: the RTU went out as the waiter went on.
+            wait_until("the server's ESTABLISHED", || {
+                up.load(Ordering::SeqCst) == attempt
+            });
+            continue;
+        }
+        // The REQ went out before the wait; the RTU is still held.
+        assert_eq!(d2.traffic().1, tx0 + 1, "the REQ only");
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            up.load(Ordering::SeqCst),
+            attempt - 1,
+            "the server has no RTU yet"
+        );
+        assert_eq!(d1.engine_cep_states().get("RepSent"), Some(&1));
+        // The next wait sends it first.
+        assert!(next(&ch, Duration::from_millis(20)).is_none());
+        assert_eq!(d2.traffic().1, tx0 + 2, "the RTU left");
+        wait_until("the server's ESTABLISHED", || {
+            up.load(Ordering::SeqCst) == attempt
+        });
+        held = true;
+        break;
+    }
+    assert!(held, "in five connections the RTU was never held");
     f.shutdown();
 }
