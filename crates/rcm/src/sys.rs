@@ -153,22 +153,22 @@ pub(crate) fn recv_one(sock: &UdpSocket, buf: &mut [u8], out: &mut Option<Receiv
 }
 
 /// The size of the datagrams a receive without the `UDP_GRO` control message brought: a
-/// GSI datagram's ([`GSI_UDP_PAYLOAD_LEN`]) when it is two or more of those and the first is
-/// one (a GSI datagram is always that size, and the kernel coalesces only datagrams of one
-/// size but the last); else its whole length, one datagram. Runs of other datagrams (UD
+/// GSI datagram's ([`GSI_UDP_PAYLOAD_LEN`]) when it is two or more of those and every piece
+/// parses as one (a GSI datagram is always that size, and the kernel coalesces only
+/// datagrams of one size but the last); else its whole length, one datagram, so that an
+/// oversized datagram is dropped whole, as Linux drops it. Runs of other datagrams (UD
 /// SENDs) are never guessed at: a device turns `UDP_GRO` off before it receives any (see
-/// `rcm::id`'s UD registration), and what was coalesced before is for no QP. A single
-/// datagram that is a whole number of GSI datagrams, the first a valid one, is no datagram
-/// Linux sends; it is cut, and each piece judged as a datagram of its own, as its sender
-/// could have sent them.
+/// `rcm::id`'s UD registration), and what was coalesced before is for no QP. The one
+/// datagram read otherwise than Linux would: a single one made of whole GSI datagrams
+/// end to end, which only a sender crafting it makes; it is cut, and each piece judged as
+/// the datagram its sender could have sent on its own.
 ///
 /// [`GSI_UDP_PAYLOAD_LEN`]: rcm_wire::roce::GSI_UDP_PAYLOAD_LEN
 pub(crate) fn gsi_run_stride(d: &[u8]) -> usize {
     use rcm_wire::roce::{GsiDatagram, GSI_UDP_PAYLOAD_LEN as GSI};
     let run = d.len() > GSI
         && d.len() % GSI == 0
-        && d.get(..GSI)
-            .is_some_and(|first| GsiDatagram::parse(first).is_ok());
+        && d.chunks(GSI).all(|piece| GsiDatagram::parse(piece).is_ok());
     if run {
         GSI
     } else {
@@ -322,8 +322,8 @@ mod tests {
         rcm_wire::roce::emit_gsi(&ip, 4791, psn, &[psn as u8; rcm_wire::roce::MAD_LEN])
     }
 
-    /// Two or more whole GSI datagrams, the first a valid one, are a run of them; anything
-    /// else is one datagram.
+    /// Two or more whole GSI datagrams, each a valid one, are a run of them; anything else
+    /// is one datagram.
     #[test]
     fn a_run_is_guessed_only_from_whole_gsi_datagrams() {
         use super::gsi_run_stride;
@@ -340,6 +340,17 @@ mod tests {
         assert_eq!(gsi_run_stride(&other), 3 * GSI);
         let junk = vec![0x64u8; 2 * GSI];
         assert_eq!(gsi_run_stride(&junk), 2 * GSI);
+        // A valid first piece padded to a whole number of them (an oversized REQ): one.
+        let mut padded = run[..GSI].to_vec();
+        padded.resize(5 * GSI, 0xA5);
+        assert_eq!(gsi_run_stride(&padded), 5 * GSI);
+        let mut last_bad = run.clone();
+        last_bad[2 * GSI + 4..2 * GSI + 8].copy_from_slice(&0x0000_1234u32.to_be_bytes());
+        assert_eq!(
+            gsi_run_stride(&last_bad),
+            3 * GSI,
+            "the last piece is no GSI datagram"
+        );
     }
 
     /// `recv_one` takes one datagram a call with its sender, and says when the socket is
