@@ -598,20 +598,7 @@ mod tests {
         let (daemon, mut client) = channel(Duration::from_millis(1));
         let paused = AtomicBool::new(false);
         with_echo(daemon, Some(there), &paused, || {
-            // Until the echo runs (its thread may take a while to start), and no late answer
-            // left the look off.
-            let calls = 100_000u32;
-            let mut k = 0;
-            while (client.unyielding_got == 0 || client.unyielding_off > 0) && k < calls {
-                call(&mut client, &k.to_le_bytes());
-                k += 1;
-            }
-            assert!(
-                client.unyielding_got > 0,
-                "no answer of {calls} found without a yield"
-            );
-            assert_eq!(client.unyielding_off, 0);
-            let got = client.unyielding_got;
+            let got = until_unyielding(&mut client);
             paused.store(true, Ordering::Relaxed);
             assert!(client.try_send(b"late").unwrap());
             std::thread::scope(|s| {
@@ -621,13 +608,36 @@ mod tests {
                 });
                 assert_eq!(client.recv(64).unwrap(), b"late");
             });
-            assert_eq!(client.unyielding_off, UNYIELDING_OFF);
-            for k in 0..UNYIELDING_OFF {
-                call(&mut client, &[k; 8]);
-                assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
-            }
-            assert_eq!(client.unyielding_off, 0);
+            waits_yield_first(&mut client, UNYIELDING_OFF, got);
         });
+    }
+
+    /// Calls until one answer is found without a yield (the echo's thread may take a while
+    /// to start) and no late answer left the look off: how many were found so.
+    fn until_unyielding(client: &mut ShmEnd) -> u32 {
+        let calls = 100_000u32;
+        let mut k = 0;
+        while (client.unyielding_got == 0 || client.unyielding_off > 0) && k < calls {
+            call(client, &k.to_le_bytes());
+            k += 1;
+        }
+        assert!(
+            client.unyielding_got > 0,
+            "no answer of {calls} found without a yield"
+        );
+        assert_eq!(client.unyielding_off, 0);
+        client.unyielding_got
+    }
+
+    /// The look is off for exactly `n` waits: each of them starts with a yield (none is
+    /// found without one, past `got`), and it is on again after them.
+    fn waits_yield_first(client: &mut ShmEnd, n: u8, got: u32) {
+        assert_eq!(client.unyielding_off, n);
+        for k in 0..n {
+            call(client, &[k; 8]);
+            assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
+        }
+        assert_eq!(client.unyielding_off, 0);
     }
 
     /// A command the daemon's side takes at once but answers late (it runs, but is busy) is
@@ -642,27 +652,11 @@ mod tests {
         let (daemon, mut client) = channel(Duration::from_millis(1));
         let (paused, slow) = (AtomicBool::new(false), AtomicBool::new(false));
         with_echo_slow(daemon, Some(there), &paused, &slow, || {
-            let calls = 100_000u32;
-            let mut k = 0;
-            while (client.unyielding_got == 0 || client.unyielding_off > 0) && k < calls {
-                call(&mut client, &k.to_le_bytes());
-                k += 1;
-            }
-            assert!(
-                client.unyielding_got > 0,
-                "no answer of {calls} found without a yield"
-            );
-            assert_eq!(client.unyielding_off, 0);
-            let got = client.unyielding_got;
+            let got = until_unyielding(&mut client);
             slow.store(true, Ordering::Relaxed);
             call(&mut client, b"busy");
             slow.store(false, Ordering::Relaxed);
-            assert_eq!(client.unyielding_off, LATE_OFF);
-            for k in 0..LATE_OFF {
-                call(&mut client, &[k; 8]);
-                assert_eq!(client.unyielding_got, got, "wait {k} started with a yield");
-            }
-            assert_eq!(client.unyielding_off, 0);
+            waits_yield_first(&mut client, LATE_OFF, got);
         });
     }
 
