@@ -283,7 +283,7 @@ fn issue_and_wait(
     let issue = &issue;
     let run = move |t: usize| -> Vec<String> {
         // The calls' datagrams go out together, 64 at a time and when the loop ends.
-        let _batch = how.send_batch.then(rcm::SendBatch::begin);
+        let _batch = (how.send_batch && !how.serial).then(rcm::SendBatch::begin);
         chunk
             .iter()
             .enumerate()
@@ -293,7 +293,11 @@ fn issue_and_wait(
             .collect()
     };
     if how.serial {
+        // One at a time nothing can join the call's datagram: it leaves within the call,
+        // not when the wait begins. What the wait's event handling sends (an RTU) is held
+        // until the event has been taken (see the run's batch in `run_client`).
         let errs = run(0);
+        let _batch = how.send_batch.then(rcm::SendBatch::begin);
         wait();
         return errs;
     }
@@ -587,7 +591,7 @@ pub fn run_client(
     // What this thread sends (calls made here, the RTUs its event handling sends) goes out
     // together when it is about to wait for an event and none is queued: get_event sends
     // it first (see rcm::SendBatch). The issuing thread of a burst has its own batch.
-    let sends = o.send_batch.then(rcm::SendBatch::begin);
+    let sends = (o.send_batch && !o.serial).then(rcm::SendBatch::begin);
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);
         let chunk_ids = &ids[range.clone()];

@@ -88,8 +88,9 @@ pub enum CallbackMode {
     BatchedThreads,
     /// An event a RoCEv2 device's receive loop produced runs its callback on that thread,
     /// after the batch of datagrams it received, with what the callbacks send held and sent
-    /// together at the end: one thread hop less per event (on a 2-core VM, serial connect
-    /// p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's, iWARP's,
+    /// together at the end (a receive of one datagram holds nothing: its answer leaves from
+    /// within the call that made it): one thread hop less per event (on a 2-core VM, serial
+    /// connect p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's, iWARP's,
     /// and those of datagrams a thread waiting in `get_event` received itself, see
     /// [`EventChannel::set_spin`](crate::EventChannel::set_spin)) run as in
     /// `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the callbacks

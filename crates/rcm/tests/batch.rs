@@ -1,7 +1,7 @@
 //! Send batches (`rcm::SendBatch`, `rcm::CallbackMode`): datagrams a thread
 //! sends in a row are held and go out together, one system call per peer (`UDP_SEGMENT`),
 //! and arrive as separate datagrams, each with the ICRC of its own IPv4 header. UDP ports
-//! 28400–28411.
+//! 28400–28412.
 #![cfg(not(loom))]
 
 mod common;
@@ -295,6 +295,59 @@ fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
     assert_eq!(d1.traffic().1 - tx0, 30);
     let sends = d1.batched_io().0 - seg0;
     assert!(sends >= 1, "no REP was sent with another");
+    f.shutdown();
+}
+
+/// With inline callbacks, a callback's answer to a receive that brought one datagram leaves
+/// within the callback: nothing else of that receive could join it, and holding it until the
+/// callback returned kept a one-at-a-time connect's REP back (~0.3 µs, probe timestamps).
+#[test]
+fn an_inline_callbacks_answer_to_a_lone_request_leaves_within_the_callback() {
+    let cfg = FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..slow_retry(28412)
+    };
+    let f = Fabric::new(cfg);
+    let d1 = f.add_device(common::ip(1)).expect("device 1");
+    f.add_device(common::ip(2)).expect("device 2");
+    // The server device's datagrams sent during each accept, counted inside the callback.
+    let during = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let server_dev = Arc::new(std::sync::Mutex::new(Some(d1.clone())));
+    let (dr, sd) = (during.clone(), server_dev.clone());
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| {
+        if let Event::ConnectRequest { .. } = ev {
+            let Some(d) = sd.lock().unwrap().clone() else {
+                return Flow::Continue;
+            };
+            let before = d.traffic().1;
+            id.accept(&AcceptOptions::default()).expect("accept");
+            dr.lock().unwrap().push(d.traffic().1 - before);
+        }
+        Flow::Continue
+    });
+    l.bind(common::addr(1, SERVICE)).expect("bind");
+    l.listen(16).expect("listen");
+    let ch = EventChannel::new();
+    // A receive can bring a second datagram (the device's own wake-up) with the REQ, and
+    // its callbacks' answers are then held: up to five connections, one at a time, and one
+    // must show its REP sent before its callback returned.
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let ids = resolved(&f, &ch, 1, common::addr(1, SERVICE));
+        connect_all(&ids);
+        let ev = next(&ch, common::T);
+        assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+        seen = during.lock().unwrap().clone();
+        if seen.contains(&1) {
+            break;
+        }
+    }
+    assert!(
+        seen.contains(&1),
+        "no REP left within its callback (sent during each accept: {seen:?})"
+    );
+    assert!(seen.iter().all(|&n| n <= 1), "{seen:?}");
+    server_dev.lock().unwrap().take();
     f.shutdown();
 }
 
