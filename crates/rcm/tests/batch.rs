@@ -85,6 +85,18 @@ fn connect_all(ids: &[CmId]) {
     }
 }
 
+/// A fabric that runs callbacks on the receiving device's thread (`CallbackMode::Inline`),
+/// with devices 127.0.0.1 (returned: the server's) and 127.0.0.2.
+fn inline_fabric(port: u16) -> (Fabric, Device) {
+    let f = Fabric::new(FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..slow_retry(port)
+    });
+    let d1 = f.add_device(common::ip(1)).expect("device 1");
+    f.add_device(common::ip(2)).expect("device 2");
+    (f, d1)
+}
+
 fn wait_until(what: &str, f: impl Fn() -> bool) {
     let end = Instant::now() + common::T;
     while !f() {
@@ -250,13 +262,7 @@ fn each_datagram_of_a_batch_carries_the_icrc_of_its_own_ip_header() {
 /// together.
 #[test]
 fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
-    let cfg = FabricConfig {
-        callbacks: rcm::CallbackMode::Inline,
-        ..slow_retry(28405)
-    };
-    let f = Fabric::new(cfg);
-    let d1 = f.add_device(common::ip(1)).expect("device 1");
-    f.add_device(common::ip(2)).expect("device 2");
+    let (f, d1) = inline_fabric(28405);
     let threads = Arc::new(std::sync::Mutex::new(Vec::new()));
     let t = threads.clone();
     let l = f.create_id(PortSpace::Tcp, move |id, ev| {
@@ -303,13 +309,7 @@ fn inline_callbacks_run_on_the_receiving_device_thread_and_answer_together() {
 /// callback returned kept a one-at-a-time connect's REP back (~0.3 µs, probe timestamps).
 #[test]
 fn an_inline_callbacks_answer_to_a_lone_request_leaves_within_the_callback() {
-    let cfg = FabricConfig {
-        callbacks: rcm::CallbackMode::Inline,
-        ..slow_retry(28412)
-    };
-    let f = Fabric::new(cfg);
-    let d1 = f.add_device(common::ip(1)).expect("device 1");
-    f.add_device(common::ip(2)).expect("device 2");
+    let (f, d1) = inline_fabric(28412);
     // The server device's datagrams sent during each accept, counted inside the callback.
     let during = Arc::new(std::sync::Mutex::new(Vec::new()));
     let server_dev = Arc::new(std::sync::Mutex::new(Some(d1.clone())));
