@@ -1248,16 +1248,13 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
-        let iw_dev = sync::lock(&self.0.st)
-            .device
-            .clone()
-            .filter(|d| d.is_iwarp());
-        if let Some(dev) = iw_dev {
-            return self.iw_connect(&dev, opts);
-        }
         let psn = rand::random::<u32>() & 0xFF_FFFF;
         let (dst, dev, qpn, path, pd, attached) = {
             let mut g = self.usable()?;
+            if let Some(dev) = g.device.as_ref().filter(|d| d.is_iwarp()).cloned() {
+                drop(g);
+                return self.iw_connect(&dev, opts);
+            }
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
             }
@@ -1379,11 +1376,13 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
-        if let Some((dev, key)) = self.iw_conn()? {
-            return self.iw_accept(&dev, key, opts);
-        }
         let (dev, cep, qpn, psn) = {
             let mut g = self.usable()?;
+            // Asked under the lock the rest is checked under: one look at the id, not two.
+            if let Some((dev, key)) = iw_conn_of(&g)? {
+                drop(g);
+                return self.iw_accept(&dev, key, opts);
+            }
             if g.state != State::Connect || g.listener.is_none() || g.conn.accepted {
                 return Err(Error::InvalidState(g.state));
             }
@@ -2519,15 +2518,20 @@ fn iw_destroy(dev: &Arc<DeviceInner>, key: ConnKey) {
     dev.iw_cep(key, iw::Cep::destroy);
 }
 
+/// An iWARP connection's device and key, from the id's state; `None` on RoCE; an iWARP id
+/// with no connection is in the wrong state for what asked.
+fn iw_conn_of(g: &IdState) -> Result<Option<(Arc<DeviceInner>, ConnKey)>> {
+    Ok(match (&g.device, g.iw.map(std::num::NonZeroUsize::get)) {
+        (Some(d), Some(k)) if d.is_iwarp() => Some((d.clone(), k)),
+        (Some(d), None) if d.is_iwarp() => return Err(Error::InvalidState(g.state)),
+        _ => None,
+    })
+}
+
 impl CmId {
     /// The iWARP device and stream of this id, if it has one.
     fn iw_conn(&self) -> Result<Option<(Arc<DeviceInner>, ConnKey)>> {
-        let g = self.usable()?;
-        Ok(match (&g.device, g.iw.map(std::num::NonZeroUsize::get)) {
-            (Some(d), Some(k)) if d.is_iwarp() => Some((d.clone(), k)),
-            (Some(d), None) if d.is_iwarp() => return Err(Error::InvalidState(g.state)),
-            _ => None,
-        })
+        iw_conn_of(&*self.usable()?)
     }
 
     /// `rdma_connect` on iWARP (`cma_connect_iw` → `iw_cm_connect`): TCP to the peer's
