@@ -90,8 +90,8 @@ pub enum CallbackMode {
     /// after the batch of datagrams it received, with what the callbacks send held and sent
     /// together at the end (a receive of one datagram holds nothing: its answer leaves from
     /// within the call that made it): one thread hop less per event (on a 2-core VM, serial
-    /// connect p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's, iWARP's,
-    /// and those of datagrams a thread waiting in `get_event` received itself, see
+    /// connect p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's,
+    /// iWARP's, and those of datagrams a thread waiting in `get_event` received itself, see
     /// [`EventChannel::set_spin`](crate::EventChannel::set_spin)) run as in
     /// `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the callbacks
     /// run on the session's reader thread after each batch of events it read.

@@ -1248,13 +1248,13 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
-        let psn = rand::random::<u32>() & 0xFF_FFFF;
-        let (dst, dev, qpn, path, pd, attached) = {
+        let (dst, dev, qpn, psn, path, pd, attached) = {
             let mut g = self.usable()?;
             if let Some(dev) = g.device.as_ref().filter(|d| d.is_iwarp()).cloned() {
                 drop(g);
                 return self.iw_connect(&dev, opts);
             }
+            let psn = rand::random::<u32>() & 0xFF_FFFF;
             if g.state != State::RouteResolved {
                 return Err(Error::InvalidState(g.state));
             }
@@ -1292,7 +1292,7 @@ impl CmId {
             g.conn.retry_count = opts.retry_count.min(7);
             g.conn.rnr_retry_count = opts.rnr_retry_count.min(7);
             g.conn.ack_timeout = ib::cm_ack_timeout(15, g.path.packet_life_time);
-            (dst, dev, qpn, g.path, pd, g.qp.is_some())
+            (dst, dev, qpn, psn, g.path, pd, g.qp.is_some())
         };
         if is_ud(self.0.ps) {
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
