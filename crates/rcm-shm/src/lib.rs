@@ -19,7 +19,7 @@
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 /// A mapping of a sealed memfd shared with another process.
@@ -145,6 +145,82 @@ impl Region {
         // access is atomic (see `u32_at`).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off).cast::<AtomicU8>(), n) }
     }
+
+    /// The `n` 64-bit words from byte offset `off` (a multiple of 8; inside the region).
+    ///
+    /// # Panics
+    /// When `off` is misaligned or the words leave the region (see `bytes`).
+    pub fn words(&self, off: usize, n: usize) -> &[AtomicU64] {
+        assert!(
+            off % 8 == 0
+                && n.checked_mul(8)
+                    .and_then(|b| b.checked_add(off))
+                    .is_some_and(|e| e <= self.len),
+            "word range {off}+{n}x8"
+        );
+        // The mapping is page-aligned and `off` a multiple of 8: the cast is aligned.
+        #[allow(clippy::cast_ptr_alignment)]
+        // SAFETY: in bounds and 8-aligned as just checked; AtomicU64 has u64's layout; all
+        // access is atomic (see `u32_at`).
+        unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(off).cast::<AtomicU64>(), n)
+        }
+    }
+
+    /// Writes `src` at byte offset `off`, eight bytes a store where the offsets allow (atomic
+    /// stores are never merged: a byte at a time, a push and pop of a 200-byte frame took
+    /// 113–117 ns on one thread, 63 ns this way). [`Region::load`] splits a range the same
+    /// way, so the two ends of a ring access each byte of a frame with the same width.
+    pub fn store(&self, off: usize, src: &[u8]) {
+        let (head, words, tail) = split_at_words(off, src.len());
+        let bytes = self.bytes(off, src.len());
+        for (d, s) in bytes[..head].iter().zip(src) {
+            d.store(*s, Ordering::Relaxed);
+        }
+        if words > 0 {
+            let mid = &src[head..head + 8 * words];
+            for (d, s) in self
+                .words(off + head, words)
+                .iter()
+                .zip(mid.chunks_exact(8))
+            {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(s);
+                d.store(u64::from_ne_bytes(w), Ordering::Relaxed);
+            }
+        }
+        let rest = head + 8 * words;
+        for (d, s) in bytes[rest..].iter().zip(&src[rest..rest + tail]) {
+            d.store(*s, Ordering::Relaxed);
+        }
+    }
+
+    /// Reads the bytes at byte offset `off` into `out` (see [`Region::store`]).
+    pub fn load(&self, off: usize, out: &mut [u8]) {
+        let (head, words, _) = split_at_words(off, out.len());
+        let bytes = self.bytes(off, out.len());
+        let (a, b) = out.split_at_mut(head);
+        for (d, s) in a.iter_mut().zip(bytes) {
+            *d = s.load(Ordering::Relaxed);
+        }
+        let (mid, c) = b.split_at_mut(8 * words);
+        if words > 0 {
+            for (d, s) in mid.chunks_exact_mut(8).zip(self.words(off + head, words)) {
+                d.copy_from_slice(&s.load(Ordering::Relaxed).to_ne_bytes());
+            }
+        }
+        for (d, s) in c.iter_mut().zip(&bytes[head + 8 * words..]) {
+            *d = s.load(Ordering::Relaxed);
+        }
+    }
+}
+
+/// How `n` bytes from offset `off` split into bytes before the first 8-aligned offset,
+/// whole words, and bytes after the last.
+fn split_at_words(off: usize, n: usize) -> (usize, usize, usize) {
+    let head = ((8 - off % 8) % 8).min(n);
+    let words = (n - head) / 8;
+    (head, words, n - head - 8 * words)
 }
 
 impl Drop for Region {
@@ -279,13 +355,9 @@ impl Producer {
         let cap = self.at.cap as usize;
         let start = (at as usize) & (cap - 1);
         let first = bytes.len().min(cap - start);
-        let area = self.r.bytes(self.at.data, cap);
-        for (d, s) in area[start..start + first].iter().zip(&bytes[..first]) {
-            d.store(*s, Ordering::Relaxed);
-        }
-        for (d, s) in area.iter().zip(&bytes[first..]) {
-            d.store(*s, Ordering::Relaxed);
-        }
+        let (a, b) = bytes.split_at(first);
+        self.r.store(self.at.data + start, a);
+        self.r.store(self.at.data, b);
     }
 }
 
@@ -340,14 +412,9 @@ impl Consumer {
         let cap = self.at.cap as usize;
         let start = (at as usize) & (cap - 1);
         let first = out.len().min(cap - start);
-        let area = self.r.bytes(self.at.data, cap);
         let (a, b) = out.split_at_mut(first);
-        for (d, s) in a.iter_mut().zip(&area[start..start + first]) {
-            *d = s.load(Ordering::Relaxed);
-        }
-        for (d, s) in b.iter_mut().zip(area) {
-            *d = s.load(Ordering::Relaxed);
-        }
+        self.r.load(self.at.data + start, a);
+        self.r.load(self.at.data, b);
     }
 
     /// About to sleep until woken: marks this end asleep, then looks once more. False (and

@@ -33,6 +33,36 @@ fn frames_cross_in_order_around_the_wrap() {
 }
 
 #[test]
+fn bytes_stored_eight_at_a_time_read_back_from_any_offset_and_touch_nothing_else() {
+    let (a, fd) = Region::create("rcm-shm-test", 4096).expect("create");
+    let b = Region::open(&fd, 4096).expect("open");
+    let mut out = Vec::new();
+    for off in 0..17 {
+        for n in 0..41 {
+            let around = (off + n + 8).min(4096);
+            for x in a.bytes(0, around) {
+                x.store(0xEE, Ordering::Relaxed);
+            }
+            let src: Vec<u8> = (0..n).map(|k| (k * 31 + off) as u8).collect();
+            a.store(off, &src);
+            out.clear();
+            out.resize(n, 0);
+            b.load(off, &mut out);
+            assert_eq!(out, src, "{n} bytes at {off}");
+            let mut all = vec![0u8; around];
+            b.load(0, &mut all);
+            assert!(
+                all[..off].iter().chain(&all[off + n..]).all(|&x| x == 0xEE),
+                "{n} bytes at {off} wrote outside their range"
+            );
+        }
+    }
+    assert_eq!(split_at_words(5, 2), (2, 0, 0));
+    assert_eq!(split_at_words(5, 20), (3, 2, 1));
+    assert_eq!(split_at_words(16, 7), (0, 0, 7));
+}
+
+#[test]
 fn a_full_ring_takes_nothing_until_the_consumer_reads() {
     let (mut p, mut c, _) = ends();
     let f = [9u8; 1000];
