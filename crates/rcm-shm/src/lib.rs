@@ -289,6 +289,10 @@ pub struct Producer {
     at: RingAt,
     /// What this end published: kept here, the shared copy is only written.
     tail: u32,
+    /// The consumer's index as last read: the shared one is read again only when this
+    /// leaves too little room. Each read of it is a cache line the consumer wrote, moved
+    /// over from the consumer's CPU, and makes the consumer's next write move it back.
+    head_seen: u32,
 }
 
 /// The reading end of a ring.
@@ -297,6 +301,9 @@ pub struct Consumer {
     at: RingAt,
     /// What this end consumed: kept here, the shared copy is only written.
     head: u32,
+    /// The producer's index as last read: frames up to it are taken without reading it
+    /// again (see `Producer::head_seen`).
+    tail_seen: u32,
 }
 
 impl Producer {
@@ -305,7 +312,14 @@ impl Producer {
     pub fn new(r: Arc<Region>, at: RingAt) -> std::io::Result<Producer> {
         at.check(&r)?;
         let tail = r.u32_at(at.ctl + TAIL).load(Ordering::Acquire);
-        Ok(Producer { r, at, tail })
+        // No room known until the consumer's index is read (at the first push).
+        let head_seen = tail.wrapping_sub(at.cap);
+        Ok(Producer {
+            r,
+            at,
+            tail,
+            head_seen,
+        })
     }
 
     /// Bytes a frame of `len` bytes takes in the ring.
@@ -318,17 +332,22 @@ impl Producer {
     /// must be woken by other means.
     pub fn push(&mut self, frame: &[u8]) -> Result<Option<bool>, Corrupt> {
         let cap = self.at.cap;
-        let head = self.r.u32_at(self.at.ctl + HEAD).load(Ordering::Acquire);
-        let used = self.tail.wrapping_sub(head);
-        if used > cap {
-            return Err(Corrupt("the consumer's index is past the producer's"));
-        }
         let need = Self::footprint(frame.len());
         if need > cap as usize {
             return Err(Corrupt("a frame longer than the ring"));
         }
-        if ((cap - used) as usize) < need {
-            return Ok(None);
+        // `head_seen` is a checked value of the consumer's index, which only grows: the
+        // room it leaves is at most what there is.
+        if ((cap - self.tail.wrapping_sub(self.head_seen)) as usize) < need {
+            let head = self.r.u32_at(self.at.ctl + HEAD).load(Ordering::Acquire);
+            let used = self.tail.wrapping_sub(head);
+            if used > cap {
+                return Err(Corrupt("the consumer's index is past the producer's"));
+            }
+            self.head_seen = head;
+            if ((cap - used) as usize) < need {
+                return Ok(None);
+            }
         }
         let len = u32::try_from(frame.len()).map_err(|_| Corrupt("a frame over 4 GiB"))?;
         self.write(self.tail, &len.to_le_bytes());
@@ -366,22 +385,33 @@ impl Consumer {
     pub fn new(r: Arc<Region>, at: RingAt) -> std::io::Result<Consumer> {
         at.check(&r)?;
         let head = r.u32_at(at.ctl + HEAD).load(Ordering::Acquire);
-        Ok(Consumer { r, at, head })
+        Ok(Consumer {
+            r,
+            at,
+            head,
+            tail_seen: head,
+        })
     }
 
     /// Whether a frame (or garbage) waits: the producer's index differs from this end's.
     pub fn has_data(&self) -> bool {
-        self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire) != self.head
+        self.tail_seen != self.head
+            || self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire) != self.head
     }
 
     /// Takes the next frame into `out` (replacing its contents): `Ok(false)` when there is
     /// none. A frame longer than `max` bytes is an error: the ring is not used any more.
     pub fn pop(&mut self, out: &mut Vec<u8>, max: usize) -> Result<bool, Corrupt> {
         let cap = self.at.cap;
-        let tail = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire);
-        let avail = tail.wrapping_sub(self.head);
+        let mut avail = self.tail_seen.wrapping_sub(self.head);
         if avail == 0 {
-            return Ok(false);
+            // The frames before `tail_seen` were published before it was read (acquired
+            // then), so only an empty look reads the producer's index again.
+            self.tail_seen = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire);
+            avail = self.tail_seen.wrapping_sub(self.head);
+            if avail == 0 {
+                return Ok(false);
+            }
         }
         if avail > cap {
             return Err(Corrupt("the producer's index is out of range"));

@@ -81,6 +81,33 @@ fn a_full_ring_takes_nothing_until_the_consumer_reads() {
 }
 
 #[test]
+fn the_peers_index_is_read_again_only_when_the_one_last_read_runs_out() {
+    let (mut p, mut c, shared) = ends();
+    let mut out = Vec::new();
+    assert_eq!(p.push(&[1u8; 100]), Ok(Some(false)));
+    // A consumer index out of range is not seen while the one read at the first push
+    // leaves room (2,048 + 104 bytes fit in 4,096)...
+    shared.u32_at(AT.ctl + 64).store(0xDEAD_0000, Ordering::SeqCst);
+    assert_eq!(p.push(&[2u8; 2048]), Ok(Some(false)));
+    // ...and is when it does not.
+    assert_eq!(
+        p.push(&[3u8; 2048]),
+        Err(Corrupt("the consumer's index is past the producer's"))
+    );
+    // The consumer reads the producer's index once for both frames: garbage written there
+    // after that read is not seen until they are taken.
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    assert_eq!(out, [1u8; 100]);
+    shared.u32_at(AT.ctl).store(0xDEAD_0000, Ordering::SeqCst);
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    assert_eq!(out, [2u8; 2048]);
+    assert_eq!(
+        c.pop(&mut out, 4096),
+        Err(Corrupt("the producer's index is out of range"))
+    );
+}
+
+#[test]
 fn a_frame_over_the_consumers_limit_is_refused() {
     let (mut p, mut c, _) = ends();
     p.push(&[1u8; 100]).expect("push");
