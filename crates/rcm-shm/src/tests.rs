@@ -87,7 +87,9 @@ fn the_peers_index_is_read_again_only_when_the_one_last_read_runs_out() {
     assert_eq!(p.push(&[1u8; 100]), Ok(Some(false)));
     // A consumer index out of range is not seen while the one read at the first push
     // leaves room (2,048 + 104 bytes fit in 4,096)...
-    shared.u32_at(AT.ctl + 64).store(0xDEAD_0000, Ordering::SeqCst);
+    shared
+        .u32_at(AT.ctl + 64)
+        .store(0xDEAD_0000, Ordering::SeqCst);
     assert_eq!(p.push(&[2u8; 2048]), Ok(Some(false)));
     // ...and is when it does not.
     assert_eq!(
