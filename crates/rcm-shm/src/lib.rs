@@ -29,7 +29,8 @@ pub struct Region {
 }
 
 // SAFETY: the mapping is plain memory owned by this value until it is dropped; every access
-// to it goes through atomics (`u32_at`, `bytes`), which may be used from any thread.
+// to it goes through atomics (`u32_at`, `bytes`, `words`), which may be used from any
+// thread.
 unsafe impl Send for Region {}
 // SAFETY: as above: shared access is only through atomics.
 unsafe impl Sync for Region {}
