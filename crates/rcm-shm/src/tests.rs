@@ -81,12 +81,11 @@ fn a_full_ring_takes_nothing_until_the_consumer_reads() {
 }
 
 #[test]
-fn the_peers_index_is_read_again_only_when_the_one_last_read_runs_out() {
-    let (mut p, mut c, shared) = ends();
-    let mut out = Vec::new();
+fn the_producer_reads_the_consumers_index_again_only_when_the_one_last_read_runs_out() {
+    let (mut p, _c, shared) = ends();
     assert_eq!(p.push(&[1u8; 100]), Ok(Some(false)));
     // A consumer index out of range is not seen while the one read at the first push
-    // leaves room (2,048 + 104 bytes fit in 4,096)...
+    // leaves room (2,056 + 112 bytes fit in 4,096)...
     shared
         .u32_at(AT.ctl + 64)
         .store(0xDEAD_0000, Ordering::SeqCst);
@@ -96,17 +95,49 @@ fn the_peers_index_is_read_again_only_when_the_one_last_read_runs_out() {
         p.push(&[3u8; 2048]),
         Err(Corrupt("the consumer's index is past the producer's"))
     );
-    // The consumer reads the producer's index once for both frames: garbage written there
-    // after that read is not seen until they are taken.
+}
+
+#[test]
+fn the_consumer_finds_a_frame_by_its_header_and_reads_the_producers_index_when_none_is_there() {
+    let (mut p, mut c, shared) = ends();
+    let mut out = Vec::new();
+    // A new ring's zeroed memory is no frame.
+    assert!(!c.has_data());
+    assert_eq!(c.pop(&mut out, 4096), Ok(false));
+    assert_eq!(p.push(&[1u8; 100]), Ok(Some(false)));
+    assert_eq!(p.push(&[2u8; 30]), Ok(Some(false)));
+    // The frames are taken by their headers, whatever the producer's index says...
+    shared.u32_at(AT.ctl).store(0, Ordering::SeqCst);
+    assert!(c.has_data());
     assert!(c.pop(&mut out, 4096).expect("pop"));
     assert_eq!(out, [1u8; 100]);
-    shared.u32_at(AT.ctl).store(0xDEAD_0000, Ordering::SeqCst);
     assert!(c.pop(&mut out, 4096).expect("pop"));
-    assert_eq!(out, [2u8; 2048]);
+    assert_eq!(out, [2u8; 30]);
+    // ...which is read on an empty look: behind what was taken, it is nothing yet (a
+    // producer publishes its index after the frame's header)...
+    assert_eq!(c.pop(&mut out, 4096), Ok(false));
+    // ...past it with no header there, or out of range, a broken ring.
+    shared.u32_at(AT.ctl).store(8 + 112 + 40, Ordering::SeqCst);
+    assert_eq!(
+        c.pop(&mut out, 4096),
+        Err(Corrupt("a frame published without its header"))
+    );
+    shared.u32_at(AT.ctl).store(0x7FFF_0000, Ordering::SeqCst);
     assert_eq!(
         c.pop(&mut out, 4096),
         Err(Corrupt("the producer's index is out of range"))
     );
+    // A header tagged with another index (a frame of the ring's last lap, where this end's
+    // index now points) is no frame.
+    let (mut p, mut c, _) = ends();
+    // 128 bytes each (a header word and 120 bytes): 32 a lap, the 41st's header where the
+    // 9th's was.
+    for _ in 0..40 {
+        assert_eq!(p.push(&[5u8; 120]), Ok(Some(false)));
+        assert!(c.pop(&mut out, 4096).expect("pop"));
+    }
+    assert!(!c.has_data(), "last lap's header taken for a frame");
+    assert_eq!(c.pop(&mut out, 4096), Ok(false));
 }
 
 #[test]

@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Bytes of the frame header after the length field.
 pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).

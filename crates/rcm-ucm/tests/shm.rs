@@ -418,8 +418,9 @@ fn a_client_that_does_not_read_its_answers_holds_up_no_one_else() {
     let d = daemon("shm-unread", 49309, &[1]);
     let (_s, token) = raw(&d);
     let (mut c, mut tx, mut rx) = mapped_rings(&d, token);
-    // Each answer takes ~40 bytes of the 64 KiB ring: 3,000 of them do not fit.
-    let n = 3000u32;
+    // Each answer takes 32 bytes of the 64 KiB ring (a header word, then its 20 bytes in
+    // whole words): 2,500 of them do not fit (checked below); the commands (24 bytes each) do.
+    let n = 2500u32;
     for seq in 1..=n {
         if tx
             .push(&Command::Devices.encode(seq))
@@ -445,6 +446,11 @@ fn a_client_that_does_not_read_its_answers_holds_up_no_one_else() {
             std::thread::yield_now();
         }
     }
+    assert!(
+        n as usize * Producer::footprint(f.len()) > rcm_ucm::shmchan::RING_BYTES as usize,
+        "the answers ({} bytes each) would all have fit in the ring",
+        f.len()
+    );
     // The channel goes on as usual.
     let m = ring_call(&mut tx, &mut rx, &mut c, &Command::Devices, n + 1);
     assert!(matches!(m, Message::Ok(Answer::Devices(_))), "{m:?}");
