@@ -489,7 +489,13 @@ impl Consumer {
         let flag = self.r.u32_at(self.at.ctl + ASLEEP);
         flag.store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        if self.r.u32_at(self.at.ctl + TAIL).load(Ordering::SeqCst) != self.head {
+        // Frames taken by their headers may be ahead of the producer's index: an index
+        // behind this end's is nothing to wait for (the producer reads the flag after it
+        // publishes, and wakes this end for nothing then). Any other, or a header here, is
+        // a frame (or a broken ring, which the next look reports).
+        let tail = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::SeqCst);
+        if self.head.wrapping_sub(tail) > self.at.cap || self.frame_len(Ordering::SeqCst).is_some()
+        {
             flag.store(0, Ordering::SeqCst);
             return false;
         }

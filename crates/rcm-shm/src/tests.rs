@@ -114,8 +114,14 @@ fn the_consumer_finds_a_frame_by_its_header_and_reads_the_producers_index_when_n
     assert!(c.pop(&mut out, 4096).expect("pop"));
     assert_eq!(out, [2u8; 30]);
     // ...which is read on an empty look: behind what was taken, it is nothing yet (a
-    // producer publishes its index after the frame's header)...
+    // producer publishes its index after the frame's header), and the consumer may sleep
+    // (the producer wakes it after it publishes)...
     assert_eq!(c.pop(&mut out, 4096), Ok(false));
+    assert!(
+        c.prepare_sleep(),
+        "an index behind what was taken kept the consumer awake"
+    );
+    c.awake();
     // ...past it with no header there, or out of range, a broken ring.
     shared.u32_at(AT.ctl).store(8 + 112 + 40, Ordering::SeqCst);
     assert_eq!(
@@ -123,6 +129,7 @@ fn the_consumer_finds_a_frame_by_its_header_and_reads_the_producers_index_when_n
         Err(Corrupt("a frame published without its header"))
     );
     shared.u32_at(AT.ctl).store(0x7FFF_0000, Ordering::SeqCst);
+    assert!(!c.prepare_sleep(), "asleep on a broken ring");
     assert_eq!(
         c.pop(&mut out, 4096),
         Err(Corrupt("the producer's index is out of range"))
