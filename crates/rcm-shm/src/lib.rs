@@ -419,10 +419,17 @@ impl Consumer {
     }
 
     /// Whether a frame (or garbage) waits: the word at this end's index is a header tagged
-    /// with it, or the producer's index differs from this end's.
+    /// with it, or the producer's index is ahead of this end's (see `tail_ahead`).
     pub fn has_data(&self) -> bool {
         self.frame_len(Ordering::Relaxed).is_some()
-            || self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire) != self.head
+            || self.tail_ahead(self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire))
+    }
+
+    /// Whether the producer's index `tail` says more than this end took. At or behind this
+    /// end's index (by at most the ring's size) it says nothing: this end takes frames by
+    /// their headers, before the producer publishes the index past them.
+    fn tail_ahead(&self, tail: u32) -> bool {
+        self.head.wrapping_sub(tail) > self.at.cap
     }
 
     /// The length the header at this end's index gives, when it is tagged with the index.
@@ -441,9 +448,7 @@ impl Consumer {
             len
         } else {
             let tail = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::Acquire);
-            // Nothing published past what this end took: it may have taken frames by their
-            // headers before the producer published its index.
-            if self.head.wrapping_sub(tail) <= self.at.cap {
+            if !self.tail_ahead(tail) {
                 return Ok(false);
             }
             if tail.wrapping_sub(self.head) > self.at.cap {
@@ -489,13 +494,11 @@ impl Consumer {
         let flag = self.r.u32_at(self.at.ctl + ASLEEP);
         flag.store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        // Frames taken by their headers may be ahead of the producer's index: an index
-        // behind this end's is nothing to wait for (the producer reads the flag after it
-        // publishes, and wakes this end for nothing then). Any other, or a header here, is
-        // a frame (or a broken ring, which the next look reports).
+        // An index behind this end's is nothing to wait for (see `tail_ahead`; the producer
+        // reads the flag after it publishes, and wakes this end for nothing then). Any other,
+        // or a header here, is a frame (or a broken ring, which the next look reports).
         let tail = self.r.u32_at(self.at.ctl + TAIL).load(Ordering::SeqCst);
-        if self.head.wrapping_sub(tail) > self.at.cap || self.frame_len(Ordering::SeqCst).is_some()
-        {
+        if self.tail_ahead(tail) || self.frame_len(Ordering::SeqCst).is_some() {
             flag.store(0, Ordering::SeqCst);
             return false;
         }

@@ -118,6 +118,10 @@ fn the_consumer_finds_a_frame_by_its_header_and_reads_the_producers_index_when_n
     // (the producer wakes it after it publishes)...
     assert_eq!(c.pop(&mut out, 4096), Ok(false));
     assert!(
+        !c.has_data(),
+        "an index behind what was taken said a frame waits"
+    );
+    assert!(
         c.prepare_sleep(),
         "an index behind what was taken kept the consumer awake"
     );
