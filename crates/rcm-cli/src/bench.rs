@@ -2142,9 +2142,11 @@ mod tests {
         };
         // The REP's event can be routed by the device's own thread a little after the
         // waiter's poll (its timers): the waiter then waits on, sending what it holds first.
-        // Up to five connections; one must show the RTU held.
+        // And the device's thread may take the REP, and send the RTU, before the caller
+        // counts what left in its call (preempted after it: once in a CI run on 2 CPUs).
+        // Up to twenty connections; one must show the RTU held.
         let mut held = false;
-        for _ in 0..5 {
+        for _ in 0..20 {
             let id = f.create_id_on(PortSpace::Tcp, &ch);
             id.resolve_addr(Some(ip(2)), dst).expect("resolve");
             assert!(matches!(next(), Some(Event::AddrResolved)));
@@ -2168,21 +2170,18 @@ mod tests {
                 },
             );
             assert!(errs.is_empty(), "{errs:?}");
-            assert_eq!(
-                in_call.load(Ordering::SeqCst),
-                1,
-                "the REQ left within connect"
-            );
+            let in_call = in_call.load(Ordering::SeqCst);
+            assert!(in_call >= 1, "the REQ left within connect");
             // Once the wait is over, the RTU has left.
             assert_eq!(d2.traffic().1 - tx0, 2, "the REQ and the RTU");
-            if at_event.load(Ordering::SeqCst) == 1 {
+            if in_call == 1 && at_event.load(Ordering::SeqCst) == 1 {
                 held = true;
                 break;
             }
         }
         assert!(
             held,
-            "in five connections the RTU never waited for the event"
+            "in twenty connections the RTU never waited for the event"
         );
         f.shutdown();
     }

@@ -354,6 +354,11 @@ fn closed_by_client(s: &mut UnixStream) -> bool {
 /// ends the session: the connection is closed (an unpark would not end the reader's
 /// poll(2)), so the reader wakes and every id gets its `DeviceRemoval`, and the daemon sees
 /// the end. Before, the id never heard of it and the daemon kept the session.
+///
+/// The ring is broken before the wait begins, and the wait begins only once this thread
+/// may poll: its first look finds it. (Broken during the wait, a waiter held off polling
+/// by CPU-bound neighbours, see `rcm::spin_allowed`, sleeps instead, and nothing rings:
+/// under two busy loops the test failed so, in 4 runs of 4.)
 #[test]
 fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
     let path = sock("ev-broken-by-waiter");
@@ -361,6 +366,7 @@ fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
     let listener = UnixListener::bind(&path).expect("listen");
     let (asleep_tx, asleep) = std::sync::mpsc::channel::<()>();
     let (go_tx, go) = std::sync::mpsc::channel::<()>();
+    let (broken_tx, broken) = std::sync::mpsc::channel::<()>();
     let fake = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("session");
         let (mut tx, region) = fake_mapped_session(&mut s, listener);
@@ -368,11 +374,11 @@ fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
         wait_reader_asleep(&region);
         asleep_tx.send(()).expect("asleep");
         go.recv().expect("go");
-        // The waiter is polling by now. The producer's index out of range, no doorbell.
-        std::thread::sleep(Duration::from_millis(100));
+        // The producer's index out of range, no doorbell.
         region
             .u32_at(EVENTS.ctl)
             .store(0x7FFF_FFFF, Ordering::SeqCst);
+        broken_tx.send(()).expect("broken");
         closed_by_client(&mut s)
     });
     let client = Client::connect(&path).expect("session");
@@ -384,7 +390,17 @@ fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
     // A call, so that the waiter polls this session (its busy-poll hint).
     id.set_reuseaddr(true).expect("reuseaddr");
     asleep.recv_timeout(T).expect("the reader sleeps");
+    // A hold-off lasts 1.6 s at most.
+    let may_poll = std::time::Instant::now() + Duration::from_secs(4);
+    while !rcm::spin_allowed() {
+        assert!(
+            std::time::Instant::now() < may_poll,
+            "held off polling for too long"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     go_tx.send(()).expect("go");
+    broken.recv_timeout(T).expect("the ring broken");
     let ev = ch.get_event(Some(Duration::from_secs(5)));
     assert!(!client.is_alive(), "the waiter did not see the broken ring");
     assert!(
