@@ -390,15 +390,9 @@ fn a_broken_ring_found_by_a_polling_waiter_ends_the_session() {
     // A call, so that the waiter polls this session (its busy-poll hint).
     id.set_reuseaddr(true).expect("reuseaddr");
     asleep.recv_timeout(T).expect("the reader sleeps");
-    // A hold-off lasts 1.6 s at most.
-    let may_poll = std::time::Instant::now() + Duration::from_secs(4);
-    while !rcm::spin_allowed() {
-        assert!(
-            std::time::Instant::now() < may_poll,
-            "held off polling for too long"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(rcm::spin_allowed, || {
+        "this thread was held off polling for longer than a hold-off lasts (1.6 s)".into()
+    });
     go_tx.send(()).expect("go");
     broken.recv_timeout(T).expect("the ring broken");
     let ev = ch.get_event(Some(Duration::from_secs(5)));
