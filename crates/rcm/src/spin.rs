@@ -113,6 +113,8 @@ impl Held {
 std::thread_local! {
     /// This thread's hold-off.
     static HELD_OFF: Cell<Held> = const { Cell::new(Held::NONE) };
+    /// How many hold-offs this thread has begun (see [`hold_offs`]).
+    static HOLD_OFFS: Cell<u64> = const { Cell::new(0) };
     /// The CPU this thread last found itself on (`usize::MAX`: not asked yet). Asked again
     /// only after a long yield: a thread that moved meanwhile counts its looks on its old
     /// CPU's count until then, which can only make a stolen yield look fair once.
@@ -170,6 +172,15 @@ fn count_look(looks: &AtomicU64) -> u64 {
     n
 }
 
+/// How many times the calling thread has been held off polling (a neighbour that does not
+/// yield back was confirmed, see the module documentation) since it began. What a caller
+/// that expected this thread to poll compares before and after: a wait whose count moved
+/// slept instead, by design (a test's premise that did not hold, a benchmark's run that
+/// had a CPU-bound neighbour).
+pub fn hold_offs() -> u64 {
+    HOLD_OFFS.try_with(Cell::get).unwrap_or(0)
+}
+
 /// Whether this thread may poll now (it is not held off after a stolen yield). Reads no
 /// clock unless a hold-off was set.
 pub fn spin_allowed() -> bool {
@@ -225,14 +236,21 @@ fn yield_since(before: Instant) -> (bool, Instant) {
     if now_on != cpu || looks.load(Ordering::Relaxed) != seen {
         return (true, after);
     }
-    let fair = HELD_OFF
+    (stolen_at(after), after)
+}
+
+/// Takes note of a yield of this thread stolen at `now`; false when that held it off.
+fn stolen_at(now: Instant) -> bool {
+    HELD_OFF
         .try_with(|h| {
-            let held = h.get().stolen(after);
+            let held = h.get().stolen(now);
             h.set(held);
+            if held.until.is_some() {
+                let _ = HOLD_OFFS.try_with(|n| n.set(n.get() + 1));
+            }
             held.until.is_none()
         })
-        .unwrap_or(true);
-    (fair, after)
+        .unwrap_or(true)
 }
 
 /// Polls `ready` (yielding the CPU between looks) until it is true or `spin` has passed;
@@ -301,6 +319,25 @@ mod tests {
         assert!(start.elapsed() < Duration::from_millis(200));
         // Other threads are not held off by this one's.
         std::thread::spawn(|| assert!(spin_allowed()))
+            .join()
+            .expect("other thread");
+        clear();
+    }
+
+    #[test]
+    fn the_thread_counts_its_hold_offs_not_its_stolen_yields() {
+        clear();
+        let before = hold_offs();
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        assert!(stolen_at(t));
+        assert!(stolen_at(t + ms(1)));
+        assert_eq!(hold_offs(), before, "two stolen yields do not hold off");
+        assert!(!stolen_at(t + ms(2)));
+        assert_eq!(hold_offs(), before + 1);
+        assert!(!spin_allowed());
+        // Another thread's count is its own.
+        std::thread::spawn(|| assert_eq!(hold_offs(), 0))
             .join()
             .expect("other thread");
         clear();
