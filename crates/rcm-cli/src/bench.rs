@@ -155,6 +155,11 @@ pub struct Report {
     /// received itself while it polled for its events (busy polling; see
     /// `rcm::EventChannel::set_spin`), not its device's or session's reader thread.
     pub busy_polled: u64,
+    /// How many times this process's polling threads were held off polling during the run
+    /// (`rcm::process_hold_offs`): a neighbour on their CPUs that does not yield back (a
+    /// CPU-bound process) made them sleep instead, and the latencies include those sleeps.
+    /// 0 on a quiet host.
+    pub hold_offs: u64,
     /// With `--pin`: the CPU of the calling thread and the CPU of the fabric's threads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pinned_cpus: Option<[usize; 2]>,
@@ -496,6 +501,7 @@ pub fn run_client(
     }
     // The run's own, not the warm-up's.
     let polled_before = fabric.busy_polled();
+    let held_before = rcm::process_hold_offs();
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
     let t = Timing::new(n);
@@ -917,6 +923,7 @@ pub fn run_client(
         baseline_conn_per_s: None,
         failures,
         busy_polled: fabric.busy_polled().saturating_sub(polled_before),
+        hold_offs: rcm::process_hold_offs().saturating_sub(held_before),
         pinned_cpus: None,
         latencies_us: lat,
     }
@@ -1820,6 +1827,12 @@ pub fn print_table(r: &Report) {
         println!(
             "busy polling: {} {what} received by the waiting thread itself",
             r.busy_polled
+        );
+    }
+    if r.hold_offs > 0 {
+        println!(
+            "contention: this process's polling threads were held off polling {} times (another process kept their CPUs busy and did not yield): the latencies include sleeps",
+            r.hold_offs
         );
     }
     if r.rss_per_conn_bytes > 0.0 {

@@ -1150,3 +1150,53 @@ fn ping_client_says_when_it_disconnected_what_the_server_left_open() {
     );
     fabric.shutdown();
 }
+
+/// A serial run beside a CPU-bound process on the calling thread's CPU: the thread's yields
+/// are stolen, rcm holds it off polling (it sleeps instead), and the report says so, in the
+/// JSON and as a printed warning, since the latencies then include those sleeps.
+#[test]
+fn bench_reports_polling_held_off_by_a_cpu_bound_neighbour() {
+    let cpus: Vec<usize> = {
+        let set = rustix::thread::sched_getaffinity(None).expect("affinity");
+        (0..rustix::thread::CpuSet::MAX_CPU)
+            .filter(|&c| set.is_set(c))
+            .collect()
+    };
+    if cpus.len() < 2 {
+        eprintln!(
+            "skipped: `--pin` needs two CPUs, this test has {}",
+            cpus.len()
+        );
+        return;
+    }
+    // `--pin` puts the calling thread on the first CPU it may use.
+    let mut hog = Command::new("taskset")
+        .args([
+            "-c",
+            &cpus[0].to_string(),
+            "sh",
+            "-c",
+            "while :; do :; done",
+        ])
+        .spawn()
+        .expect("taskset (util-linux)");
+    let args = [
+        "bench",
+        "-c",
+        "200",
+        "--serial",
+        "--pin",
+        "--udp-port",
+        "26925",
+    ];
+    let (code, out, err) = rcm(&[&args[..], &["--json"]].concat());
+    let (code2, text, err2) = rcm(&args);
+    let _ = hog.kill();
+    let _ = hog.wait();
+    assert_eq!(code, 0, "{out}\n{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(r["established"], 200, "{out}");
+    assert!(r["hold_offs"].as_u64().unwrap_or(0) > 0, "{out}");
+    assert_eq!(code2, 0, "{text}\n{err2}");
+    assert!(text.contains("contention: "), "{text}");
+}

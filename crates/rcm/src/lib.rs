@@ -96,4 +96,7 @@ pub use rcm_wire::cma::PortSpace;
 pub use slot::loom_api;
 pub use slot::{DestroyOutcome, Flow};
 #[cfg(not(loom))]
-pub use spin::{hold_offs, look_here, spin_allowed, spin_budget, spin_until, yield_to_pollers};
+pub use spin::{
+    hold_offs, look_here, process_hold_offs, spin_allowed, spin_budget, spin_until,
+    yield_to_pollers,
+};
