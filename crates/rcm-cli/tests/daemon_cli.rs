@@ -155,16 +155,16 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     assert_eq!(v["established"], 100);
     assert_eq!(v["busy_polled"], 0, "{out}");
     // With polling threads (the default), the waiting thread reads its session's answers
-    // itself.
+    // itself, unless a CPU-bound process beside it had rcm hold it off polling (by design;
+    // the report counts that, `hold_offs`).
     let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "50", "--serial", "--json"]);
-    assert_eq!(
-        code, 0,
-        "{out}
-{err}"
-    );
+    assert_eq!(code, 0, "{out}\n{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["established"], 50);
-    assert!(v["busy_polled"].as_u64().unwrap_or(0) > 0, "{out}");
+    assert!(
+        v["busy_polled"].as_u64().unwrap_or(0) > 0 || v["hold_offs"].as_u64().unwrap_or(0) > 0,
+        "{out}"
+    );
 
     let (code, out, err) = rcm(&["stress", "--daemon", p, "-d", "2", "--seed", "7", "--json"]);
     assert_eq!(code, 0, "{out}\n{err}");

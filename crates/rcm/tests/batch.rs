@@ -513,7 +513,9 @@ fn shutdown_sends_the_held_disconnects_before_the_devices_close() {
 /// routing events at that moment (its timers), and it then routes this one too, a little
 /// later. The waiter goes on waiting, so it sends what it holds first (a CI run saw it
 /// once, and loops of the test about 1 in 300): then the connection is tried again, up to
-/// five times, and one of them must show the RTU held.
+/// five times, and one of them must show the RTU held. An attempt whose waiter was held off
+/// polling (`rcm::hold_offs`: a CPU-bound neighbour, and rcm's waiter sleeps by design) does
+/// not count, and if all five were, the test could not run on this host and says so.
 #[test]
 fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
     let f = Fabric::new(slow_retry(28411));
@@ -539,16 +541,32 @@ fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
     let ch = EventChannel::new();
     ch.set_spin(Duration::from_secs(2));
     let mut held = false;
+    let mut skipped = 0;
     let mut ids = Vec::new();
     for attempt in 1..=5 {
         let id = resolved(&f, &ch, 1, common::addr(1, SERVICE)).remove(0);
         id.create_qp().expect("a soft QP");
+        // A hold-off lasts 1.6 s at most: this attempt's waiter polls from its start.
+        wait_until("this thread allowed to poll", rcm::spin_allowed);
         let polled0 = d2.busy_polled();
+        let held_off = rcm::hold_offs();
         let _b = SendBatch::begin();
         id.connect(&ConnectOptions::default()).expect("connect");
         let (_, tx0) = d2.traffic();
         let ev = next(&ch, common::T);
         assert!(matches!(ev, Some(Event::Established { .. })), "{ev:?}");
+        if rcm::hold_offs() != held_off {
+            // Held off polling by a CPU-bound neighbour (by design), the waiter may have
+            // slept and left the REP to the device's thread: not this test's case.
+            eprintln!("attempt {attempt}: the waiter was held off polling");
+            skipped += 1;
+            SendBatch::flush();
+            ids.push(id);
+            wait_until("the server's ESTABLISHED", || {
+                up.load(Ordering::SeqCst) == attempt
+            });
+            continue;
+        }
         assert_eq!(d2.busy_polled(), polled0 + 1, "the waiter received the REP");
         ids.push(id);
         if d2.traffic().1 == tx0 + 2 {
@@ -576,6 +594,12 @@ fn the_rtu_a_waiters_poll_makes_goes_out_at_its_next_wait_after_its_event() {
         held = true;
         break;
     }
-    assert!(held, "in five connections the RTU was never held");
+    if skipped == 5 {
+        eprintln!("skipped: every attempt was held off polling; this host is too busy to test it");
+    }
+    assert!(
+        held || skipped == 5,
+        "in five connections the RTU was never held"
+    );
     f.shutdown();
 }

@@ -1,8 +1,9 @@
 //! A poller beside a CPU-bound process stops polling (see `rcm::spin_until`): its own
 //! binary, so that no other test's polling threads share the CPU and count as this
 //! process's looks. Its cases that must not hold off need a moment when no other process
-//! keeps the CPU busy (see `ATTEMPTS`): beside a build running on every CPU they fail, as
-//! a poller there should stop polling.
+//! keeps a CPU busy (see `ATTEMPTS`; each CPU the test may use is tried in turn, and the
+//! rest of the test runs on the one found quiet): beside a build running on every CPU they
+//! fail, as a poller there should stop polling.
 
 #![cfg(target_os = "linux")]
 
@@ -13,15 +14,23 @@ use std::time::{Duration, Instant};
 /// The tests share their CPU's count of looks: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Runs of a case that should not be held off, of which one must not be: another process
-/// busy on the CPU meanwhile (a build, say) holds a poller off as it should. A rule that
-/// is wrong holds it off every time (the end-of-batch count this file's second test was
-/// written for: 15 of 15 runs).
+/// Rounds over the allowed CPUs of a case that should not be held off, of which one run
+/// must not be: another process busy on a CPU meanwhile (a build, a test's busy loop)
+/// holds a poller there off as it should. A rule that is wrong holds it off every time (the
+/// end-of-batch count this file's second test was written for: 15 of 15 runs).
 const ATTEMPTS: usize = 3;
 
-fn one_allowed_cpu() -> Option<usize> {
-    let set = rustix::thread::sched_getaffinity(None).ok()?;
-    (0..rustix::thread::CpuSet::MAX_CPU).find(|&c| set.is_set(c))
+/// Runs `quiet` on each CPU this test may use in turn, for up to [`ATTEMPTS`] rounds; the
+/// first CPU where it held (none if it never did).
+fn quiet_cpu(mut quiet: impl FnMut(usize) -> bool) -> Option<usize> {
+    let set = rustix::thread::sched_getaffinity(None).expect("affinity");
+    let cpus: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect();
+    assert!(!cpus.is_empty(), "a CPU this test may run on");
+    (0..ATTEMPTS)
+        .flat_map(|_| cpus.iter().copied())
+        .find(|&cpu| quiet(cpu))
 }
 
 fn pin(cpu: usize) {
@@ -45,18 +54,17 @@ fn a_poll_beside_a_cpu_bound_process_ends_within_a_few_ticks_and_holds_off() {
     let _one = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let cpu = one_allowed_cpu().expect("a CPU this test may run on");
     // Undisturbed, a poll lasts its time and leaves polling allowed (see `ATTEMPTS`; each
     // attempt on a thread of its own: a hold-off is the thread's).
-    let quiet = (0..ATTEMPTS).any(|_| {
+    let cpu = quiet_cpu(|cpu| {
         std::thread::spawn(move || {
             pin(cpu);
             !rcm::spin_until(Duration::from_millis(20), || false) && rcm::spin_allowed()
         })
         .join()
         .expect("poller")
-    });
-    assert!(quiet, "held off without a CPU-bound neighbour");
+    })
+    .expect("held off without a CPU-bound neighbour, on every CPU");
     pin(cpu);
     // A shell loop on the same CPU: it never yields back.
     let hog = std::process::Command::new("sh")
@@ -178,21 +186,19 @@ fn a_siblings_long_batches_are_not_stolen_yields_when_it_counts_its_looks() {
     let _one = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let cpu = one_allowed_cpu().expect("a CPU this test may run on");
     let spin = Duration::from_millis(300);
     let mut runs = Vec::new();
-    for _ in 0..ATTEMPTS {
+    let cpu = quiet_cpu(|cpu| {
         let (took, allowed, batches) = poll_beside(cpu, true, spin);
         assert!(batches >= 3, "the sibling ran {batches} batches");
-        runs.push((took, allowed));
-        if took >= spin && allowed {
-            break;
-        }
-    }
-    assert!(
-        runs.iter().any(|&(took, allowed)| took >= spin && allowed),
-        "beside a counting sibling, polls ended after (time, polling allowed): {runs:?}"
-    );
+        runs.push((cpu, took, allowed));
+        took >= spin && allowed
+    });
+    let Some(cpu) = cpu else {
+        panic!(
+            "beside a counting sibling, polls ended after (CPU, time, polling allowed): {runs:?}"
+        );
+    };
     let (took, allowed, batches) = poll_beside(cpu, false, spin);
     assert!(batches >= 1, "the sibling ran {batches} batches");
     assert!(
