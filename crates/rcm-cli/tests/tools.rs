@@ -92,9 +92,11 @@ fn bench_table_and_serial_mode() {
     // Both round trips are reported: ends sleeping, and ends polling as rcm's threads do.
     assert!(out.contains("loopback UDP RTT p50"), "{out}");
     assert!(out.contains("when both ends poll"), "{out}");
-    // The waiting thread received answers itself (each REP waits on it while it polls).
+    // The waiting thread received answers itself (each REP waits on it while it polls),
+    // unless rcm held it off polling beside a CPU-bound process, which the run then says.
     assert!(
-        out.contains("datagrams received by the waiting thread itself"),
+        out.contains("datagrams received by the waiting thread itself")
+            || out.contains("contention: "),
         "{out}"
     );
 }
