@@ -156,9 +156,10 @@ pub struct Report {
     /// `rcm::EventChannel::set_spin`), not its device's or session's reader thread.
     pub busy_polled: u64,
     /// How many times this process's polling threads were held off polling during the run
-    /// (`rcm::process_hold_offs`): a neighbour on their CPUs that does not yield back (a
-    /// CPU-bound process) made them sleep instead, and the latencies include those sleeps.
-    /// 0 on a quiet host.
+    /// (`rcm::process_hold_offs`): another process on their CPUs that did not yield back
+    /// for over a millisecond, three times within 50 ms (a CPU-bound process; through
+    /// `--daemon`, the daemon's threads in a burst too), made them sleep instead, and the
+    /// latencies include those sleeps. 0 on a quiet host in-process.
     pub hold_offs: u64,
     /// With `--pin`: the CPU of the calling thread and the CPU of the fabric's threads.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -1831,7 +1832,7 @@ pub fn print_table(r: &Report) {
     }
     if r.hold_offs > 0 {
         println!(
-            "contention: this process's polling threads were held off polling {} times (another process kept their CPUs busy and did not yield): the latencies include sleeps",
+            "contention: this process's polling threads were held off polling {} times (another process, a CPU-bound one or the daemon in a burst, kept their CPU for over a millisecond at a time): the latencies include sleeps",
             r.hold_offs
         );
     }
