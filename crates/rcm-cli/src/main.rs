@@ -266,8 +266,11 @@ fn parse_mode(s: &str) -> Result<u32, String> {
 
 fn daemon(a: &DaemonArgs) -> ExitCode {
     use rcm_ucm::{Daemon, DaemonConfig, Transport};
+    // Colours for a terminal only: a log file or a service manager's journal would keep the
+    // escape sequences.
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -323,8 +326,10 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
         a.socket.display(),
         a.udp_port
     );
+    let mut held = HeldOffReport::default();
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
         std::thread::sleep(std::time::Duration::from_millis(100));
+        held.warn_if_new(std::time::Instant::now());
     }
     eprintln!(
         "rcm daemon: stopping: {} session(s), {} id(s) to destroy",
@@ -354,8 +359,54 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
             )
         }
     );
+    let n = rcm::process_hold_offs();
+    if n > 0 {
+        eprintln!(
+            "rcm daemon: its polling threads were held off polling {n} time(s) in all ({HELD_OFF_WHY})"
+        );
+    }
     d.shutdown();
     ExitCode::SUCCESS
+}
+
+/// What holds a polling thread off, as the daemon tells its operator.
+const HELD_OFF_WHY: &str = "another process kept their CPU for over a millisecond at a time, \
+     and they slept instead: clients' calls waited for them to wake; a CPU of the daemon's own \
+     avoids it";
+
+/// The daemon's warnings that its polling threads were held off (`rcm::process_hold_offs`):
+/// at most one every [`HeldOffReport::EVERY`], for the hold-offs since the one before.
+#[derive(Default)]
+struct HeldOffReport {
+    /// The count at the last warning.
+    seen: u64,
+    /// When the last warning was logged.
+    at: Option<std::time::Instant>,
+}
+
+impl HeldOffReport {
+    /// The shortest time between two warnings.
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Logs a warning if threads were held off since the last one and that was long enough
+    /// ago.
+    fn warn_if_new(&mut self, now: std::time::Instant) {
+        let n = rcm::process_hold_offs();
+        if n == self.seen || self.at.is_some_and(|t| now < t + Self::EVERY) {
+            return;
+        }
+        tracing::warn!(
+            "polling threads held off polling {} time(s) since {} ({HELD_OFF_WHY})",
+            n - self.seen,
+            if self.at.is_some() {
+                "the last warning"
+            } else {
+                "the start"
+            }
+        );
+        self.seen = n;
+        self.at = Some(now);
+    }
 }
 
 #[derive(clap::Args)]

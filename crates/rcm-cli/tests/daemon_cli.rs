@@ -618,3 +618,53 @@ fn command_channels_are_in_shared_memory_unless_the_daemon_says_no() {
         }
     }
 }
+
+/// A daemon on a CPU that a busy loop shares: rcm holds its polling threads off (they sleep
+/// instead, by design), and the daemon tells its operator, as a warning while it serves and
+/// in its stop lines, since its clients' calls then wait for threads to wake.
+#[test]
+fn a_daemon_beside_a_cpu_bound_process_warns_that_its_pollers_were_held_off() {
+    let Some(&cpu) = common::allowed_cpus().first() else {
+        panic!("no CPU this test may run on");
+    };
+    let hog = common::Hog::on_cpu(cpu);
+    let cpu = cpu.to_string();
+    let path = sock("held-off");
+    let _ = std::fs::remove_file(&path);
+    let mut c = Command::new("taskset");
+    c.args(["-c", &cpu, env!("CARGO_BIN_EXE_rcm"), "daemon", "--socket"])
+        .arg(&path)
+        .args([
+            "--udp-port",
+            "27841",
+            "--bind",
+            "127.0.0.1",
+            "--bind",
+            "127.0.0.2",
+        ]);
+    let mut d = Started::serving(c, Duration::from_secs(20));
+    let p = path.to_str().expect("path");
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--daemon",
+        p,
+        "-c",
+        "100",
+        "--serial",
+        "--timeout",
+        "20",
+    ]);
+    // The daemon's main thread looks every 100 ms.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(hog);
+    assert_eq!(code, 0, "{out}\n{err}");
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+    let log = d.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("held off polling")),
+        "{log}"
+    );
+    assert!(log.contains("time(s) in all"), "{log}");
+}

@@ -1158,12 +1158,7 @@ fn ping_client_says_when_it_disconnected_what_the_server_left_open() {
 /// JSON and as a printed warning, since the latencies then include those sleeps.
 #[test]
 fn bench_reports_polling_held_off_by_a_cpu_bound_neighbour() {
-    let cpus: Vec<usize> = {
-        let set = rustix::thread::sched_getaffinity(None).expect("affinity");
-        (0..rustix::thread::CpuSet::MAX_CPU)
-            .filter(|&c| set.is_set(c))
-            .collect()
-    };
+    let cpus = common::allowed_cpus();
     if cpus.len() < 2 {
         eprintln!(
             "skipped: `--pin` needs two CPUs, this test has {}",
@@ -1172,16 +1167,7 @@ fn bench_reports_polling_held_off_by_a_cpu_bound_neighbour() {
         return;
     }
     // `--pin` puts the calling thread on the first CPU it may use.
-    let mut hog = Command::new("taskset")
-        .args([
-            "-c",
-            &cpus[0].to_string(),
-            "sh",
-            "-c",
-            "while :; do :; done",
-        ])
-        .spawn()
-        .expect("taskset (util-linux)");
+    let hog = common::Hog::on_cpu(cpus[0]);
     let args = [
         "bench",
         "-c",
@@ -1193,8 +1179,7 @@ fn bench_reports_polling_held_off_by_a_cpu_bound_neighbour() {
     ];
     let (code, out, err) = rcm(&[&args[..], &["--json"]].concat());
     let (code2, text, err2) = rcm(&args);
-    let _ = hog.kill();
-    let _ = hog.wait();
+    drop(hog);
     assert_eq!(code, 0, "{out}\n{err}");
     let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(r["established"], 200, "{out}");

@@ -170,3 +170,32 @@ impl std::ops::DerefMut for Started {
         &mut self.child
     }
 }
+
+/// The CPUs this test process may run on, in order.
+pub fn allowed_cpus() -> Vec<usize> {
+    let set = rustix::thread::sched_getaffinity(None).expect("affinity");
+    (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect()
+}
+
+/// A CPU-bound process (a shell's busy loop, which never yields) on one CPU, ended however
+/// the test ends.
+pub struct Hog(std::process::Child);
+
+impl Hog {
+    /// Starts one on `cpu` (`taskset`, util-linux).
+    pub fn on_cpu(cpu: usize) -> Hog {
+        Hog(Command::new("taskset")
+            .args(["-c", &cpu.to_string(), "sh", "-c", "while :; do :; done"])
+            .spawn()
+            .expect("taskset (util-linux)"))
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
