@@ -329,7 +329,9 @@ fn daemon(a: &DaemonArgs) -> ExitCode {
     let mut held = HeldOffReport::default();
     while !stop.load(std::sync::atomic::Ordering::SeqCst) {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        held.warn_if_new(std::time::Instant::now());
+        if let Some(warning) = held.news(rcm::process_hold_offs(), std::time::Instant::now()) {
+            tracing::warn!("{warning}");
+        }
     }
     eprintln!(
         "rcm daemon: stopping: {} session(s), {} id(s) to destroy",
@@ -388,16 +390,15 @@ impl HeldOffReport {
     /// The shortest time between two warnings.
     const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
-    /// Logs a warning if threads were held off since the last one and that was long enough
-    /// ago.
-    fn warn_if_new(&mut self, now: std::time::Instant) {
-        let n = rcm::process_hold_offs();
+    /// The warning to log, given the count now (`n`), if threads were held off since the
+    /// last one and that was at least [`HeldOffReport::EVERY`] ago.
+    fn news(&mut self, n: u64, now: std::time::Instant) -> Option<String> {
         if n == self.seen || self.at.is_some_and(|t| now < t + Self::EVERY) {
-            return;
+            return None;
         }
-        tracing::warn!(
+        let warning = format!(
             "polling threads held off polling {} time(s) since {} ({HELD_OFF_WHY})",
-            n - self.seen,
+            n.saturating_sub(self.seen),
             if self.at.is_some() {
                 "the last warning"
             } else {
@@ -406,6 +407,7 @@ impl HeldOffReport {
         );
         self.seen = n;
         self.at = Some(now);
+        Some(warning)
     }
 }
 
@@ -839,5 +841,28 @@ fn decode(file: &std::path::Path, verbose: bool, json: bool) -> ExitCode {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeldOffReport;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_daemon_warns_of_new_hold_offs_at_most_every_ten_seconds() {
+        let t = Instant::now();
+        let s = Duration::from_secs;
+        let mut r = HeldOffReport::default();
+        assert_eq!(r.news(0, t), None, "none yet");
+        let first = r.news(3, t).expect("the first");
+        assert!(first.contains("3 time(s) since the start"), "{first}");
+        assert_eq!(r.news(5, t + s(9)), None, "within 10 s of the last");
+        let second = r.news(6, t + s(10)).expect("10 s on");
+        assert!(
+            second.contains("3 time(s) since the last warning"),
+            "{second}"
+        );
+        assert_eq!(r.news(6, t + s(60)), None, "nothing new");
     }
 }
