@@ -2,6 +2,8 @@
 //! (busy polling): the answer is received, handled and taken by that one thread.
 #![cfg(not(loom))]
 
+mod common;
+
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, Flow, PortSpace,
 };
@@ -79,10 +81,7 @@ fn connect(f: &Fabric, ch: &EventChannel, go: &mpsc::Sender<()>) -> CmId {
 fn while_polling<R>(mut attempt: impl FnMut() -> R) -> Option<R> {
     for n in 1..=5 {
         // A hold-off lasts 1.6 s at most.
-        let until = std::time::Instant::now() + Duration::from_secs(4);
-        while !rcm::spin_allowed() && std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        common::eventually(Duration::from_secs(4), rcm::spin_allowed);
         let held = rcm::hold_offs();
         let r = attempt();
         if rcm::hold_offs() == held {
