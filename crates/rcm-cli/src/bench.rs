@@ -288,8 +288,11 @@ fn issue_and_wait(
     let n = if how.serial { 1 } else { how.issuers.max(1) };
     let issue = &issue;
     let run = move |t: usize| -> Vec<String> {
-        // The calls' datagrams go out together, 64 at a time and when the loop ends.
+        // The calls' datagrams go out together, 64 at a time and when the loop ends; through
+        // a daemon the calls go without waiting for its answers, which the loop's end awaits
+        // (a call that fails there comes as the id's error event, which `wait` counts).
         let _batch = (how.send_batch && !how.serial).then(rcm::SendBatch::begin);
+        let _pipeline = (how.send_batch && !how.serial).then(rcm::Pipeline::begin);
         chunk
             .iter()
             .enumerate()
@@ -384,6 +387,10 @@ pub fn serve(
                 private_data: b"rcm bench accept".to_vec(),
                 ..AcceptOptions::default()
             };
+            // Through a daemon whose session reader runs this (`CallbackMode::Inline`), the
+            // accepts of the requests it read together share one wait for their answers,
+            // at the end of that batch; a failure then comes as CONNECT_ERROR.
+            let _pipeline = rcm::Pipeline::begin();
             if id.accept(&opts).is_err() {
                 return Flow::Destroy;
             }
@@ -397,6 +404,7 @@ pub fn serve(
         Event::Disconnected
         | Event::Rejected { .. }
         | Event::Unreachable(_)
+        | Event::ConnectError(_)
         | Event::DeviceRemoval => Flow::Destroy,
         _ => Flow::Continue,
     });
@@ -601,6 +609,9 @@ pub fn run_client(
     // it first (see rcm::SendBatch). The issuing thread of a burst has its own batch. One at
     // a time there is none here: `issue_and_wait` holds only around each wait.
     let sends = (o.send_batch && !o.serial).then(rcm::SendBatch::begin);
+    // Likewise its calls to a daemon (`establish` at each CONNECT_RESPONSE) go without
+    // waiting for their answers, which are awaited before it waits for an event.
+    let pipeline = (o.send_batch && !o.serial).then(rcm::Pipeline::begin);
     for chunk_start in (0..n).step_by(batch) {
         let range = chunk_start..(chunk_start + batch).min(n);
         let chunk_ids = &ids[range.clone()];
@@ -839,6 +850,7 @@ pub fn run_client(
         t_disc += s.elapsed();
         cycle += full_start.elapsed().saturating_sub(reading);
     }
+    drop(pipeline);
     drop(sends);
     if o.serial {
         if let Some(w) = rtt {

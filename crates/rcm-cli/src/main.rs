@@ -145,7 +145,9 @@ struct BenchArgs {
     /// more events are waiting, send their datagrams together (`rcm::SendBatch`: one system
     /// call per peer and batch), and the server's callbacks run on the device thread that
     /// received their event, their answers sent together (`rcm::CallbackMode::Inline`; with
-    /// --daemon, on the session's reader thread).
+    /// --daemon, on the session's reader thread). With --daemon, a burst's calls also go
+    /// without waiting for the daemon's answers (`rcm::Pipeline`: a call the daemon refuses
+    /// comes back as the connection's error event); this option turns that off too.
     #[arg(long)]
     no_send_batch: bool,
     /// Put the fabric's threads (the server's device thread among them) on one CPU and the

@@ -2,7 +2,9 @@
 //! non-blocking destroy and device removal against one in-process fabric, checking the
 //! lifecycle invariants as they go and at the end. Some clients are channel-mode ids, whose
 //! events consumer threads take from a shared `EventChannel` (busy polling included) while
-//! workers destroy them.
+//! workers destroy them. Half of the workers' rounds and of the clients' callbacks make their
+//! calls in an `rcm::Pipeline` (through `--daemon` those return before the daemon answers,
+//! and a refused one comes back as an error event that must obey the same invariants).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -243,6 +245,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
             let mut live: Vec<(CmId, Arc<AtomicBool>)> = Vec::new();
             while !stop.load(Ordering::Relaxed) {
                 shared.progress.fetch_add(1, Ordering::Relaxed);
+                let _pipeline = rng.gen_bool(0.5).then(rcm::Pipeline::begin);
                 match rng.gen_range(0..10) {
                     0..=4 => {
                         let (id, flag) = if rng.gen_bool(0.3) {
@@ -448,7 +451,9 @@ fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId,
     });
     shared.ctx_made.fetch_add(1, Ordering::SeqCst);
     let destroy_at = rng.gen_range(0..8u8);
+    let pipelined = rng.gen_bool(0.5);
     let id = fabric.create_id(PortSpace::Tcp, move |id, ev| {
+        let _pipeline = pipelined.then(rcm::Pipeline::begin);
         let c = &ctx;
         c.shared.callbacks.fetch_add(1, Ordering::Relaxed);
         if c.destroyed.load(Ordering::SeqCst) {

@@ -19,6 +19,12 @@
 //! fails with `DeviceRemoved`, also when the reader is held by an inline callback (the
 //! caller looks for the hang-up itself, every 100 ms).
 //!
+//! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`resolve_addr`,
+//! `resolve_route`, `connect`, `accept`, `establish`) on a mapped channel it keeps, without
+//! waiting for their answers; its later calls to the session go on that channel behind them,
+//! and the answers are read (a failure becomes the id's error event) when the pipeline ends
+//! or before the thread waits for an event (docs/ucm-protocol.md §2.2).
+//!
 //! A thread that called one of the session's ids and then waits in
 //! [`rcm::EventChannel::get_event`] reads the session's connection itself while it polls
 //! (busy polling, [`rcm::remote::BusyPoll`]): it handles what came as the reader would, and
@@ -501,7 +507,12 @@ impl Inner {
                 self.mapped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Ok(Chan { sock: r, shm })
+        Ok(Chan {
+            sock: r,
+            shm,
+            owed: std::collections::VecDeque::new(),
+            alive: true,
+        })
     }
 
     /// Asks the daemon to carry a new channel's calls in shared memory (`MAP_CHANNEL`, see
@@ -532,6 +543,23 @@ impl Inner {
 
     /// One call on a command channel: write, then read the reply on the same connection.
     fn call_on(&self, mut ch: Chan, cmd: &Command) -> rcm::Result<Answer> {
+        let r = self.call_with(&mut ch, cmd);
+        self.give_back(ch);
+        r
+    }
+
+    /// A channel goes back to the idle list, unless it failed (then it is forgotten).
+    fn give_back(&self, ch: Chan) {
+        if !ch.alive {
+            return;
+        }
+        lock(&self.idle).push(ch);
+        self.wake_idle_waiter();
+    }
+
+    /// One call on a channel this thread has: write, then read the reply (and, on the way,
+    /// the answers owed to its pipelined calls). A channel that fails is marked dead.
+    fn call_with(&self, ch: &mut Chan, cmd: &Command) -> rcm::Result<Answer> {
         let seq = self.next_seq();
         let frame = cmd.encode(seq);
         if ch.shm.is_some()
@@ -539,37 +567,252 @@ impl Inner {
         {
             // Over the daemon's message limit too (it maps channels only when its limit fits
             // a ring): its answer on a socket, given here; the channel is left as it was.
-            lock(&self.idle).push(ch);
-            self.wake_idle_waiter();
             return Err(Error::LimitExceeded(rcm::remote::Limit::MessageSize));
         }
         let mut body = Vec::new();
-        let r = match ch.shm.as_mut() {
-            Some(end) => call_mapped(end, &frame, seq, &mut body),
-            None => send_all(&ch.sock.get_ref().stream, &frame).and_then(|()| loop {
+        let r = if ch.shm.is_some() {
+            self.call_mapped(ch, &frame, seq, &mut body)
+        } else {
+            send_all(&ch.sock.get_ref().stream, &frame).and_then(|()| loop {
                 let h = read_frame(&mut ch.sock, &mut body)?;
                 if h.seq == seq {
                     break Ok(h);
                 }
-            }),
+            })
         };
         let Ok(h) = r else {
-            // The daemon is gone or closed the session; the reader sees it too.
-            self.channels.fetch_sub(1, Ordering::SeqCst);
-            self.attached.fetch_sub(1, Ordering::SeqCst);
-            // Each waiter looks again: with no channel left, each gives up.
-            self.wake_idle_waiters(true);
+            self.chan_failed(ch);
             return Err(Error::DeviceRemoved);
         };
-        let answer = match decode_message(h.kind, &body) {
+        match decode_message(h.kind, &body) {
             Ok(Message::Ok(a)) => Ok(a),
             Ok(Message::Err(e)) => Err(e.into_cm()),
             Ok(_) => Err(Error::Remote("unexpected answer to a command".into())),
             Err(e) => Err(Error::Remote(format!("bad answer from the daemon: {e}"))),
+        }
+    }
+
+    /// A channel failed: the daemon is gone or closed the session (the reader sees it too).
+    /// What its pipelined calls were owed is lost with the session, whose ids each get a
+    /// `DeviceRemoval`.
+    fn chan_failed(&self, ch: &mut Chan) {
+        if !std::mem::replace(&mut ch.alive, false) {
+            return;
+        }
+        ch.owed.clear();
+        self.channels.fetch_sub(1, Ordering::SeqCst);
+        self.attached.fetch_sub(1, Ordering::SeqCst);
+        // Each waiter looks again: with no channel left, each gives up.
+        self.wake_idle_waiters(true);
+    }
+
+    /// One call through a mapped channel: the command into the ring, then the answers out
+    /// of the other until the one with its sequence number (its body into `body`); those
+    /// owed to earlier pipelined calls come first and are handled on the way.
+    fn call_mapped(
+        &self,
+        ch: &mut Chan,
+        frame: &[u8],
+        seq: u32,
+        body: &mut Vec<u8>,
+    ) -> std::io::Result<Header> {
+        self.push_frame(ch, frame)?;
+        loop {
+            let Some(end) = ch.shm.as_mut() else {
+                return Err(std::io::ErrorKind::NotConnected.into());
+            };
+            let f = end.recv(MAX_FRAME)?;
+            let h = answer_head(f)?;
+            if h.seq == seq {
+                body.clear();
+                body.extend_from_slice(&f[12..]);
+                return Ok(h);
+            }
+            let f = f.to_vec();
+            self.owed_answer(ch, h, &f[12..]);
+        }
+    }
+
+    /// Writes a command into a mapped channel's ring. While the ring is full, the answers
+    /// that came are taken (a daemon whose answer ring is full takes no more commands from
+    /// the channel, so a thread that has pipelined many calls must read while it writes).
+    fn push_frame(&self, ch: &mut Chan, frame: &[u8]) -> std::io::Result<()> {
+        if ch.owed.is_empty() {
+            return match ch.shm.as_mut() {
+                Some(end) => end.send(frame),
+                None => Err(std::io::ErrorKind::NotConnected.into()),
+            };
+        }
+        let mut since = None;
+        loop {
+            let Some(end) = ch.shm.as_mut() else {
+                return Err(std::io::ErrorKind::NotConnected.into());
+            };
+            if end.try_send(frame)? {
+                return Ok(());
+            }
+            if self.take_answers(ch)? > 0 {
+                since = None;
+                continue;
+            }
+            let t0 = *since.get_or_insert_with(std::time::Instant::now);
+            if t0.elapsed() > crate::shmchan::FULL_FOR {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the daemon takes no commands and sends no answers",
+                ));
+            }
+            if !rcm::spin_allowed() || !rcm::yield_to_pollers() {
+                std::thread::sleep(crate::shmchan::FULL_NAP);
+            }
+        }
+    }
+
+    /// Takes the answers a mapped channel holds now, each owed to a pipelined call: how many.
+    fn take_answers(&self, ch: &mut Chan) -> std::io::Result<usize> {
+        let mut n = 0;
+        loop {
+            let Some(end) = ch.shm.as_mut() else {
+                return Ok(n);
+            };
+            let Some(f) = end.try_recv(MAX_FRAME)? else {
+                return Ok(n);
+            };
+            let h = answer_head(f)?;
+            let f = f.to_vec();
+            self.owed_answer(ch, h, &f[12..]);
+            n += 1;
+        }
+    }
+
+    /// The answer to a pipelined call: nothing to do when it succeeded; a failure is
+    /// delivered as the id's error event (see `rcm::Pipeline`). An answer owed to no call
+    /// is ignored, as a stale one always was.
+    fn owed_answer(&self, ch: &mut Chan, h: Header, body: &[u8]) {
+        let Some(pos) = ch.owed.iter().position(|o| o.seq == h.seq) else {
+            return;
         };
-        lock(&self.idle).push(ch);
-        self.wake_idle_waiter();
-        answer
+        // Answers come in order: any owed before this one got theirs (or never will).
+        let Some(o) = ch.owed.drain(..=pos).next_back() else {
+            return;
+        };
+        let err = match decode_message(h.kind, body) {
+            Ok(Message::Ok(_)) => return,
+            Ok(Message::Err(e)) => e.into_cm(),
+            Ok(_) => Error::Remote("unexpected answer to a command".into()),
+            Err(e) => Error::Remote(format!("bad answer from the daemon: {e}")),
+        };
+        let ev = match o.kind {
+            OwedKind::Addr => Event::AddrError(err),
+            OwedKind::Route => Event::RouteError(err),
+            OwedKind::Connect => Event::ConnectError(err),
+        };
+        // Released meanwhile: nobody to tell.
+        let sink = lock(&self.sinks).get(&o.handle).map(|(s, _)| s.clone());
+        if let Some(s) = sink {
+            s.event(ev);
+        }
+    }
+
+    /// Sends `op` on `handle` without waiting for its answer, when this thread has a
+    /// pipeline open and `op` returns nothing but success (see `rcm::Pipeline`): `Err(op)`
+    /// when it must go the usual way.
+    fn pipelined(&self, handle: u32, op: Op) -> Result<rcm::Result<Reply>, Op> {
+        let kind = match op {
+            Op::ResolveAddr { .. } => OwedKind::Addr,
+            Op::ResolveRoute => OwedKind::Route,
+            Op::Connect(_) | Op::Accept(_) | Op::Establish => OwedKind::Connect,
+            _ => return Err(op),
+        };
+        if !rcm::remote::pipelining() || !self.alive.load(Ordering::SeqCst) {
+            return Err(op);
+        }
+        let seq = self.next_seq();
+        let cmd = Command::Call(handle, op);
+        let frame = cmd.encode(seq);
+        let Command::Call(_, op) = cmd else {
+            return Ok(Err(Error::Remote("a call that is not one".into())));
+        };
+        if rcm_shm::Producer::footprint(frame.len()) > crate::shmchan::RING_BYTES as usize {
+            return Err(op);
+        }
+        let mut ch = match self.take_held() {
+            Some(ch) => ch,
+            None => match self.acquire(self.on_reader()) {
+                Some(ch) if ch.shm.is_some() => ch,
+                // A socket channel: the usual way, on it.
+                Some(ch) => {
+                    self.give_back(ch);
+                    return Err(op);
+                }
+                None => return Err(op),
+            },
+        };
+        // The answers that came meanwhile are taken at each call (one look), so the daemon
+        // finds room for the next ones while this thread goes on writing.
+        if self.take_answers(&mut ch).is_err() || self.push_frame(&mut ch, &frame).is_err() {
+            self.chan_failed(&mut ch);
+            return Ok(Err(Error::DeviceRemoved));
+        }
+        ch.owed.push_back(Owed { seq, handle, kind });
+        self.hold(ch);
+        if let Some(me) = self.me.upgrade() {
+            rcm::remote::owe(me);
+        }
+        Ok(Ok(Reply::Done))
+    }
+
+    /// The channel this thread holds for its pipelined calls to this session, if any.
+    fn take_held(&self) -> Option<Chan> {
+        let me = std::ptr::from_ref(self).addr();
+        HELD.try_with(|h| {
+            let mut h = h.borrow_mut();
+            let k = h.iter().position(|(s, _, _)| *s == me)?;
+            Some(h.swap_remove(k).2)
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// Whether this thread holds a channel of this session for its pipelined calls.
+    fn holds_channel(&self) -> bool {
+        let me = std::ptr::from_ref(self).addr();
+        HELD.try_with(|h| h.borrow().iter().any(|(s, _, _)| *s == me))
+            .unwrap_or(false)
+    }
+
+    /// Keeps `ch` with this thread until its pipeline completes (see `Pipelined for Inner`).
+    fn hold(&self, ch: Chan) {
+        let me = std::ptr::from_ref(self).addr();
+        let mut ch = Some(ch);
+        let _ = HELD.try_with(|h| {
+            if let Some(ch) = ch.take() {
+                h.borrow_mut().push((me, self.me.clone(), ch));
+            }
+        });
+        // The thread is ending: the answers are awaited now.
+        if let Some(mut ch) = ch {
+            self.settle(&mut ch);
+            self.give_back(ch);
+        }
+    }
+
+    /// Reads a channel's answers until none is owed.
+    fn settle(&self, ch: &mut Chan) {
+        while !ch.owed.is_empty() {
+            let got = match ch.shm.as_mut() {
+                Some(end) => end.recv(MAX_FRAME).and_then(|f| {
+                    let h = answer_head(f)?;
+                    Ok((h, f.to_vec()))
+                }),
+                None => Err(std::io::ErrorKind::NotConnected.into()),
+            };
+            let Ok((h, f)) = got else {
+                self.chan_failed(ch);
+                return;
+            };
+            self.owed_answer(ch, h, &f[12..]);
+        }
     }
 
     /// The session is over: the reader, which may be standing aside for a waiter's poll
@@ -657,6 +900,16 @@ impl Inner {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(Error::DeviceRemoved);
         }
+        // After this thread's pipelined calls, on their channel: in order behind them.
+        if let Some(mut ch) = self.take_held() {
+            let r = self.call_with(&mut ch, cmd);
+            if ch.owed.is_empty() {
+                self.give_back(ch);
+            } else {
+                self.hold(ch);
+            }
+            return r;
+        }
         let on_reader = self.on_reader();
         if let Some(ch) = self.acquire(on_reader) {
             return self.call_on(ch, cmd);
@@ -724,31 +977,48 @@ impl Inner {
 struct Chan {
     sock: BufReader<SpinRead>,
     shm: Option<crate::shmchan::ShmEnd>,
+    /// The pipelined calls written on it whose answers have not been read, oldest first.
+    owed: std::collections::VecDeque<Owed>,
+    /// False once it failed (it is then dropped, not given back).
+    alive: bool,
 }
 
-/// One call through a mapped channel: the command into the ring, the answer with its
-/// sequence number out of the other, its body into `body`.
-fn call_mapped(
-    end: &mut crate::shmchan::ShmEnd,
-    frame: &[u8],
+/// The header of an answer read from a mapped channel, checked against its length.
+fn answer_head(f: &[u8]) -> std::io::Result<Header> {
+    let Some(hb) = f.first_chunk::<12>() else {
+        return Err(std::io::ErrorKind::InvalidData.into());
+    };
+    let h = Header::parse(hb)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    if f.len() != h.len as usize + 4 {
+        return Err(std::io::ErrorKind::InvalidData.into());
+    }
+    Ok(h)
+}
+
+/// A pipelined call whose answer is still owed (see `rcm::Pipeline`).
+struct Owed {
     seq: u32,
-    body: &mut Vec<u8>,
-) -> std::io::Result<Header> {
-    end.send(frame)?;
-    loop {
-        let f = end.recv(MAX_FRAME)?;
-        let Some(hb) = f.first_chunk::<12>() else {
-            return Err(std::io::ErrorKind::InvalidData.into());
-        };
-        let h = Header::parse(hb)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-        if f.len() != h.len as usize + 4 {
-            return Err(std::io::ErrorKind::InvalidData.into());
-        }
-        if h.seq == seq {
-            body.clear();
-            body.extend_from_slice(&f[12..]);
-            return Ok(h);
+    handle: u32,
+    kind: OwedKind,
+}
+
+/// Which error event a failed pipelined call becomes.
+#[derive(Clone, Copy)]
+enum OwedKind {
+    /// `ADDR_ERROR` (`resolve_addr`).
+    Addr,
+    /// `ROUTE_ERROR` (`resolve_route`).
+    Route,
+    /// `CONNECT_ERROR` (`connect`, `accept`, `establish`).
+    Connect,
+}
+
+impl rcm::remote::Pipelined for Inner {
+    fn complete(&self) {
+        if let Some(mut ch) = self.take_held() {
+            self.settle(&mut ch);
+            self.give_back(ch);
         }
     }
 }
@@ -873,6 +1143,10 @@ impl RemoteId for Handle {
             _ => {}
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
+        let op = match c.pipelined(self.wire, op) {
+            Ok(r) => return r,
+            Err(op) => op,
+        };
         match c.request(&Command::Call(self.wire, op))? {
             Answer::Reply(r) => Ok(r),
             _ => Err(Error::Remote("unexpected answer to a call".into())),
@@ -896,7 +1170,7 @@ impl RemoteId for Handle {
         // at the id limit, or a listen on the port this id held) comes after it: sent on the
         // session's connection without waiting, a call that then finds an idle channel
         // could overtake it.
-        if !c.on_reader() {
+        if !c.on_reader() || c.holds_channel() {
             let _ = c.request(&cmd);
             return;
         }
@@ -918,6 +1192,12 @@ impl RemoteId for Handle {
 }
 
 std::thread_local! {
+    /// The channels this thread holds for its pipelined calls, by session (the address of
+    /// its `Inner`; the `Weak` keeps that address from being reused by another session while
+    /// the entry lives): until its pipeline completes, its calls to that session go there,
+    /// in order behind them.
+    static HELD: std::cell::RefCell<Vec<(usize, Weak<Inner>, Chan)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
     /// On a session's reader thread, the address of its session's `Inner`: a call of that
     /// session must not wait there for an answer on the session's connection (this thread
     /// reads them). 0 elsewhere.

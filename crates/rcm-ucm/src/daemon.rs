@@ -1430,7 +1430,7 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
         // and events, those to one peer together (see `events_first`).
         let worked = events_first(|| {
             let mut worked = false;
-            live.retain_mut(|m| match serve_mapped(sh, m) {
+            live.retain_mut(|m| match serve_channel(sh, m) {
                 Ok(w) => {
                     worked |= w;
                     !m.target.target.ended.load(Ordering::Relaxed)
@@ -1708,6 +1708,26 @@ impl Drop for DevicePolls {
     }
 }
 
+/// Commands of one mapped channel served in a round at most: a client that pipelines its
+/// calls (`rcm::Pipeline`) has many waiting, and a round's datagrams then go out in runs
+/// (one system call per peer) while the other channels still get their turn each round.
+const COMMANDS_PER_ROUND: usize = 32;
+
+/// Serves the commands waiting in a mapped channel, [`COMMANDS_PER_ROUND`] at most: whether
+/// there was one. Stops early when the client's answer ring is full (it reads its answers
+/// before it writes more). An error ends the channel.
+fn serve_channel(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
+    let mut worked = false;
+    for _ in 0..COMMANDS_PER_ROUND {
+        let w = serve_mapped(sh, m)?;
+        worked |= w;
+        if !w || m.pending.is_some() {
+            break;
+        }
+    }
+    Ok(worked)
+}
+
 /// Serves at most one command of a mapped channel: whether there was one (or a pending
 /// answer went out). An error ends the channel.
 fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
@@ -1726,8 +1746,8 @@ fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
     rcm::look_here();
     let answer = answer_mapped(sh, &m.target, frame)?;
     if !m.end.try_send(&answer)? {
-        // One call is in flight per channel: only a client that breaks that rule fills its
-        // answer ring, and then only its channel waits.
+        // A client that pipelines its calls reads their answers while it writes more; one
+        // that does not read them fills its answer ring, and then only its channel waits.
         m.pending = Some(answer);
     }
     Ok(true)

@@ -65,10 +65,10 @@ pub(crate) fn events_client(fd: impl AsFd) -> io::Result<Consumer> {
 
 /// How long a side waits for room in a full ring before it gives the channel up. One call
 /// is in flight per channel, so the rings never fill unless the other side breaks the rules.
-const FULL_FOR: Duration = Duration::from_secs(1);
+pub(crate) const FULL_FOR: Duration = Duration::from_secs(1);
 
 /// A wait for room when this thread is held off polling.
-const FULL_NAP: Duration = Duration::from_micros(100);
+pub(crate) const FULL_NAP: Duration = Duration::from_micros(100);
 
 /// One side of a mapped channel.
 pub(crate) struct ShmEnd {

@@ -141,6 +141,8 @@ std::thread_local! {
     /// Slots whose callbacks this thread runs itself when its [`CallbacksHere`] ends.
     static HERE: std::cell::RefCell<Option<Vec<Arc<Slot<Event>>>>> =
         const { std::cell::RefCell::new(None) };
+    /// Whether this thread runs the callbacks of a [`CallbacksHere`] batch now.
+    static RUNNING_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// The list the last outermost guard emptied, kept for its capacity (a guard per
     /// received batch and per call would otherwise allocate one each).
     static HERE_SPARE: std::cell::Cell<Vec<Arc<Slot<Event>>>> =
@@ -217,10 +219,16 @@ impl Drop for CallbacksHere {
             .ok()
             .flatten()
             .unwrap_or_default();
+        let outer_run = RUNNING_HERE.try_with(|r| r.replace(true)).unwrap_or(true);
         for s in slots.drain(..) {
             // Each was scheduled (its `scheduled` flag set) for this thread alone, so no
             // dispatcher thread runs it meanwhile: this is the dispatcher's own loop.
             s.drain();
+        }
+        let _ = RUNNING_HERE.try_with(|r| r.set(outer_run));
+        // The answers owed to the callbacks' pipelined calls (see `Pipeline`).
+        if !outer_run && !pipeline_open() {
+            crate::remote::complete_pipelined();
         }
         let _ = HERE_SPARE.try_with(|c| {
             let spare = c.take();
@@ -276,10 +284,74 @@ impl Drop for SendBatch {
     }
 }
 
-/// Sends what this thread's [`SendBatch`] holds, before a wait.
+/// Sends what this thread's [`SendBatch`] holds, and completes its [`Pipeline`]'s calls,
+/// before a wait: what the thread then waits for may be the event of a call that failed.
 pub(crate) fn before_wait() {
     if crate::device::holding() {
         crate::device::flush_held();
+    }
+    crate::remote::complete_pipelined();
+}
+
+std::thread_local! {
+    /// How many [`Pipeline`]s this thread has open.
+    static PIPELINES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread has a [`Pipeline`] open.
+pub(crate) fn pipeline_open() -> bool {
+    PIPELINES.try_with(|p| p.get() > 0).unwrap_or(false)
+}
+
+/// While it lives, the calls this thread makes on a daemon's ids (`rcm-ucm`) that return
+/// nothing but success, namely `resolve_addr`, `resolve_route`, `connect`, `accept` and
+/// `establish`, return as soon as the command is written, without waiting for the daemon's
+/// answer: a loop issuing thousands of connects, or a server's callbacks accepting a burst
+/// of requests, then pays one round trip to the daemon for the lot instead of one each.
+///
+/// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
+/// wrong (an id in the wrong state, say); that failure comes instead as the id's error
+/// event, as rdma_cm reports failures found after a call returned: `ADDR_ERROR` for
+/// `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the other three,
+/// each carrying the daemon's error. Calls keep their order: every later call of this thread
+/// on the same daemon goes after them, and a call that returns something (`init_qp_attr`,
+/// `query`, `create_id`, a blocking `destroy`) waits for the answers before its own.
+///
+/// The answers still owed are awaited (and their failures delivered) when the outermost
+/// guard drops, or, opened within a callback that a [`CallbacksHere`] batch runs (a daemon
+/// session's reader with `CallbackMode::Inline`), when that batch ends, so that a burst's
+/// accepts share it; and before this thread waits in rcm (`get_event` with nothing queued,
+/// a blocking `destroy`), since what it waits for may be such an error event. Ids of
+/// devices in this process are not affected: their calls never wait for another process,
+/// and report every failure as their return value. Not `Send`, like [`SendBatch`].
+#[must_use = "the calls' answers are awaited when this is dropped"]
+pub struct Pipeline {
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Pipeline {
+    /// Starts sending this thread's answerless calls without waiting.
+    pub fn begin() -> Self {
+        let _ = PIPELINES.try_with(|p| p.set(p.get() + 1));
+        Pipeline {
+            _thread: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        let open = PIPELINES
+            .try_with(|p| {
+                p.set(p.get().saturating_sub(1));
+                p.get() > 0
+            })
+            .unwrap_or(false);
+        // Within a callback batch, the batch's end completes them (see `CallbacksHere`).
+        let in_batch = RUNNING_HERE.try_with(std::cell::Cell::get).unwrap_or(false);
+        if !open && !in_batch && !callbacks_here_open() {
+            crate::remote::complete_pipelined();
+        }
     }
 }
 

@@ -381,8 +381,9 @@ impl EventChannel {
     pub fn get_event(&self, timeout: Option<std::time::Duration>) -> Option<ChannelEvent> {
         let mut deadline = crate::slot::Deadline::new(timeout);
         loop {
-            let ready = if crate::device::holding() {
-                // Held datagrams go out before this thread waits (see `SendBatch`).
+            let ready = if crate::device::holding() || crate::remote::owes_answers() {
+                // Held datagrams go out, and the answers owed to pipelined calls are awaited,
+                // before this thread waits (see `SendBatch`, `Pipeline`).
                 let r = self.0.take(&mut crate::slot::Deadline::now(), || None);
                 if r.is_none() {
                     crate::fabric::before_wait();

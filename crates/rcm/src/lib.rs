@@ -78,8 +78,8 @@ pub use error::{Error, Result};
 pub use event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 #[cfg(not(loom))]
 pub use fabric::{
-    CallbackMode, CallbacksHere, Device, Fabric, FabricConfig, Removal, SendBatch, UdStats,
-    DEFAULT_SPIN,
+    CallbackMode, CallbacksHere, Device, Fabric, FabricConfig, Pipeline, Removal, SendBatch,
+    UdStats, DEFAULT_SPIN,
 };
 #[cfg(not(loom))]
 pub use id::{

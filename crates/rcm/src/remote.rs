@@ -243,3 +243,57 @@ impl Sink {
 pub fn mark_provider_thread() {
     crate::fabric::mark_own_thread();
 }
+
+/// A provider that sent calls of this thread without waiting for their answers (see
+/// [`Pipeline`](crate::Pipeline)).
+pub trait Pipelined: Send + Sync {
+    /// Waits for the answers still owed to this thread's calls, and delivers the failures
+    /// among them as their ids' error events.
+    fn complete(&self);
+}
+
+std::thread_local! {
+    /// The providers owed answers for this thread's pipelined calls.
+    static OWED: std::cell::RefCell<Vec<Arc<dyn Pipelined>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread's answerless calls may go without waiting (a
+/// [`Pipeline`](crate::Pipeline) is open).
+pub fn pipelining() -> bool {
+    crate::fabric::pipeline_open()
+}
+
+/// Notes that `p` owes this thread answers: its [`Pipelined::complete`] runs when the
+/// pipeline completes (see [`Pipeline`](crate::Pipeline)).
+pub fn owe(p: Arc<dyn Pipelined>) {
+    let _ = OWED.try_with(|o| {
+        let mut o = o.borrow_mut();
+        if !o
+            .iter()
+            .any(|q| std::ptr::addr_eq(Arc::as_ptr(q), Arc::as_ptr(&p)))
+        {
+            o.push(p);
+        }
+    });
+}
+
+/// Whether a provider owes this thread answers to pipelined calls.
+pub(crate) fn owes_answers() -> bool {
+    OWED.try_with(|o| o.try_borrow().is_ok_and(|o| !o.is_empty()))
+        .unwrap_or(false)
+}
+
+/// Completes this thread's pipelined calls (each provider owed answers waits for them).
+pub(crate) fn complete_pipelined() {
+    let owed = OWED
+        .try_with(|o| {
+            o.try_borrow_mut()
+                .map(|mut o| std::mem::take(&mut *o))
+                .unwrap_or_default()
+        })
+        .unwrap_or_default();
+    for p in owed {
+        p.complete();
+    }
+}

@@ -1244,7 +1244,7 @@ impl<E: Send + 'static> ChannelCore<E> {
             // event was taken to be this waiter's, then turned out to be a destroyed id's
             // and was dropped), and nothing else would send them before an event wakes us.
             // Sent without the queue's lock, which is then looked at again.
-            if crate::device::holding() {
+            if crate::device::holding() || crate::remote::owes_answers() {
                 drop(q);
                 crate::fabric::before_wait();
                 q = sync::lock(&self.q);

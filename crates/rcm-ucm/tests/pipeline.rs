@@ -1,0 +1,208 @@
+//! Pipelined calls (`rcm::Pipeline`) through the daemon: the calls that return nothing but
+//! success go without waiting for their answers, a failure comes as the id's error event,
+//! the thread's later calls stay behind them, and what is owed is awaited when the pipeline
+//! ends, before the thread waits for an event, or (opened in a callback of the session's
+//! reader) when the reader's batch of callbacks ends.
+
+mod common;
+
+use common::*;
+use rcm::{
+    AcceptOptions, CallbackMode, ConnectOptions, Event, EventChannel, FabricConfig, Flow,
+    PortSpace, State,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[test]
+fn a_pipelined_call_that_fails_returns_ok_and_its_failure_is_the_ids_event_when_the_pipeline_ends()
+{
+    let d = daemon("pl-fail", 47870, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    // Without a pipeline the daemon's refusal is the call's error: no route resolved.
+    let refused = id
+        .connect(&ConnectOptions::default())
+        .expect_err("a connect before the route is refused");
+    {
+        let _p = rcm::Pipeline::begin();
+        id.connect(&ConnectOptions::default())
+            .expect("a pipelined call returns once written");
+    }
+    // The pipeline's end awaited the answer and delivered the failure: it is queued now.
+    let ev = ch
+        .get_event(Some(Duration::ZERO))
+        .expect("CONNECT_ERROR queued when the pipeline ended");
+    match ev.event() {
+        Event::ConnectError(e) => assert_eq!(e.to_string(), refused.to_string()),
+        other => panic!("expected CONNECT_ERROR, got {other:?}"),
+    }
+    drop(ev);
+    assert!(ch.get_event(Some(Duration::from_millis(50))).is_none());
+    // The failed calls changed nothing.
+    assert_eq!(id.state(), State::Idle);
+}
+
+#[test]
+fn a_thread_waiting_for_an_event_first_awaits_what_its_open_pipeline_is_owed() {
+    let d = daemon("pl-wait", 47871, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    let _p = rcm::Pipeline::begin();
+    id.resolve_route()
+        .expect("a pipelined call returns once written");
+    // Nobody else reads the channel's answers: without this wait's own look at them the
+    // ROUTE_ERROR would never come while the pipeline is open.
+    let ev = next(&ch);
+    assert!(
+        matches!(ev.event(), Event::RouteError(_)),
+        "expected ROUTE_ERROR, got {ev:?}"
+    );
+}
+
+#[test]
+fn a_call_after_pipelined_ones_goes_behind_them() {
+    let d = daemon("pl-order", 47872, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let ids: Vec<_> = (0..50)
+        .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
+        .collect();
+    let _p = rcm::Pipeline::begin();
+    for id in &ids {
+        id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+        // A query (which waits for its answer) made right after sees the resolve done or
+        // under way, never the idle id it was before.
+        let st = id.state();
+        assert!(
+            matches!(st, State::AddrQuery | State::AddrResolved),
+            "a query overtook the pipelined resolve_addr: {st:?}"
+        );
+    }
+    for _ in &ids {
+        let ev = next(&ch);
+        assert!(matches!(ev.event(), Event::AddrResolved), "{ev:?}");
+    }
+}
+
+#[test]
+fn more_pipelined_calls_than_the_answer_ring_holds_all_complete() {
+    // An answer takes 24 bytes of a 64 KiB ring: 2,730 fill it. The daemon takes no more
+    // commands from a channel whose answer ring is full, so the writing thread must read
+    // answers while it writes.
+    const N: usize = 4000;
+    let d = daemon("pl-many", 47873, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let ids: Vec<_> = (0..N)
+        .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
+        .collect();
+    {
+        let _p = rcm::Pipeline::begin();
+        for (k, id) in ids.iter().enumerate() {
+            // Every tenth fails in the daemon (a route before the address): its failure
+            // is its event; the others resolve.
+            if k % 10 == 0 {
+                id.resolve_route().expect("pipelined");
+            } else {
+                id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+            }
+        }
+    }
+    let (mut resolved, mut route_errors) = (0, 0);
+    while resolved + route_errors < N {
+        let ev = next(&ch);
+        match ev.event() {
+            Event::AddrResolved => resolved += 1,
+            Event::RouteError(_) => route_errors += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((resolved, route_errors), (N - N / 10, N / 10));
+}
+
+#[test]
+fn accepts_pipelined_in_inline_callbacks_connect_and_a_refused_one_is_the_childs_event() {
+    const N: usize = 20;
+    let d = daemon("pl-inline", 47874, &[1, 2]);
+    let server = rcm_ucm::fabric_with(
+        d.socket(),
+        FabricConfig {
+            callbacks: CallbackMode::Inline,
+            ..FabricConfig::default()
+        },
+    )
+    .expect("server session");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (a, s) = (accepted.clone(), seen.clone());
+    let l = server.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                let _p = rcm::Pipeline::begin();
+                id.accept(&AcceptOptions::default()).expect("pipelined");
+                // A second accept of the same request: the daemon refuses it, after this
+                // callback, as the child's CONNECT_ERROR.
+                id.accept(&AcceptOptions::default()).expect("pipelined");
+                a.fetch_add(1, Ordering::SeqCst);
+            }
+            other => s
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(other.name().to_string()),
+        }
+        Flow::Continue
+    });
+    l.bind(sa(1, 7471)).expect("bind");
+    l.listen(64).expect("listen");
+    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    // A channel each: a connection's CONNECT_RESPONSE may come while the next one dials.
+    let conns: Vec<_> = (0..N)
+        .map(|_| {
+            let cch = EventChannel::new();
+            let id = dial(&client, &cch, sa(1, 7471), b"pl");
+            (id, cch)
+        })
+        .collect();
+    for (id, cch) in &conns {
+        let ev = next(cch);
+        assert!(
+            matches!(ev.event(), Event::ConnectResponse { .. }),
+            "client: {ev:?}"
+        );
+        drop(ev);
+        id.establish().expect("establish");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), N);
+    wait_until(
+        || {
+            let s = seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            s.iter().filter(|n| *n == "CONNECT_ERROR").count() == N
+                && s.iter().filter(|n| *n == "ESTABLISHED").count() == N
+        },
+        || format!("server events: {:?}", seen.lock().map(|s| s.clone())),
+    );
+    drop(conns);
+}
+
+#[test]
+fn a_pipeline_changes_nothing_for_ids_of_devices_in_this_process() {
+    let f = rcm::Fabric::new(FabricConfig {
+        udp_port: 47875,
+        ..FabricConfig::default()
+    });
+    f.add_device(ip(1)).expect("device");
+    let ch = EventChannel::new();
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    let _p = rcm::Pipeline::begin();
+    assert!(
+        id.connect(&ConnectOptions::default()).is_err(),
+        "an in-process call still returns its failure"
+    );
+    assert!(ch.get_event(Some(Duration::from_millis(50))).is_none());
+}
