@@ -1,6 +1,6 @@
 //! What the daemon hop costs: one command round trip (`state()` = Query) through the daemon
-//! against the same call in-process, an operation with its event, and a whole
-//! connect/accept/disconnect cycle both ways.
+//! against the same call in-process, 64 calls in a row with and without an `rcm::Pipeline`,
+//! an operation with its event, and a whole connect/accept/disconnect cycle both ways.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -88,6 +88,37 @@ fn bench(c: &mut Criterion) {
             id.destroy().unwrap();
         });
     });
+
+    // 64 calls in a row that the daemon refuses (a route before the address): each waits
+    // for its answer, or, in an `rcm::Pipeline`, the lot waits once when it ends and the
+    // refusals come as ROUTE_ERROR events (taken here too).
+    let rch = EventChannel::new();
+    let refused: Vec<_> = (0..64)
+        .map(|_| remote_c.create_id_on(PortSpace::Tcp, &rch))
+        .collect();
+    g.bench_function("64 calls through daemon", |b| {
+        b.iter(|| {
+            for id in &refused {
+                assert!(id.resolve_route().is_err());
+            }
+        });
+    });
+    g.bench_function("64 calls through daemon, pipelined", |b| {
+        b.iter(|| {
+            {
+                let _p = rcm::Pipeline::begin();
+                for id in &refused {
+                    id.resolve_route().unwrap();
+                }
+            }
+            for _ in &refused {
+                assert!(matches!(wait(&rch), Event::RouteError(_)));
+            }
+        });
+    });
+    for id in refused {
+        id.destroy().unwrap();
+    }
 
     // An operation whose event the daemon produces at once: the event's own cost through
     // the hop (compare with create+destroy).

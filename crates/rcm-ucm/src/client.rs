@@ -703,6 +703,9 @@ impl Inner {
             Err(e) => Error::Remote(format!("bad answer from the daemon: {e}")),
         };
         let ev = match o.kind {
+            // The id is gone from this side already; the daemon's refusal (an id it ended
+            // itself meanwhile) leaves nothing to tell.
+            OwedKind::Release => return,
             OwedKind::Addr => Event::AddrError(err),
             OwedKind::Route => Event::RouteError(err),
             OwedKind::Connect => Event::ConnectError(err),
@@ -724,17 +727,32 @@ impl Inner {
             Op::Connect(_) | Op::Accept(_) | Op::Establish => OwedKind::Connect,
             _ => return Err(op),
         };
-        if !rcm::remote::pipelining() || !self.alive.load(Ordering::SeqCst) {
+        if !rcm::remote::pipelining() {
             return Err(op);
         }
+        match self.write_owed(Command::Call(handle, op), handle, kind) {
+            Ok(r) => Ok(r.map(|()| Reply::Done)),
+            Err(Command::Call(_, op)) => Err(op),
+            Err(_) => Ok(Err(Error::Remote("a call that is not one".into()))),
+        }
+    }
+
+    /// Writes `cmd` (about `handle`) on the channel this thread holds for its pipelined
+    /// calls, taking one if need be, without waiting for its answer: `Err(cmd)` when it must
+    /// go the usual way (the session is over, or no mapped channel can be had).
+    fn write_owed(
+        &self,
+        cmd: Command,
+        handle: u32,
+        kind: OwedKind,
+    ) -> Result<rcm::Result<()>, Command> {
+        if !self.alive.load(Ordering::SeqCst) {
+            return Err(cmd);
+        }
         let seq = self.next_seq();
-        let cmd = Command::Call(handle, op);
         let frame = cmd.encode(seq);
-        let Command::Call(_, op) = cmd else {
-            return Ok(Err(Error::Remote("a call that is not one".into())));
-        };
         if rcm_shm::Producer::footprint(frame.len()) > crate::shmchan::RING_BYTES as usize {
-            return Err(op);
+            return Err(cmd);
         }
         let mut ch = match self.take_held() {
             Some(ch) => ch,
@@ -743,9 +761,9 @@ impl Inner {
                 // A socket channel: the usual way, on it.
                 Some(ch) => {
                     self.give_back(ch);
-                    return Err(op);
+                    return Err(cmd);
                 }
-                None => return Err(op),
+                None => return Err(cmd),
             },
         };
         // The answers that came meanwhile are taken at each call (one look), so the daemon
@@ -759,7 +777,7 @@ impl Inner {
         if let Some(me) = self.me.upgrade() {
             rcm::remote::owe(me);
         }
-        Ok(Ok(Reply::Done))
+        Ok(Ok(()))
     }
 
     /// The channel this thread holds for its pipelined calls to this session, if any.
@@ -1012,6 +1030,8 @@ enum OwedKind {
     Route,
     /// `CONNECT_ERROR` (`connect`, `accept`, `establish`).
     Connect,
+    /// None: a release (`DESTROY_ID`), whose id has no sink left.
+    Release,
 }
 
 impl rcm::remote::Pipelined for Inner {
@@ -1165,12 +1185,26 @@ impl RemoteId for Handle {
         if !c.alive.load(Ordering::SeqCst) {
             return;
         }
-        let cmd = Command::DestroyId(self.wire);
-        // Done when this returns, wherever it goes, so the client's next call (say, a create
-        // at the id limit, or a listen on the port this id held) comes after it: sent on the
-        // session's connection without waiting, a call that then finds an idle channel
-        // could overtake it.
-        if !c.on_reader() || c.holds_channel() {
+        let mut cmd = Command::DestroyId(self.wire);
+        // In a pipeline (see `rcm::Pipeline`), and on the reader while it runs a batch of
+        // inline callbacks (a burst's connections destroyed by their callbacks), it goes
+        // behind the thread's calls without waiting: this thread's later calls come after
+        // it, and its answer is read when the pipeline or the batch ends.
+        let on_reader = c.on_reader();
+        if rcm::remote::pipelining()
+            || c.holds_channel()
+            || (on_reader && rcm::remote::running_callbacks_here())
+        {
+            match c.write_owed(cmd, self.wire, OwedKind::Release) {
+                Ok(_) => return,
+                Err(back) => cmd = back,
+            }
+        }
+        // Otherwise done when this returns, wherever it goes, so the client's next call (say,
+        // a create at the id limit, or a listen on the port this id held) comes after it:
+        // sent on the session's connection without waiting, a call that then finds an idle
+        // channel could overtake it.
+        if !on_reader || c.holds_channel() {
             let _ = c.request(&cmd);
             return;
         }

@@ -206,3 +206,32 @@ fn a_pipeline_changes_nothing_for_ids_of_devices_in_this_process() {
     );
     assert!(ch.get_event(Some(Duration::from_millis(50))).is_none());
 }
+
+#[test]
+fn a_release_in_a_pipeline_goes_before_the_threads_next_call() {
+    let d = daemon_with_limits(
+        "pl-release",
+        47876,
+        &[1],
+        rcm_ucm::proto::Limits {
+            max_ids: 1,
+            ..rcm_ucm::proto::Limits::default()
+        },
+    );
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    for _ in 0..50 {
+        let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+        let _p = rcm::Pipeline::begin();
+        id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+        // Not waited for: the release goes behind the resolve, without its answer.
+        drop(id.begin_destroy());
+        drop(id);
+        // At the limit of one id, the next create succeeds only behind that release.
+        let next = f
+            .try_create_id_on(PortSpace::Tcp, &ch)
+            .expect("create after release");
+        drop(next.begin_destroy());
+    }
+    wait_ids(&d, 0, 0);
+}

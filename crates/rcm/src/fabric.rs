@@ -298,6 +298,11 @@ std::thread_local! {
     static PIPELINES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
+/// Whether this thread runs the callbacks of a [`CallbacksHere`] batch now.
+pub(crate) fn running_callbacks_here() -> bool {
+    RUNNING_HERE.try_with(std::cell::Cell::get).unwrap_or(false)
+}
+
 /// Whether this thread has a [`Pipeline`] open.
 pub(crate) fn pipeline_open() -> bool {
     PIPELINES.try_with(|p| p.get() > 0).unwrap_or(false)
@@ -308,6 +313,9 @@ pub(crate) fn pipeline_open() -> bool {
 /// `establish`, return as soon as the command is written, without waiting for the daemon's
 /// answer: a loop issuing thousands of connects, or a server's callbacks accepting a burst
 /// of requests, then pays one round trip to the daemon for the lot instead of one each.
+/// The daemon's release of an id this thread destroys without waiting
+/// ([`CmId::begin_destroy`](crate::CmId::begin_destroy), [`Flow::Destroy`](crate::Flow)) goes
+/// the same way; a blocking `destroy` first awaits what is owed, as any wait in rcm does.
 ///
 /// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
 /// wrong (an id in the wrong state, say); that failure comes instead as the id's error
@@ -348,8 +356,7 @@ impl Drop for Pipeline {
             })
             .unwrap_or(false);
         // Within a callback batch, the batch's end completes them (see `CallbacksHere`).
-        let in_batch = RUNNING_HERE.try_with(std::cell::Cell::get).unwrap_or(false);
-        if !open && !in_batch && !callbacks_here_open() {
+        if !open && !running_callbacks_here() && !callbacks_here_open() {
             crate::remote::complete_pipelined();
         }
     }

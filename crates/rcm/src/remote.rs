@@ -264,6 +264,13 @@ pub fn pipelining() -> bool {
     crate::fabric::pipeline_open()
 }
 
+/// Whether this thread runs the callbacks of a [`CallbacksHere`](crate::CallbacksHere) batch
+/// now: a provider may then leave answers owed until the batch ends, where the thread
+/// completes its pipelined calls (see [`Pipeline`](crate::Pipeline)).
+pub fn running_callbacks_here() -> bool {
+    crate::fabric::running_callbacks_here()
+}
+
 /// Notes that `p` owes this thread answers: its [`Pipelined::complete`] runs when the
 /// pipeline completes (see [`Pipeline`](crate::Pipeline)).
 pub fn owe(p: Arc<dyn Pipelined>) {
