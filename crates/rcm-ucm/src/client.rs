@@ -785,8 +785,8 @@ impl Inner {
         let me = std::ptr::from_ref(self).addr();
         HELD.try_with(|h| {
             let mut h = h.borrow_mut();
-            let k = h.iter().position(|(s, _, _)| *s == me)?;
-            Some(h.swap_remove(k).2)
+            let k = h.0.iter().position(|(s, _, _)| *s == me)?;
+            Some(h.0.swap_remove(k).2)
         })
         .ok()
         .flatten()
@@ -795,7 +795,7 @@ impl Inner {
     /// Whether this thread holds a channel of this session for its pipelined calls.
     fn holds_channel(&self) -> bool {
         let me = std::ptr::from_ref(self).addr();
-        HELD.try_with(|h| h.borrow().iter().any(|(s, _, _)| *s == me))
+        HELD.try_with(|h| h.borrow().0.iter().any(|(s, _, _)| *s == me))
             .unwrap_or(false)
     }
 
@@ -805,7 +805,7 @@ impl Inner {
         let mut ch = Some(ch);
         let _ = HELD.try_with(|h| {
             if let Some(ch) = ch.take() {
-                h.borrow_mut().push((me, self.me.clone(), ch));
+                h.borrow_mut().0.push((me, self.me.clone(), ch));
             }
         });
         // The thread is ending: the answers are awaited now.
@@ -1012,6 +1012,23 @@ fn answer_head(f: &[u8]) -> std::io::Result<Header> {
         return Err(std::io::ErrorKind::InvalidData.into());
     }
     Ok(h)
+}
+
+/// The channels a thread holds for its pipelined calls (see `HELD`). A thread ends holding
+/// one only when its pipeline never ended (a guard leaked with `mem::forget`): its answers
+/// are then awaited as the thread ends (the daemon might otherwise drop the channel, closed
+/// with calls unserved in it) and the channel goes back to its session.
+struct HeldChans(Vec<(usize, Weak<Inner>, Chan)>);
+
+impl Drop for HeldChans {
+    fn drop(&mut self) {
+        for (_, inner, mut ch) in self.0.drain(..) {
+            if let Some(inner) = inner.upgrade() {
+                inner.settle(&mut ch);
+                inner.give_back(ch);
+            }
+        }
+    }
 }
 
 /// A pipelined call whose answer is still owed (see `rcm::Pipeline`).
@@ -1230,8 +1247,8 @@ std::thread_local! {
     /// its `Inner`; the `Weak` keeps that address from being reused by another session while
     /// the entry lives): until its pipeline completes, its calls to that session go there,
     /// in order behind them.
-    static HELD: std::cell::RefCell<Vec<(usize, Weak<Inner>, Chan)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    static HELD: std::cell::RefCell<HeldChans> =
+        const { std::cell::RefCell::new(HeldChans(Vec::new())) };
     /// On a session's reader thread, the address of its session's `Inner`: a call of that
     /// session must not wait there for an answer on the session's connection (this thread
     /// reads them). 0 elsewhere.

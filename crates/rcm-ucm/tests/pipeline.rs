@@ -235,3 +235,31 @@ fn a_release_in_a_pipeline_goes_before_the_threads_next_call() {
     }
     wait_ids(&d, 0, 0);
 }
+
+#[test]
+fn a_thread_that_ends_inside_a_pipeline_gives_its_channel_up() {
+    let d = daemon("pl-leak", 47877, &[1]);
+    let c = rcm_ucm::Client::connect(d.socket()).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(c.clone()), FabricConfig::default());
+    let ch = EventChannel::new();
+    // Each thread leaks its pipeline (the guard never drops), calls, and ends: its call is
+    // served and the channel it kept goes back to the session (reused by the next thread).
+    for _ in 0..10 {
+        let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::mem::forget(rcm::Pipeline::begin());
+                id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+            });
+        });
+        let ev = next(&ch);
+        assert!(matches!(ev.event(), Event::AddrResolved), "{ev:?}");
+    }
+    // (A thread's locals are dropped after `scope` saw it finish, so the main thread's
+    // next call may attach a second channel before the first is back.)
+    assert!(
+        c.mapped_channels() <= 2,
+        "{} channels mapped: the ended threads' were not given back",
+        c.mapped_channels()
+    );
+}

@@ -331,7 +331,10 @@ pub(crate) fn pipeline_open() -> bool {
 /// accepts share it; and before this thread waits in rcm (`get_event` with nothing queued,
 /// a blocking `destroy`), since what it waits for may be such an error event. Ids of
 /// devices in this process are not affected: their calls never wait for another process,
-/// and report every failure as their return value. Not `Send`, like [`SendBatch`].
+/// and report every failure as their return value. Not `Send`, like [`SendBatch`]. While it
+/// holds answers owed, the thread keeps a command channel of the daemon's session to itself:
+/// do not wait on anything else meanwhile (a lock another calling thread of that session
+/// holds, a sleep), since a thread of the session may be waiting for a channel.
 #[must_use = "the calls' answers are awaited when this is dropped"]
 pub struct Pipeline {
     _thread: std::marker::PhantomData<*const ()>,
