@@ -617,16 +617,38 @@ impl Inner {
         body: &mut Vec<u8>,
     ) -> std::io::Result<Header> {
         self.push_frame(ch, frame)?;
+        self.read_answers(ch, Until::Answer(seq), body)?
+            .ok_or_else(|| std::io::ErrorKind::InvalidData.into())
+    }
+
+    /// Reads a mapped channel's answers, handling those owed to pipelined calls on the way,
+    /// until `until`: the header of the answer it names (its body into `body`), else `None`.
+    fn read_answers(
+        &self,
+        ch: &mut Chan,
+        until: Until,
+        body: &mut Vec<u8>,
+    ) -> std::io::Result<Option<Header>> {
         loop {
+            if until == Until::Settled && ch.owed.is_empty() {
+                return Ok(None);
+            }
             let Some(end) = ch.shm.as_mut() else {
                 return Err(std::io::ErrorKind::NotConnected.into());
             };
-            let f = end.recv(MAX_FRAME)?;
+            let f = if until == Until::Empty {
+                match end.try_recv(MAX_FRAME)? {
+                    Some(f) => f,
+                    None => return Ok(None),
+                }
+            } else {
+                end.recv(MAX_FRAME)?
+            };
             let h = answer_head(f)?;
-            if h.seq == seq {
+            if until == Until::Answer(h.seq) {
                 body.clear();
                 body.extend_from_slice(&f[12..]);
-                return Ok(h);
+                return Ok(Some(h));
             }
             let f = f.to_vec();
             self.owed_answer(ch, h, &f[12..]);
@@ -668,21 +690,11 @@ impl Inner {
         }
     }
 
-    /// Takes the answers a mapped channel holds now, each owed to a pipelined call: how many.
+    /// Takes the answers a mapped channel holds now: how many of them were owed.
     fn take_answers(&self, ch: &mut Chan) -> std::io::Result<usize> {
-        let mut n = 0;
-        loop {
-            let Some(end) = ch.shm.as_mut() else {
-                return Ok(n);
-            };
-            let Some(f) = end.try_recv(MAX_FRAME)? else {
-                return Ok(n);
-            };
-            let h = answer_head(f)?;
-            let f = f.to_vec();
-            self.owed_answer(ch, h, &f[12..]);
-            n += 1;
-        }
+        let before = ch.owed.len();
+        self.read_answers(ch, Until::Empty, &mut Vec::new())?;
+        Ok(before - ch.owed.len())
     }
 
     /// The answer to a pipelined call: nothing to do when it succeeded; a failure is
@@ -817,19 +829,11 @@ impl Inner {
 
     /// Reads a channel's answers until none is owed.
     fn settle(&self, ch: &mut Chan) {
-        while !ch.owed.is_empty() {
-            let got = match ch.shm.as_mut() {
-                Some(end) => end.recv(MAX_FRAME).and_then(|f| {
-                    let h = answer_head(f)?;
-                    Ok((h, f.to_vec()))
-                }),
-                None => Err(std::io::ErrorKind::NotConnected.into()),
-            };
-            let Ok((h, f)) = got else {
-                self.chan_failed(ch);
-                return;
-            };
-            self.owed_answer(ch, h, &f[12..]);
+        if self
+            .read_answers(ch, Until::Settled, &mut Vec::new())
+            .is_err()
+        {
+            self.chan_failed(ch);
         }
     }
 
@@ -1029,6 +1033,17 @@ impl Drop for HeldChans {
             }
         }
     }
+}
+
+/// How far `Inner::read_answers` reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// To the answer with this sequence number, waiting for it.
+    Answer(u32),
+    /// Until no pipelined call is owed its answer, waiting for them.
+    Settled,
+    /// What is there now.
+    Empty,
 }
 
 /// A pipelined call whose answer is still owed (see `rcm::Pipeline`).
