@@ -729,42 +729,28 @@ impl Inner {
         }
     }
 
-    /// Sends `op` on `handle` without waiting for its answer, when this thread has a
-    /// pipeline open and `op` returns nothing but success (see `rcm::Pipeline`): `Err(op)`
-    /// when it must go the usual way.
-    fn pipelined(&self, handle: u32, op: Op) -> Result<rcm::Result<Reply>, Op> {
-        let kind = match op {
-            Op::ResolveAddr { .. } => OwedKind::Addr,
-            Op::ResolveRoute => OwedKind::Route,
-            Op::Connect(_) | Op::Accept(_) | Op::Establish => OwedKind::Connect,
-            _ => return Err(op),
-        };
-        if !rcm::remote::pipelining() {
-            return Err(op);
-        }
-        match self.write_owed(Command::Call(handle, op), handle, kind) {
-            Ok(r) => Ok(r.map(|()| Reply::Done)),
-            Err(Command::Call(_, op)) => Err(op),
-            Err(_) => Ok(Err(Error::Remote("a call that is not one".into()))),
+    /// Which error event a failed `op` becomes when it is pipelined; `None` for a call that
+    /// returns something, or whose failure has no event to come as (see `rcm::Pipeline`).
+    fn owed_kind(op: &Op) -> Option<OwedKind> {
+        match op {
+            Op::ResolveAddr { .. } => Some(OwedKind::Addr),
+            Op::ResolveRoute => Some(OwedKind::Route),
+            Op::Connect(_) | Op::Accept(_) | Op::Establish => Some(OwedKind::Connect),
+            _ => None,
         }
     }
 
     /// Writes `cmd` (about `handle`) on the channel this thread holds for its pipelined
-    /// calls, taking one if need be, without waiting for its answer: `Err(cmd)` when it must
-    /// go the usual way (the session is over, or no mapped channel can be had).
-    fn write_owed(
-        &self,
-        cmd: Command,
-        handle: u32,
-        kind: OwedKind,
-    ) -> Result<rcm::Result<()>, Command> {
+    /// calls, taking one if need be, without waiting for its answer: `None` when it must go
+    /// the usual way (the session is over, or no mapped channel can be had).
+    fn write_owed(&self, cmd: &Command, handle: u32, kind: OwedKind) -> Option<rcm::Result<()>> {
         if !self.alive.load(Ordering::SeqCst) {
-            return Err(cmd);
+            return None;
         }
         let seq = self.next_seq();
         let frame = cmd.encode(seq);
         if rcm_shm::Producer::footprint(frame.len()) > crate::shmchan::RING_BYTES as usize {
-            return Err(cmd);
+            return None;
         }
         let mut ch = match self.take_held() {
             Some(ch) => ch,
@@ -773,23 +759,23 @@ impl Inner {
                 // A socket channel: the usual way, on it.
                 Some(ch) => {
                     self.give_back(ch);
-                    return Err(cmd);
+                    return None;
                 }
-                None => return Err(cmd),
+                None => return None,
             },
         };
         // The answers that came meanwhile are taken at each call (one look), so the daemon
         // finds room for the next ones while this thread goes on writing.
         if self.take_answers(&mut ch).is_err() || self.push_frame(&mut ch, &frame).is_err() {
             self.chan_failed(&mut ch);
-            return Ok(Err(Error::DeviceRemoved));
+            return Some(Err(Error::DeviceRemoved));
         }
         ch.owed.push_back(Owed { seq, handle, kind });
         self.hold(ch);
         if let Some(me) = self.me.upgrade() {
             rcm::remote::owe(me);
         }
-        Ok(Ok(()))
+        Some(Ok(()))
     }
 
     /// The channel this thread holds for its pipelined calls to this session, if any.
@@ -1195,11 +1181,12 @@ impl RemoteId for Handle {
             _ => {}
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
-        let op = match c.pipelined(self.wire, op) {
-            Ok(r) => return r,
-            Err(op) => op,
-        };
-        match c.request(&Command::Call(self.wire, op))? {
+        let kind = Inner::owed_kind(&op).filter(|_| rcm::remote::pipelining());
+        let cmd = Command::Call(self.wire, op);
+        if let Some(r) = kind.and_then(|k| c.write_owed(&cmd, self.wire, k)) {
+            return r.map(|()| Reply::Done);
+        }
+        match c.request(&cmd)? {
             Answer::Reply(r) => Ok(r),
             _ => Err(Error::Remote("unexpected answer to a call".into())),
         }
@@ -1217,20 +1204,18 @@ impl RemoteId for Handle {
         if !c.alive.load(Ordering::SeqCst) {
             return;
         }
-        let mut cmd = Command::DestroyId(self.wire);
+        let cmd = Command::DestroyId(self.wire);
         // In a pipeline (see `rcm::Pipeline`), and on the reader while it runs a batch of
         // inline callbacks (a burst's connections destroyed by their callbacks), it goes
         // behind the thread's calls without waiting: this thread's later calls come after
         // it, and its answer is read when the pipeline or the batch ends.
         let on_reader = c.on_reader();
-        if rcm::remote::pipelining()
+        if (rcm::remote::pipelining()
             || c.holds_channel()
-            || (on_reader && rcm::remote::running_callbacks_here())
+            || (on_reader && rcm::remote::running_callbacks_here()))
+            && c.write_owed(&cmd, self.wire, OwedKind::Release).is_some()
         {
-            match c.write_owed(cmd, self.wire, OwedKind::Release) {
-                Ok(_) => return,
-                Err(back) => cmd = back,
-            }
+            return;
         }
         // Otherwise done when this returns, wherever it goes, so the client's next call (say,
         // a create at the id limit, or a listen on the port this id held) comes after it:

@@ -226,8 +226,9 @@ impl Drop for CallbacksHere {
             s.drain();
         }
         let _ = RUNNING_HERE.try_with(|r| r.set(outer_run));
-        // The answers owed to the callbacks' pipelined calls (see `Pipeline`).
-        if !outer_run && !pipeline_open() {
+        // The answers owed to the callbacks' pipelined calls (see `Pipeline`). Looked at
+        // before anything else: a device thread's receive loop drops one of these per batch.
+        if !outer_run && crate::remote::owes_answers() && !pipeline_open() {
             crate::remote::complete_pipelined();
         }
         let _ = HERE_SPARE.try_with(|c| {
@@ -322,8 +323,8 @@ pub(crate) fn pipeline_open() -> bool {
 /// event, as rdma_cm reports failures found after a call returned: `ADDR_ERROR` for
 /// `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the other three,
 /// each carrying the daemon's error. Calls keep their order: every later call of this thread
-/// on the same daemon goes after them, and a call that returns something (`init_qp_attr`,
-/// `query`, `create_id`, a blocking `destroy`) waits for the answers before its own.
+/// on the same daemon goes after them, and one that returns something (`query`, `create_id`)
+/// reads the answers owed before its own.
 ///
 /// The answers still owed are awaited (and their failures delivered) when the outermost
 /// guard drops, or, opened within a callback that a [`CallbacksHere`] batch runs (a daemon
