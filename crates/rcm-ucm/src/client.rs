@@ -20,7 +20,8 @@
 //! caller looks for the hang-up itself, every 100 ms).
 //!
 //! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`resolve_addr`,
-//! `resolve_route`, `connect`, `accept`, `establish`) on a mapped channel it keeps, without
+//! `resolve_route`, `connect`, `accept`, `establish`, and `disconnect` of an id whose
+//! ESTABLISHED came) on a mapped channel it keeps, without
 //! waiting for their answers; its later calls to the session go on that channel behind them,
 //! and the answers are read (a failure becomes the id's error event) when the pipeline ends
 //! or before the thread waits for an event (docs/ucm-protocol.md §2.2).
@@ -69,7 +70,7 @@ struct Inner {
     /// fast hash: neither is a value the daemon's other clients pick).
     pending: Mutex<foldhash::HashMap<u32, Waiter>>,
     seq: AtomicU32,
-    sinks: Mutex<foldhash::HashMap<u32, (Sink, Arc<QpCache>)>>,
+    sinks: Mutex<foldhash::HashMap<u32, (Sink, Arc<IdCache>)>>,
     alive: AtomicBool,
     token: u64,
     limits: Limits,
@@ -729,13 +730,19 @@ impl Inner {
         }
     }
 
-    /// Which error event a failed `op` becomes when it is pipelined; `None` for a call that
-    /// returns something, or whose failure has no event to come as (see `rcm::Pipeline`).
-    fn owed_kind(op: &Op) -> Option<OwedKind> {
+    /// Which error event a failed `op` on an id (of which `known` was learnt) becomes when it
+    /// is pipelined; `None` for a call that returns something, or whose failure has no event
+    /// to come as (see `rcm::Pipeline`).
+    fn owed_kind(op: &Op, known: &IdCache) -> Option<OwedKind> {
         match op {
             Op::ResolveAddr { .. } => Some(OwedKind::Addr),
             Op::ResolveRoute => Some(OwedKind::Route),
             Op::Connect(_) | Op::Accept(_) | Op::Establish => Some(OwedKind::Connect),
+            // Once established, a connection's disconnect succeeds (also when it is going
+            // down already) unless its device is gone, which the id hears of anyway
+            // (DEVICE_REMOVAL): its CONNECT_ERROR loses nothing and adds no surprise. Before,
+            // a refusal says the connection is still being set up, which no event would.
+            Op::Disconnect if known.was_established() => Some(OwedKind::Connect),
             _ => None,
         }
     }
@@ -1046,7 +1053,7 @@ enum OwedKind {
     Addr,
     /// `ROUTE_ERROR` (`resolve_route`).
     Route,
-    /// `CONNECT_ERROR` (`connect`, `accept`, `establish`).
+    /// `CONNECT_ERROR` (`connect`, `accept`, `establish`, and `disconnect` once established).
     Connect,
     /// None: a release (`DESTROY_ID`), whose id has no sink left.
     Release,
@@ -1071,7 +1078,7 @@ impl Provider for Client {
             return Err(Error::Remote("unexpected answer to CreateId".into()));
         };
         // No event can come for `h` before its first operation, which follows this.
-        let qp = Arc::new(QpCache::default());
+        let qp = Arc::new(IdCache::default());
         {
             let mut sinks = lock(&self.0.sinks);
             // The reader marks the session dead before it takes the sinks (each then gets its
@@ -1084,7 +1091,7 @@ impl Provider for Client {
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
             wire: h,
-            qp,
+            known: qp,
             released: AtomicBool::new(false),
         }))
     }
@@ -1114,13 +1121,21 @@ impl Provider for Client {
     }
 }
 
-/// The QP attributes the daemon sent with an id's latest event (see `proto::Message::Event`),
+/// What this client learnt of an id from its events.
+///
+/// The QP attributes the daemon sent with the id's latest event (see `proto::Message::Event`),
 /// from which `init_qp_attr` is answered here. Once the connection may have moved on (any
 /// other event, or a call that changes it) they are forgotten for good and every later
 /// `init_qp_attr` asks the daemon, which knows. An answer from here is the one the daemon
 /// would have given before any event still on its way: the same as a call that came first.
+///
+/// And whether its ESTABLISHED was delivered: from then on a `disconnect` can only succeed
+/// or find the id's device gone, so in an `rcm::Pipeline` it goes without its answer.
 #[derive(Default)]
-struct QpCache(Mutex<QpKnown>);
+struct IdCache {
+    qp: Mutex<QpKnown>,
+    established: AtomicBool,
+}
 
 #[derive(Default)]
 enum QpKnown {
@@ -1132,10 +1147,18 @@ enum QpKnown {
     Stale,
 }
 
-impl QpCache {
-    /// An event arrived, with or without attributes.
-    fn event(&self, qp: Option<QpAttr>) {
-        let mut k = lock(&self.0);
+impl IdCache {
+    /// An event arrived, with or without attributes: before it is handed on.
+    fn event(&self, ev: &Event, qp: Option<QpAttr>) {
+        if matches!(ev, Event::Established { .. }) {
+            self.established.store(true, Ordering::SeqCst);
+        }
+        self.attrs(qp);
+    }
+
+    /// An event arrived with these attributes or none.
+    fn attrs(&self, qp: Option<QpAttr>) {
+        let mut k = lock(&self.qp);
         *k = match (qp, &*k) {
             (_, QpKnown::Stale) | (None, _) => QpKnown::Stale,
             (Some(a), _) => QpKnown::Known(a),
@@ -1144,11 +1167,16 @@ impl QpCache {
 
     /// A call that may change what `init_qp_attr` answers.
     fn forget(&self) {
-        *lock(&self.0) = QpKnown::Stale;
+        *lock(&self.qp) = QpKnown::Stale;
+    }
+
+    /// Whether the id's ESTABLISHED was delivered.
+    fn was_established(&self) -> bool {
+        self.established.load(Ordering::SeqCst)
     }
 
     fn answer(&self, state: QpState) -> Option<QpAttr> {
-        match &*lock(&self.0) {
+        match &*lock(&self.qp) {
             QpKnown::Known(a) => a.for_state(state),
             _ => None,
         }
@@ -1160,7 +1188,7 @@ struct Handle {
     client: Weak<Inner>,
     /// The id's handle in the session.
     wire: u32,
-    qp: Arc<QpCache>,
+    known: Arc<IdCache>,
     /// Set (under the sinks lock) when released: a connect request's child can be released
     /// by its first callback before the reader has filed its sink, which then must not be.
     released: AtomicBool,
@@ -1170,18 +1198,18 @@ impl RemoteId for Handle {
     fn call(&self, op: Op) -> rcm::Result<Reply> {
         match op {
             Op::InitQpAttr(s) => {
-                if let Some(a) = self.qp.answer(s) {
+                if let Some(a) = self.known.answer(s) {
                     return Ok(Reply::QpAttr(a));
                 }
             }
             // These end the connection the attributes describe. The other calls set it up
             // and leave what is known valid (INIT needs only the addresses; a child's RTS
             // attributes come with its ESTABLISHED, after accept).
-            Op::Disconnect | Op::Reject(_) | Op::DestroyQp => self.qp.forget(),
+            Op::Disconnect | Op::Reject(_) | Op::DestroyQp => self.known.forget(),
             _ => {}
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
-        let kind = Inner::owed_kind(&op).filter(|_| rcm::remote::pipelining());
+        let kind = Inner::owed_kind(&op, &self.known).filter(|_| rcm::remote::pipelining());
         let cmd = Command::Call(self.wire, op);
         if let Some(r) = kind.and_then(|k| c.write_owed(&cmd, self.wire, k)) {
             return r.map(|()| Reply::Done);
@@ -1656,12 +1684,12 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
         ud,
     } = event
     {
-        let cache = Arc::new(QpCache::default());
-        cache.event(qp);
+        let cache = Arc::new(IdCache::default());
+        cache.attrs(qp);
         let child = Arc::new(Handle {
             client: c.me.clone(),
             wire: handle,
-            qp: cache.clone(),
+            known: cache.clone(),
             released: AtomicBool::new(false),
         });
         let lsink = lock(&c.sinks).get(&listener).map(|(s, _)| s.clone());
@@ -1681,7 +1709,7 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
     }
     let sink = lock(&c.sinks).get(&handle).cloned();
     if let (Some((s, cache)), Some(ev)) = (sink, event.into_event()) {
-        cache.event(qp);
+        cache.event(&ev, qp);
         s.event(ev);
     }
 }

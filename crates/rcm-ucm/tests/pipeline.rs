@@ -263,3 +263,113 @@ fn a_thread_that_ends_inside_a_pipeline_gives_its_channel_up() {
         c.mapped_channels()
     );
 }
+
+#[test]
+fn disconnects_pipelined_once_established_take_both_ends_down() {
+    const N: usize = 20;
+    let d = daemon("pl-disc", 47878, &[1, 2]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server session");
+    let client = rcm_ucm::fabric(d.socket()).expect("client session");
+    let (l, lch) = listen(&server, sa(1, 7471));
+    let sch = EventChannel::new();
+    let conns: Vec<_> = (0..N)
+        .map(|_| {
+            let cch = EventChannel::new();
+            let c = dial(&client, &cch, sa(1, 7471), b"pl");
+            let child = accept_next(&lch, b"pl");
+            child.migrate(&sch).expect("migrate");
+            finish_connect(&c, &cch, &sch);
+            (c, cch, child)
+        })
+        .collect();
+    {
+        let _p = rcm::Pipeline::begin();
+        for (c, _, _) in &conns {
+            c.disconnect().expect("pipelined");
+        }
+    }
+    for (_, cch, _) in &conns {
+        let ev = next(cch);
+        assert!(matches!(ev.event(), Event::Disconnected), "client: {ev:?}");
+    }
+    for _ in 0..N {
+        let ev = next(&sch);
+        assert!(matches!(ev.event(), Event::Disconnected), "server: {ev:?}");
+    }
+    // Nothing else: a disconnect that succeeded has no event of its own.
+    for (_, cch, _) in &conns {
+        assert!(cch.get_event(Some(Duration::from_millis(20))).is_none());
+    }
+    drop(l);
+}
+
+#[test]
+fn a_pipelined_disconnect_refused_for_a_removed_device_is_the_ids_connect_error() {
+    let d = daemon("pl-disc-gone", 47879, &[1]);
+    let server = rcm_ucm::fabric(d.socket()).expect("server session");
+    // Inline: the client's reader runs callbacks, so one that blocks holds back the
+    // DEVICE_REMOVAL below (an id that has seen it refuses calls itself, sending nothing).
+    let client = rcm_ucm::fabric_with(
+        d.socket(),
+        FabricConfig {
+            callbacks: CallbackMode::Inline,
+            ..FabricConfig::default()
+        },
+    )
+    .expect("client session");
+    let (_l, lch) = listen(&server, sa(1, 7471));
+    let (cch, sch) = (EventChannel::new(), EventChannel::new());
+    let c = dial(&client, &cch, sa(1, 7471), b"pl");
+    {
+        // Not established yet (no REP taken): not pipelined, the refusal is its return.
+        let _p = rcm::Pipeline::begin();
+        assert!(
+            matches!(
+                c.disconnect(),
+                Err(rcm::Error::InvalidState(State::Connect))
+            ),
+            "a disconnect before ESTABLISHED must return its refusal"
+        );
+    }
+    let child = accept_next(&lch, b"pl");
+    child.migrate(&sch).expect("migrate");
+    finish_connect(&c, &cch, &sch);
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = Mutex::new(released);
+    let holder = client.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = entered_tx.send(());
+            let _ = released
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    holder
+        .resolve_addr(None, sa(1, 7472))
+        .expect("resolve_addr");
+    entered
+        .recv_timeout(T)
+        .expect("the reader runs the callback");
+    d.fabric().remove_device(ip(1)).expect("remove the device");
+    {
+        let _p = rcm::Pipeline::begin();
+        c.disconnect().expect("pipelined once established");
+    }
+    let ev = cch
+        .get_event(Some(Duration::ZERO))
+        .expect("CONNECT_ERROR queued when the pipeline ended");
+    assert!(
+        matches!(ev.event(), Event::ConnectError(rcm::Error::DeviceRemoved)),
+        "expected CONNECT_ERROR(DeviceRemoved), got {ev:?}"
+    );
+    drop(ev);
+    release.send(()).expect("release the reader");
+    let ev = next(&cch);
+    assert!(matches!(ev.event(), Event::DeviceRemoval), "{ev:?}");
+    drop(ev);
+    assert!(matches!(c.disconnect(), Err(rcm::Error::DeviceRemoved)));
+    drop(holder);
+}

@@ -310,8 +310,9 @@ pub(crate) fn pipeline_open() -> bool {
 }
 
 /// While it lives, the calls this thread makes on a daemon's ids (`rcm-ucm`) that return
-/// nothing but success, namely `resolve_addr`, `resolve_route`, `connect`, `accept` and
-/// `establish`, return as soon as the command is written, without waiting for the daemon's
+/// nothing but success, namely `resolve_addr`, `resolve_route`, `connect`, `accept`,
+/// `establish`, and `disconnect` of an id whose `Established` event has come, return as
+/// soon as the command is written, without waiting for the daemon's
 /// answer: a loop issuing thousands of connects, or a server's callbacks accepting a burst
 /// of requests, then pays one round trip to the daemon for the lot instead of one each.
 /// The daemon's release of an id this thread destroys without waiting
@@ -321,8 +322,11 @@ pub(crate) fn pipeline_open() -> bool {
 /// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
 /// wrong (an id in the wrong state, say); that failure comes instead as the id's error
 /// event, as rdma_cm reports failures found after a call returned: `ADDR_ERROR` for
-/// `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the other three,
-/// each carrying the daemon's error. Calls keep their order: every later call of this thread
+/// `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the others, each
+/// carrying the daemon's error. (A `disconnect` is pipelined only once established, when
+/// the daemon refuses it only for a removed device, whose `DeviceRemoval` comes as well; an
+/// earlier one waits, so that its refusal, the connection still being set up, is its
+/// return value.) Calls keep their order: every later call of this thread
 /// on the same daemon goes after them, and one that returns something (`query`, `create_id`)
 /// reads the answers owed before its own.
 ///
