@@ -20,8 +20,9 @@
 //! caller looks for the hang-up itself, every 100 ms).
 //!
 //! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`resolve_addr`,
-//! `resolve_route`, `connect`, `accept`, `establish`, and `disconnect` of an id whose
-//! ESTABLISHED came) on a mapped channel it keeps, without
+//! `resolve_route`, `connect`, `accept`, `establish`, `disconnect` of an id whose
+//! ESTABLISHED came, and `create_id` under a handle it chooses) on a mapped channel it
+//! keeps, without
 //! waiting for their answers; its later calls to the session go on that channel behind them,
 //! and the answers are read (a failure becomes the id's error event) when the pipeline ends
 //! or before the thread waits for an event (docs/ucm-protocol.md §2.2).
@@ -70,6 +71,9 @@ struct Inner {
     /// fast hash: neither is a value the daemon's other clients pick).
     pending: Mutex<foldhash::HashMap<u32, Waiter>>,
     seq: AtomicU32,
+    /// The next handle this client chooses for an id it creates in a pipeline, counted
+    /// within `proto::CLIENT_HANDLES` and above.
+    next_handle: AtomicU32,
     sinks: Mutex<foldhash::HashMap<u32, (Sink, Arc<IdCache>)>>,
     alive: AtomicBool,
     token: u64,
@@ -330,6 +334,7 @@ impl Client {
             out,
             pending: Mutex::new(foldhash::HashMap::default()),
             seq: AtomicU32::new(3),
+            next_handle: AtomicU32::new(0),
             sinks: Mutex::new(foldhash::HashMap::default()),
             alive: AtomicBool::new(true),
             token,
@@ -721,7 +726,7 @@ impl Inner {
             OwedKind::Release => return,
             OwedKind::Addr => Event::AddrError(err),
             OwedKind::Route => Event::RouteError(err),
-            OwedKind::Connect => Event::ConnectError(err),
+            OwedKind::Connect | OwedKind::Create => Event::ConnectError(err),
         };
         // Released meanwhile: nobody to tell.
         let sink = lock(&self.sinks).get(&o.handle).map(|(s, _)| s.clone());
@@ -1057,6 +1062,9 @@ enum OwedKind {
     Connect,
     /// None: a release (`DESTROY_ID`), whose id has no sink left.
     Release,
+    /// `CONNECT_ERROR` (`create_id` under a handle of the client's: the daemon holds no
+    /// such id then, so each later call of the id fails, and destroy is all that is left).
+    Create,
 }
 
 impl rcm::remote::Pipelined for Inner {
@@ -1072,8 +1080,56 @@ impl rcm::remote::Pipelined for Inner {
 /// daemon's hang-up (see `Inner::request`).
 const HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
 
+impl Client {
+    /// `create_id` in a pipeline: under a handle chosen here, its command written without
+    /// waiting for the answer (a refusal becomes the id's CONNECT_ERROR). `None` when it
+    /// must go the usual way (no mapped channel can be had).
+    fn create_owed(&self, ps: PortSpace, sink: &Sink) -> Option<rcm::Result<Arc<dyn RemoteId>>> {
+        let known = Arc::new(IdCache::default());
+        let h = {
+            let mut sinks = lock(&self.0.sinks);
+            if !self.0.alive.load(Ordering::SeqCst) {
+                return Some(Err(Error::DeviceRemoved));
+            }
+            // Not one an id of this client still holds (after the counter wrapped).
+            let h = loop {
+                let n = self.0.next_handle.fetch_add(1, Ordering::Relaxed);
+                let h = proto::CLIENT_HANDLES | (n & !proto::CLIENT_HANDLES);
+                if !sinks.contains_key(&h) {
+                    break h;
+                }
+            };
+            // Filed before the command goes: nothing comes for it before its first call,
+            // but a refusal of the create itself needs the sink.
+            sinks.insert(h, (sink.clone(), known.clone()));
+            h
+        };
+        let written = self
+            .0
+            .write_owed(&Command::CreateIdAs(ps, h), h, OwedKind::Create);
+        if let Some(Ok(())) = written {
+            return Some(Ok(Arc::new(Handle {
+                client: Arc::downgrade(&self.0),
+                wire: h,
+                known,
+                released: AtomicBool::new(false),
+            })));
+        }
+        lock(&self.0.sinks).remove(&h);
+        match written {
+            Some(Err(e)) => Some(Err(e)),
+            _ => None,
+        }
+    }
+}
+
 impl Provider for Client {
     fn create_id(&self, ps: PortSpace, sink: Sink) -> rcm::Result<Arc<dyn RemoteId>> {
+        if rcm::remote::pipelining() {
+            if let Some(r) = self.create_owed(ps, &sink) {
+                return r;
+            }
+        }
         let Answer::Handle(h) = self.0.request(&Command::CreateId(ps))? else {
             return Err(Error::Remote("unexpected answer to CreateId".into()));
         };

@@ -194,19 +194,20 @@ struct IdCell {
 }
 
 struct Table {
-    /// By the handles this daemon chose (a fast hash: a client names handles, it does not
-    /// choose them).
+    /// By handle: those this daemon chose, and those the client chose in its range
+    /// (`proto::CLIENT_HANDLES`; a fast hash, randomly seeded, so a client cannot pick
+    /// handles that collide, and a table holds one session's ids only).
     ids: foldhash::HashMap<u32, (CmId, Arc<IdCell>)>,
     next: u32,
     closed: bool,
 }
 
 impl Table {
-    /// A handle not in use. Handles grow and are not reused until they wrap, so an event
-    /// queued for a destroyed id cannot be taken for a newer one.
+    /// A handle not in use, below the client's range. Handles grow and are not reused until
+    /// they wrap, so an event queued for a destroyed id cannot be taken for a newer one.
     fn alloc(&mut self) -> u32 {
         loop {
-            self.next = self.next.wrapping_add(1);
+            self.next = self.next.wrapping_add(1) % proto::CLIENT_HANDLES;
             if self.next != 0 && !self.ids.contains_key(&self.next) {
                 return self.next;
             }
@@ -1812,7 +1813,8 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
         Command::MapEvents => Err(WireError::BadMessage(
             "MAP_EVENTS is for a session's own connection".into(),
         )),
-        Command::CreateId(ps) => create_id(sh, s, ps),
+        Command::CreateId(ps) => create_id(sh, s, ps, None),
+        Command::CreateIdAs(ps, h) => create_id(sh, s, ps, Some(h)),
         Command::DestroyId(h) => destroy_id(s, h).map(|()| Answer::Reply(Reply::Done)),
         Command::GetEvent(n) => {
             let mut out = lock(&s.out);
@@ -1916,10 +1918,33 @@ fn attach(
     })
 }
 
-fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<Answer, WireError> {
+fn create_id(
+    sh: &Arc<Shared>,
+    s: &Arc<Session>,
+    ps: rcm::PortSpace,
+    chosen: Option<u32>,
+) -> Result<Answer, WireError> {
     let _serial = lock(&s.creating);
-    if lock(&s.table).ids.len() >= sh.limits.max_ids as usize {
-        return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+    {
+        let t = lock(&s.table);
+        if let Some(h) = chosen {
+            // Checked before the limit: a client that names a wrong handle learns that,
+            // whatever else holds. The creates of a session are serialised (`creating`),
+            // so the handle is still free when it is entered below.
+            if h < proto::CLIENT_HANDLES {
+                return Err(WireError::Cm(rcm::Error::InvalidArgument(
+                    "a handle a client chooses is 0x80000000 or above".into(),
+                )));
+            }
+            if t.ids.contains_key(&h) {
+                return Err(WireError::Cm(rcm::Error::InvalidArgument(
+                    "the session holds an id with that handle".into(),
+                )));
+            }
+        }
+        if t.ids.len() >= sh.limits.max_ids as usize {
+            return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
+        }
     }
     let limits = sh.limits;
     let weak = Arc::downgrade(sh);
@@ -1939,7 +1964,7 @@ fn create_id(sh: &Arc<Shared>, s: &Arc<Session>, ps: rcm::PortSpace) -> Result<A
         let _ = id.destroy();
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
-    let h = t.alloc();
+    let h = chosen.unwrap_or_else(|| t.alloc());
     let cell = Arc::new(IdCell {
         owner: Mutex::new(Some((Arc::downgrade(s), h))),
     });
@@ -2366,10 +2391,22 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{channel_may_attach, may_warn, DevicePolls, EventQueue, Queued};
+    use super::{channel_may_attach, may_warn, DevicePolls, EventQueue, Queued, Table};
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
+
+    #[test]
+    fn the_daemons_handles_wrap_below_the_clients_range_and_skip_zero() {
+        let mut t = Table {
+            ids: foldhash::HashMap::default(),
+            next: crate::proto::CLIENT_HANDLES - 2,
+            closed: false,
+        };
+        assert_eq!(t.alloc(), crate::proto::CLIENT_HANDLES - 1);
+        assert_eq!(t.alloc(), 1, "wrapped, past 0");
+        assert_eq!(t.alloc(), 2);
+    }
 
     #[test]
     fn overload_warnings_are_one_a_second_per_session() {

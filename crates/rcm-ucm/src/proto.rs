@@ -20,7 +20,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
+/// The first handle of the range a client may choose its ids' handles from
+/// ([`Command::CreateIdAs`]); the daemon gives out handles below it.
+pub const CLIENT_HANDLES: u32 = 0x8000_0000;
 /// Bytes of the frame header after the length field.
 pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).
@@ -208,6 +211,9 @@ pub enum Command {
     },
     /// `create_id` in a port space.
     CreateId(PortSpace),
+    /// `create_id` under a handle the client chose, [`CLIENT_HANDLES`] or above and not held
+    /// by the session: the client knows it before the answer, so need not wait for it.
+    CreateIdAs(PortSpace, u32),
     /// `destroy_id`.
     DestroyId(u32),
     /// Grants credit for this many more events.
@@ -732,6 +738,11 @@ impl Command {
                 w = W::frame(kind::CREATE_ID, seq);
                 w.u8(ps_code(*ps));
             }
+            Command::CreateIdAs(ps, h) => {
+                w = W::frame(kind::CREATE_ID, seq);
+                w.u8(ps_code(*ps));
+                w.u32(*h);
+            }
             Command::DestroyId(h) => {
                 w = W::frame(kind::DESTROY_ID, seq);
                 w.u32(*h);
@@ -1199,13 +1210,21 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
                 max: r.u16()?,
             }
         }
-        kind::CREATE_ID => Command::CreateId(match r.u8()? {
-            1 => PortSpace::Ipoib,
-            2 => PortSpace::Tcp,
-            3 => PortSpace::Udp,
-            4 => PortSpace::Ib,
-            _ => return Err(ProtoError::BadValue("port space")),
-        }),
+        kind::CREATE_ID => {
+            let ps = match r.u8()? {
+                1 => PortSpace::Ipoib,
+                2 => PortSpace::Tcp,
+                3 => PortSpace::Udp,
+                4 => PortSpace::Ib,
+                _ => return Err(ProtoError::BadValue("port space")),
+            };
+            // The handle is optional: a body of the port space alone lets the daemon choose.
+            if r.0.is_empty() {
+                Command::CreateId(ps)
+            } else {
+                Command::CreateIdAs(ps, r.u32()?)
+            }
+        }
         kind::DESTROY_ID => Command::DestroyId(r.u32()?),
         kind::GET_EVENT => Command::GetEvent(r.u32()?),
         kind::MIGRATE_ID => Command::MigrateId {

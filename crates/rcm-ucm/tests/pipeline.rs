@@ -373,3 +373,83 @@ fn a_pipelined_disconnect_refused_for_a_removed_device_is_the_ids_connect_error(
     assert!(matches!(c.disconnect(), Err(rcm::Error::DeviceRemoved)));
     drop(holder);
 }
+
+#[test]
+fn ids_created_in_a_pipeline_are_usable_at_once_by_the_thread() {
+    const N: usize = 200;
+    let d = daemon("pl-create", 47880, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let ids: Vec<_> = {
+        let _p = rcm::Pipeline::begin();
+        (0..N)
+            .map(|_| {
+                let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+                // Behind its creation on the thread's channel: the daemon has the id by then.
+                id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+                id
+            })
+            .collect()
+    };
+    for _ in 0..N {
+        let ev = next(&ch);
+        assert!(matches!(ev.event(), Event::AddrResolved), "{ev:?}");
+    }
+    wait_ids(&d, N, N);
+    for id in ids {
+        assert_eq!(id.state(), State::AddrResolved);
+        id.destroy().expect("destroy");
+    }
+    wait_ids(&d, 0, 0);
+}
+
+#[test]
+fn a_create_refused_at_the_id_limit_in_a_pipeline_is_the_ids_connect_error() {
+    let d = daemon_with_limits(
+        "pl-create-limit",
+        47881,
+        &[1],
+        rcm_ucm::proto::Limits {
+            max_ids: 3,
+            ..rcm_ucm::proto::Limits::default()
+        },
+    );
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let ids: Vec<_> = {
+        let _p = rcm::Pipeline::begin();
+        (0..5)
+            .map(|_| {
+                f.try_create_id_on(PortSpace::Tcp, &ch)
+                    .expect("a pipelined create returns once written")
+            })
+            .collect()
+    };
+    // The pipeline's end read the answers: the two over the limit have their error queued.
+    for id in &ids[3..] {
+        let ev = ch
+            .get_event(Some(Duration::ZERO))
+            .expect("CONNECT_ERROR queued when the pipeline ended");
+        assert_eq!(ev.id(), id);
+        assert!(
+            matches!(
+                ev.event(),
+                Event::ConnectError(rcm::Error::LimitExceeded(rcm::remote::Limit::Ids))
+            ),
+            "{ev:?}"
+        );
+    }
+    assert!(ch.get_event(Some(Duration::from_millis(20))).is_none());
+    // The daemon holds the first three only; the others' calls fail, and they destroy.
+    wait_ids(&d, 3, 3);
+    for id in &ids[..3] {
+        id.bind(sa(1, 0)).expect("bind within the limit");
+    }
+    for id in &ids[3..] {
+        assert!(id.bind(sa(1, 0)).is_err(), "an id the daemon refused");
+    }
+    for id in ids {
+        id.destroy().expect("destroy");
+    }
+    wait_ids(&d, 0, 0);
+}

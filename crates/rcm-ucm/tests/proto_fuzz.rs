@@ -243,7 +243,16 @@ fn command(
             min: rng.gen_range(0..3),
             max: rng.gen_range(0..3),
         },
-        1 | 2 => Command::CreateId(port_space(rng)),
+        1 => Command::CreateId(port_space(rng)),
+        // Half in the client's range, half wherever `handle` picks (refused below it).
+        2 => Command::CreateIdAs(
+            port_space(rng),
+            if rng.gen() {
+                proto::CLIENT_HANDLES | rng.gen::<u32>()
+            } else {
+                handle(rng)
+            },
+        ),
         3 => Command::DestroyId(handle(rng)),
         4 => Command::GetEvent(rng.gen_range(0..64)),
         5 => Command::MigrateId {
@@ -1283,6 +1292,8 @@ fn the_protocol_document_matches_the_codec() {
         });
         let name = match &c {
             Command::Call(_, Op::NotifyEstablished) => "NOTIFY".to_string(),
+            // CREATE_ID with the optional handle (§3).
+            Command::CreateIdAs(..) => "CREATE_ID".to_string(),
             Command::Call(_, op) => upper_snake(&variant(op)),
             c => upper_snake(&variant(c)),
         };

@@ -315,6 +315,40 @@ fn killed_client_with_unread_connect_requests() {
     parent.shutdown();
 }
 
+#[test]
+fn a_client_may_name_the_handle_of_an_id_it_creates_in_its_own_range() {
+    let d = daemon("client-handles", 47882, &[1]);
+    let (mut a, _) = raw(&d);
+    let (mut b, _) = raw(&d);
+    let mine = proto::CLIENT_HANDLES + 7;
+    assert!(matches!(
+        ok(&mut a, &Command::CreateIdAs(PortSpace::Tcp, mine)),
+        Answer::Handle(h) if h == mine
+    ));
+    // The id is there under that handle.
+    ok(&mut a, &Command::Call(mine, Op::Bind(sa(1, 0))));
+    // Held already, or below the client's range: refused, nothing created.
+    for wrong in [mine, proto::CLIENT_HANDLES - 1, 1, 0] {
+        assert!(
+            matches!(
+                err(&mut a, &Command::CreateIdAs(PortSpace::Tcp, wrong)),
+                WireError::Cm(rcm::Error::InvalidArgument(_))
+            ),
+            "handle {wrong:#x}"
+        );
+    }
+    assert_eq!(stats(&mut a).ids, 1);
+    // Another session's handles are its own: the same number is free there.
+    ok(&mut b, &Command::CreateIdAs(PortSpace::Tcp, mine));
+    // The daemon's own choices stay below the range.
+    let h = create(&mut a);
+    assert!(h < proto::CLIENT_HANDLES, "{h:#x}");
+    // Destroyed, the handle may be named again.
+    ok(&mut a, &Command::DestroyId(mine));
+    ok(&mut a, &Command::CreateIdAs(PortSpace::Udp, mine));
+    assert_eq!(stats(&mut a).ids, 2);
+}
+
 // ---------------------------------------------------------------------------------------
 // c. Limits
 

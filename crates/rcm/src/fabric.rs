@@ -318,6 +318,10 @@ pub(crate) fn pipeline_open() -> bool {
 /// The daemon's release of an id this thread destroys without waiting
 /// ([`CmId::begin_destroy`](crate::CmId::begin_destroy), [`Flow::Destroy`](crate::Flow)) goes
 /// the same way; a blocking `destroy` first awaits what is owed, as any wait in rcm does.
+/// So does `create_id`: the client names the new id's handle itself, and the id is usable
+/// at once by this thread, whose later calls go behind its creation. (Another thread's
+/// calls on it may overtake the creation until this thread's answers are awaited, and
+/// find no such id: hand it over after the pipeline ends.)
 ///
 /// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
 /// wrong (an id in the wrong state, say); that failure comes instead as the id's error
@@ -326,9 +330,11 @@ pub(crate) fn pipeline_open() -> bool {
 /// carrying the daemon's error. (A `disconnect` is pipelined only once established, when
 /// the daemon refuses it only for a removed device, whose `DeviceRemoval` comes as well; an
 /// earlier one waits, so that its refusal, the connection still being set up, is its
-/// return value.) Calls keep their order: every later call of this thread
-/// on the same daemon goes after them, and one that returns something (`query`, `create_id`)
-/// reads the answers owed before its own.
+/// return value. A `create_id` the daemon refuses, at its limit of ids, gives an id whose
+/// `CONNECT_ERROR` carries `LimitExceeded(Ids)`, whose later calls fail, and which is left
+/// only to be destroyed.) Calls keep their order: every later call of this thread on the
+/// same daemon goes after them, and one that returns something (`query`) reads the answers
+/// owed before its own.
 ///
 /// The answers still owed are awaited (and their failures delivered) when the outermost
 /// guard drops, or, opened within a callback that a [`CallbacksHere`] batch runs (a daemon
