@@ -453,3 +453,67 @@ fn a_create_refused_at_the_id_limit_in_a_pipeline_is_the_ids_connect_error() {
     }
     wait_ids(&d, 0, 0);
 }
+
+#[test]
+fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_is_owed() {
+    let d = daemon("pl-destroy", 47883, &[1]);
+    let f = rcm_ucm::fabric_with(
+        d.socket(),
+        FabricConfig {
+            dispatcher_threads: 2,
+            ..FabricConfig::default()
+        },
+    )
+    .expect("client");
+    let (refused_tx, refused) = std::sync::mpsc::channel();
+    let refused = Mutex::new(refused);
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    // A's callback waits (up to 10 s) until B's ROUTE_ERROR has come, which only reading the
+    // answers of the pipeline below delivers.
+    let a = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = entered_tx.send(());
+            let _ = refused
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    let refused_tx = Mutex::new(refused_tx);
+    let b = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::RouteError(_)) {
+            let _ = refused_tx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .send(());
+        }
+        Flow::Continue
+    });
+    // Ids with no callback in flight, destroyed in a pipeline: nothing to wait for.
+    let ch = EventChannel::new();
+    let quiet: Vec<_> = (0..20)
+        .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
+        .collect();
+    a.resolve_addr(None, sa(1, 7471)).expect("resolve_addr");
+    entered.recv_timeout(T).expect("A's callback runs");
+    let t0 = std::time::Instant::now();
+    {
+        let _p = rcm::Pipeline::begin();
+        for id in &quiet {
+            assert_eq!(id.destroy(), Ok(rcm::DestroyOutcome::Done));
+        }
+        b.resolve_route()
+            .expect("pipelined (refused: no address yet)");
+        // A's callback is in flight: this destroy waits for it, and first reads what is
+        // owed (nothing was written since B's call, which would have read answers there),
+        // so B's ROUTE_ERROR comes and lets A's callback end.
+        assert_eq!(a.destroy(), Ok(rcm::DestroyOutcome::Done));
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the destroy waited for a callback that waited for the pipeline's answers"
+    );
+    b.destroy().expect("destroy");
+    wait_ids(&d, 0, 0);
+}

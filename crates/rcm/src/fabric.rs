@@ -250,8 +250,8 @@ impl Drop for CallbacksHere {
 /// brings.
 ///
 /// What is held is sent when the outermost guard drops, when 64 datagrams are held,
-/// before this thread waits in rcm (`get_event` with nothing queued, a blocking `destroy`,
-/// `recv_ud`): a batch never holds back what the thread then waits for; and before
+/// before this thread waits in rcm (`get_event` with nothing queued, a blocking `destroy`
+/// that waits for a callback in flight, `recv_ud`): a batch never holds back what the thread then waits for; and before
 /// [`Fabric::shutdown`] closes the devices. What is held for a removed device is dropped
 /// with it. Do not wait on
 /// anything else (a lock, a sleep, another library) while holding one: the datagrams, and
@@ -316,8 +316,10 @@ pub(crate) fn pipeline_open() -> bool {
 /// answer: a loop issuing thousands of connects, or a server's callbacks accepting a burst
 /// of requests, then pays one round trip to the daemon for the lot instead of one each.
 /// The daemon's release of an id this thread destroys without waiting
-/// ([`CmId::begin_destroy`](crate::CmId::begin_destroy), [`Flow::Destroy`](crate::Flow)) goes
-/// the same way; a blocking `destroy` first awaits what is owed, as any wait in rcm does.
+/// ([`CmId::begin_destroy`](crate::CmId::begin_destroy), [`Flow::Destroy`](crate::Flow), and
+/// a blocking [`CmId::destroy`](crate::CmId::destroy) with no callback in flight) goes the same
+/// way; a blocking `destroy` that waits for a callback first awaits what is owed, as any
+/// wait in rcm does.
 /// So does `create_id`: the client names the new id's handle itself, and the id is usable
 /// at once by this thread, whose later calls go behind its creation. (Another thread's
 /// calls on it may overtake the creation until this thread's answers are awaited, and
@@ -340,7 +342,8 @@ pub(crate) fn pipeline_open() -> bool {
 /// guard drops, or, opened within a callback that a [`CallbacksHere`] batch runs (a daemon
 /// session's reader with `CallbackMode::Inline`), when that batch ends, so that a burst's
 /// accepts share it; and before this thread waits in rcm (`get_event` with nothing queued,
-/// a blocking `destroy`), since what it waits for may be such an error event. Ids of
+/// a blocking `destroy` that waits for a callback), since what it waits for may be such an
+/// error event, or the callback for the channel this thread keeps. Ids of
 /// devices in this process are not affected: their calls never wait for another process,
 /// and report every failure as their return value. Not `Send`, like [`SendBatch`]. While it
 /// holds answers owed, the thread keeps a command channel of the daemon's session to itself:

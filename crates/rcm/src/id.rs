@@ -1690,7 +1690,6 @@ impl CmId {
     /// running callback returns. With channel events of this id still held it fails with
     /// [`Error::EventsOutstanding`], changing nothing.
     pub fn destroy(&self) -> Result<DestroyOutcome> {
-        crate::fabric::before_wait();
         self.0.slot.destroy(true).map_err(Error::EventsOutstanding)
     }
 

@@ -178,6 +178,15 @@ loom::thread_local! {
     static CURRENT: std::cell::Cell<usize> = std::cell::Cell::new(0);
 }
 
+/// A blocking destroy is about to wait: what this thread holds back goes first (its
+/// `SendBatch`'s datagrams, its `Pipeline`'s owed answers, see `fabric::before_wait`).
+#[cfg(not(loom))]
+fn before_blocking() {
+    crate::fabric::before_wait();
+}
+#[cfg(loom)]
+fn before_blocking() {}
+
 /// Whether the calling thread is inside some slot's callback.
 pub(crate) fn in_callback() -> bool {
     CURRENT.with(|c| c.get() != 0)
@@ -557,6 +566,11 @@ impl<E: Send + 'static> Slot<E> {
                 if g.held > 0 {
                     return Err(g.held as usize);
                 }
+                if g.phase != Phase::Destroyed {
+                    drop(g);
+                    before_blocking();
+                    g = sync::lock(&self.inner);
+                }
                 while g.phase != Phase::Destroyed {
                     g = self.wait(g);
                 }
@@ -597,6 +611,9 @@ impl<E: Send + 'static> Slot<E> {
         if own || here || !block || in_callback() || runs_own_code(self) {
             return Ok(DestroyOutcome::Deferred);
         }
+        // About to wait (only now: a destroy that waits for nothing leaves this thread's
+        // pipelined calls and held datagrams be, so a pipeline's destroys go without waits).
+        before_blocking();
         let mut g = sync::lock(&self.inner);
         while g.phase != Phase::Destroyed {
             g = self.wait(g);
@@ -1371,6 +1388,15 @@ pub mod loom_api {
             self.0.upgrade().map(SlotHandle)
         }
     }
+
+    /// A blocking destroy is about to wait: what this thread holds back goes first (its
+    /// `SendBatch`'s datagrams, its `Pipeline`'s owed answers, see `fabric::before_wait`).
+    #[cfg(not(loom))]
+    fn before_blocking() {
+        crate::fabric::before_wait();
+    }
+    #[cfg(loom)]
+    fn before_blocking() {}
 
     /// Whether the calling thread is inside some slot's callback.
     pub fn in_callback() -> bool {
