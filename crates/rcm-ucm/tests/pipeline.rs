@@ -15,6 +15,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// A one-address daemon whose sessions may hold `max_ids` ids.
+fn daemon_holding(name: &str, port: u16, max_ids: u32) -> rcm_ucm::Daemon {
+    daemon_with_limits(
+        name,
+        port,
+        &[1],
+        rcm_ucm::proto::Limits {
+            max_ids,
+            ..rcm_ucm::proto::Limits::default()
+        },
+    )
+}
+
 #[test]
 fn a_pipelined_call_that_fails_returns_ok_and_its_failure_is_the_ids_event_when_the_pipeline_ends()
 {
@@ -209,15 +222,7 @@ fn a_pipeline_changes_nothing_for_ids_of_devices_in_this_process() {
 
 #[test]
 fn a_release_in_a_pipeline_goes_before_the_threads_next_call() {
-    let d = daemon_with_limits(
-        "pl-release",
-        47876,
-        &[1],
-        rcm_ucm::proto::Limits {
-            max_ids: 1,
-            ..rcm_ucm::proto::Limits::default()
-        },
-    );
+    let d = daemon_holding("pl-release", 47876, 1);
     let f = rcm_ucm::fabric(d.socket()).expect("client");
     let ch = EventChannel::new();
     for _ in 0..50 {
@@ -405,15 +410,7 @@ fn ids_created_in_a_pipeline_are_usable_at_once_by_the_thread() {
 
 #[test]
 fn a_create_refused_at_the_id_limit_in_a_pipeline_is_the_ids_connect_error() {
-    let d = daemon_with_limits(
-        "pl-create-limit",
-        47881,
-        &[1],
-        rcm_ucm::proto::Limits {
-            max_ids: 3,
-            ..rcm_ucm::proto::Limits::default()
-        },
-    );
+    let d = daemon_holding("pl-create-limit", 47881, 3);
     let f = rcm_ucm::fabric(d.socket()).expect("client");
     let ch = EventChannel::new();
     let ids: Vec<_> = {
