@@ -22,10 +22,9 @@
 //! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`resolve_addr`,
 //! `resolve_route`, `connect`, `accept`, `establish`, `disconnect` of an id whose
 //! ESTABLISHED came, and `create_id` under a handle it chooses) on a mapped channel it
-//! keeps, without
-//! waiting for their answers; its later calls to the session go on that channel behind them,
-//! and the answers are read (a failure becomes the id's error event) when the pipeline ends
-//! or before the thread waits for an event (docs/ucm-protocol.md §2.2).
+//! keeps, without waiting for their answers; its later calls to the session go on that
+//! channel behind them, and the answers are read (a failure becomes the id's error event)
+//! when the pipeline ends or before the thread waits (docs/ucm-protocol.md §2.2).
 //!
 //! A thread that called one of the session's ids and then waits in
 //! [`rcm::EventChannel::get_event`] reads the session's connection itself while it polls
@@ -1145,7 +1144,7 @@ impl Provider for Client {
             return Err(Error::Remote("unexpected answer to CreateId".into()));
         };
         // No event can come for `h` before its first operation, which follows this.
-        let qp = Arc::new(IdCache::default());
+        let known = Arc::new(IdCache::default());
         {
             let mut sinks = lock(&self.0.sinks);
             // The reader marks the session dead before it takes the sinks (each then gets its
@@ -1153,12 +1152,12 @@ impl Provider for Client {
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Err(Error::DeviceRemoved);
             }
-            sinks.insert(h, (sink, qp.clone()));
+            sinks.insert(h, (sink, known.clone()));
         }
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
             wire: h,
-            known: qp,
+            known,
             released: AtomicBool::new(false),
         }))
     }

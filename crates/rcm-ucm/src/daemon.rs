@@ -195,8 +195,9 @@ struct IdCell {
 
 struct Table {
     /// By handle: those this daemon chose, and those the client chose in its range
-    /// (`proto::CLIENT_HANDLES`; a fast hash, randomly seeded, so a client cannot pick
-    /// handles that collide, and a table holds one session's ids only).
+    /// (`proto::CLIENT_HANDLES`). A fast hash: foldhash is seeded at random, so a client
+    /// cannot choose colliding handles without first learning the seed, and a table holds
+    /// only its own session's ids, at most `max_ids` of them.
     ids: foldhash::HashMap<u32, (CmId, Arc<IdCell>)>,
     next: u32,
     closed: bool,
