@@ -28,6 +28,38 @@ fn daemon_holding(name: &str, port: u16, max_ids: u32) -> rcm_ucm::Daemon {
     )
 }
 
+/// A session of `d` whose reader runs the callbacks of what it reads (`CallbackMode::Inline`).
+fn inline_session(d: &rcm_ucm::Daemon) -> rcm::Fabric {
+    rcm_ucm::fabric_with(
+        d.socket(),
+        FabricConfig {
+            callbacks: CallbackMode::Inline,
+            ..FabricConfig::default()
+        },
+    )
+    .expect("session")
+}
+
+/// An id of `f` whose ADDR_RESOLVED callback is running when this returns, and stays until
+/// `release` brings something or is dropped (10 s at most).
+fn held_in_callback(f: &rcm::Fabric, release: std::sync::mpsc::Receiver<()>) -> rcm::CmId {
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let release = Mutex::new(release);
+    let id = f.create_id(PortSpace::Tcp, move |_, ev| {
+        if matches!(ev, Event::AddrResolved) {
+            let _ = entered_tx.send(());
+            let _ = release
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .recv_timeout(T);
+        }
+        Flow::Continue
+    });
+    id.resolve_addr(None, sa(1, 7472)).expect("resolve_addr");
+    entered.recv_timeout(T).expect("the callback runs");
+    id
+}
+
 #[test]
 fn a_pipelined_call_that_fails_returns_ok_and_its_failure_is_the_ids_event_when_the_pipeline_ends()
 {
@@ -141,14 +173,7 @@ fn more_pipelined_calls_than_the_answer_ring_holds_all_complete() {
 fn accepts_pipelined_in_inline_callbacks_connect_and_a_refused_one_is_the_childs_event() {
     const N: usize = 20;
     let d = daemon("pl-inline", 47874, &[1, 2]);
-    let server = rcm_ucm::fabric_with(
-        d.socket(),
-        FabricConfig {
-            callbacks: CallbackMode::Inline,
-            ..FabricConfig::default()
-        },
-    )
-    .expect("server session");
+    let server = inline_session(&d);
     let accepted = Arc::new(AtomicUsize::new(0));
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let (a, s) = (accepted.clone(), seen.clone());
@@ -314,14 +339,7 @@ fn a_pipelined_disconnect_refused_for_a_removed_device_is_the_ids_connect_error(
     let server = rcm_ucm::fabric(d.socket()).expect("server session");
     // Inline: the client's reader runs callbacks, so one that blocks holds back the
     // DEVICE_REMOVAL below (an id that has seen it refuses calls itself, sending nothing).
-    let client = rcm_ucm::fabric_with(
-        d.socket(),
-        FabricConfig {
-            callbacks: CallbackMode::Inline,
-            ..FabricConfig::default()
-        },
-    )
-    .expect("client session");
+    let client = inline_session(&d);
     let (_l, lch) = listen(&server, sa(1, 7471));
     let (cch, sch) = (EventChannel::new(), EventChannel::new());
     let c = dial(&client, &cch, sa(1, 7471), b"pl");
@@ -339,25 +357,8 @@ fn a_pipelined_disconnect_refused_for_a_removed_device_is_the_ids_connect_error(
     let child = accept_next(&lch, b"pl");
     child.migrate(&sch).expect("migrate");
     finish_connect(&c, &cch, &sch);
-    let (entered_tx, entered) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let released = Mutex::new(released);
-    let holder = client.create_id(PortSpace::Tcp, move |_, ev| {
-        if matches!(ev, Event::AddrResolved) {
-            let _ = entered_tx.send(());
-            let _ = released
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .recv_timeout(T);
-        }
-        Flow::Continue
-    });
-    holder
-        .resolve_addr(None, sa(1, 7472))
-        .expect("resolve_addr");
-    entered
-        .recv_timeout(T)
-        .expect("the reader runs the callback");
+    let (release, released) = std::sync::mpsc::channel();
+    let holder = held_in_callback(&client, released);
     d.fabric().remove_device(ip(1)).expect("remove the device");
     {
         let _p = rcm::Pipeline::begin();
@@ -463,20 +464,14 @@ fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_
     )
     .expect("client");
     let (refused_tx, refused) = std::sync::mpsc::channel();
-    let refused = Mutex::new(refused);
-    let (entered_tx, entered) = std::sync::mpsc::channel();
+    // Quiet ids (no callback in flight), made before A's callback holds a dispatcher thread.
+    let ch = EventChannel::new();
+    let quiet: Vec<_> = (0..20)
+        .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
+        .collect();
     // A's callback waits (up to 10 s) until B's ROUTE_ERROR has come, which only reading the
     // answers of the pipeline below delivers.
-    let a = f.create_id(PortSpace::Tcp, move |_, ev| {
-        if matches!(ev, Event::AddrResolved) {
-            let _ = entered_tx.send(());
-            let _ = refused
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .recv_timeout(T);
-        }
-        Flow::Continue
-    });
+    let a = held_in_callback(&f, refused);
     let refused_tx = Mutex::new(refused_tx);
     let b = f.create_id(PortSpace::Tcp, move |_, ev| {
         if matches!(ev, Event::RouteError(_)) {
@@ -487,13 +482,6 @@ fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_
         }
         Flow::Continue
     });
-    // Ids with no callback in flight, destroyed in a pipeline: nothing to wait for.
-    let ch = EventChannel::new();
-    let quiet: Vec<_> = (0..20)
-        .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
-        .collect();
-    a.resolve_addr(None, sa(1, 7471)).expect("resolve_addr");
-    entered.recv_timeout(T).expect("A's callback runs");
     let t0 = std::time::Instant::now();
     {
         let _p = rcm::Pipeline::begin();
