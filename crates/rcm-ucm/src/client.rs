@@ -630,7 +630,8 @@ impl Inner {
     }
 
     /// Reads a mapped channel's answers, handling those owed to pipelined calls on the way,
-    /// until `until`: the header of the answer it names (its body into `body`), else `None`.
+    /// until `until`: the header of the answer it names (its body into `body`), else `None`
+    /// (`body` then holds whatever was read last).
     fn read_answers(
         &self,
         ch: &mut Chan,
@@ -653,13 +654,14 @@ impl Inner {
                 end.recv(MAX_FRAME)?
             };
             let h = answer_head(f)?;
+            // Copied out of the ring (whose end `ch` holds) into the caller's buffer, which
+            // an owed answer may use too: the one named, read last, is what it keeps.
+            body.clear();
+            body.extend_from_slice(&f[12..]);
             if until == Until::Answer(h.seq) {
-                body.clear();
-                body.extend_from_slice(&f[12..]);
                 return Ok(Some(h));
             }
-            let f = f.to_vec();
-            self.owed_answer(ch, h, &f[12..]);
+            self.owed_answer(ch, h, body);
         }
     }
 
@@ -684,6 +686,12 @@ impl Inner {
             if self.take_answers(ch)? > 0 {
                 since = None;
                 continue;
+            }
+            if ch.shm.as_ref().is_some_and(|end| hung_up(&end.stream)) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    "the daemon hung up with the channel's ring full",
+                ));
             }
             let t0 = *since.get_or_insert_with(std::time::Instant::now);
             if t0.elapsed() > crate::shmchan::FULL_FOR {
@@ -829,20 +837,20 @@ impl Inner {
             }
         });
         // The thread is ending: the answers are awaited now.
-        if let Some(mut ch) = ch {
-            self.settle(&mut ch);
-            self.give_back(ch);
+        if let Some(ch) = ch {
+            self.settle(ch);
         }
     }
 
-    /// Reads a channel's answers until none is owed.
-    fn settle(&self, ch: &mut Chan) {
+    /// Reads a channel's answers until none is owed, and gives it back.
+    fn settle(&self, mut ch: Chan) {
         if self
-            .read_answers(ch, Until::Settled, &mut Vec::new())
+            .read_answers(&mut ch, Until::Settled, &mut Vec::new())
             .is_err()
         {
-            self.chan_failed(ch);
+            self.chan_failed(&mut ch);
         }
+        self.give_back(ch);
     }
 
     /// The session is over: the reader, which may be standing aside for a waiter's poll
@@ -1034,10 +1042,9 @@ struct HeldChans(Vec<(usize, Weak<Inner>, Chan)>);
 
 impl Drop for HeldChans {
     fn drop(&mut self) {
-        for (_, inner, mut ch) in self.0.drain(..) {
+        for (_, inner, ch) in self.0.drain(..) {
             if let Some(inner) = inner.upgrade() {
-                inner.settle(&mut ch);
-                inner.give_back(ch);
+                inner.settle(ch);
             }
         }
     }
@@ -1079,9 +1086,8 @@ enum OwedKind {
 
 impl rcm::remote::Pipelined for Inner {
     fn complete(&self) {
-        if let Some(mut ch) = self.take_held() {
-            self.settle(&mut ch);
-            self.give_back(ch);
+        if let Some(ch) = self.take_held() {
+            self.settle(ch);
         }
     }
 }
@@ -1089,6 +1095,19 @@ impl rcm::remote::Pipelined for Inner {
 /// How often a call waiting for its answer on the session's connection looks for the
 /// daemon's hang-up (see `Inner::request`).
 const HANGUP_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The next handle of the client's range (`proto::CLIENT_HANDLES` and above) from `counter`
+/// that `held` does not name: after the counter wraps, one an id of this client still holds
+/// is skipped.
+fn client_handle(counter: &AtomicU32, held: impl Fn(u32) -> bool) -> u32 {
+    loop {
+        let n = counter.fetch_add(1, Ordering::Relaxed);
+        let h = proto::CLIENT_HANDLES | (n & !proto::CLIENT_HANDLES);
+        if !held(h) {
+            return h;
+        }
+    }
+}
 
 impl Client {
     /// `create_id` in a pipeline: under a handle chosen here, its command written without
@@ -1101,14 +1120,7 @@ impl Client {
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Some(Err(Error::DeviceRemoved));
             }
-            // Not one an id of this client still holds (after the counter wrapped).
-            let h = loop {
-                let n = self.0.next_handle.fetch_add(1, Ordering::Relaxed);
-                let h = proto::CLIENT_HANDLES | (n & !proto::CLIENT_HANDLES);
-                if !sinks.contains_key(&h) {
-                    break h;
-                }
-            };
+            let h = client_handle(&self.0.next_handle, |h| sinks.contains_key(&h));
             // Filed before the command goes: nothing comes for it before its first call,
             // but a refusal of the create itself needs the sink.
             sinks.insert(h, (sink.clone(), known.clone()));
@@ -1783,6 +1795,22 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_handles_stay_in_their_range_and_skip_held_ones_after_the_counter_wraps() {
+        let c = AtomicU32::new(0);
+        assert_eq!(client_handle(&c, |_| false), proto::CLIENT_HANDLES);
+        assert_eq!(client_handle(&c, |_| false), proto::CLIENT_HANDLES + 1);
+        // The last of the range, then (wrapped) the first again, which is held: skipped.
+        c.store(!proto::CLIENT_HANDLES, Ordering::Relaxed);
+        assert_eq!(client_handle(&c, |_| false), u32::MAX);
+        let held = |h| h == proto::CLIENT_HANDLES;
+        assert_eq!(client_handle(&c, held), proto::CLIENT_HANDLES + 1);
+        // The counter's own top bit changes nothing.
+        c.store(u32::MAX, Ordering::Relaxed);
+        assert_eq!(client_handle(&c, |_| false), u32::MAX);
+        assert_eq!(client_handle(&c, |_| false), proto::CLIENT_HANDLES);
+    }
 
     #[test]
     fn a_refusal_read_after_a_broken_pipe_is_the_error() {

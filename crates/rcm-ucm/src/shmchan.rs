@@ -63,8 +63,9 @@ pub(crate) fn events_client(fd: impl AsFd) -> io::Result<Consumer> {
     Consumer::new(Arc::new(r), EVENTS)
 }
 
-/// How long a side waits for room in a full ring before it gives the channel up. One call
-/// is in flight per channel, so the rings never fill unless the other side breaks the rules.
+/// How long a side waits for room in a full ring before it gives the channel up. A caller
+/// waits for each answer, and a pipelining client (`rcm::Pipeline`) reads its answers while
+/// it waits for room, so the rings stay full only when the other side stops reading.
 pub(crate) const FULL_FOR: Duration = Duration::from_secs(1);
 
 /// A wait for room when this thread is held off polling.

@@ -206,13 +206,7 @@ fn accepts_pipelined_in_inline_callbacks_connect_and_a_refused_one_is_the_childs
         })
         .collect();
     for (id, cch) in &conns {
-        let ev = next(cch);
-        assert!(
-            matches!(ev.event(), Event::ConnectResponse { .. }),
-            "client: {ev:?}"
-        );
-        drop(ev);
-        id.establish().expect("establish");
+        establish_on_response(id, cch);
     }
     assert_eq!(accepted.load(Ordering::SeqCst), N);
     wait_until(

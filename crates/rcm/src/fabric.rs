@@ -251,9 +251,9 @@ impl Drop for CallbacksHere {
 ///
 /// What is held is sent when the outermost guard drops, when 64 datagrams are held,
 /// before this thread waits in rcm (`get_event` with nothing queued, a blocking `destroy`
-/// that waits for a callback in flight, `recv_ud`): a batch never holds back what the thread then waits for; and before
-/// [`Fabric::shutdown`] closes the devices. What is held for a removed device is dropped
-/// with it. Do not wait on
+/// that waits for a callback in flight, `recv_ud`): a batch never holds back what the
+/// thread then waits for; and before [`Fabric::shutdown`] closes the devices. What is held
+/// for a removed device is dropped with it. Do not wait on
 /// anything else (a lock, a sleep, another library) while holding one: the datagrams, and
 /// the peer, would wait too. iWARP devices and the daemon's ids are not affected.
 #[must_use = "the datagrams go out when this is dropped"]
@@ -312,18 +312,18 @@ pub(crate) fn pipeline_open() -> bool {
 /// While it lives, the calls this thread makes on a daemon's ids (`rcm-ucm`) that return
 /// nothing but success, namely `resolve_addr`, `resolve_route`, `connect`, `accept`,
 /// `establish`, and `disconnect` of an id whose `Established` event has come, return as
-/// soon as the command is written, without waiting for the daemon's
-/// answer: a loop issuing thousands of connects, or a server's callbacks accepting a burst
-/// of requests, then pays one round trip to the daemon for the lot instead of one each.
-/// The daemon's release of an id this thread destroys without waiting
-/// ([`CmId::begin_destroy`](crate::CmId::begin_destroy), [`Flow::Destroy`](crate::Flow), and
-/// a blocking [`CmId::destroy`](crate::CmId::destroy) with no callback in flight) goes the same
-/// way; a blocking `destroy` that waits for a callback first awaits what is owed, as any
-/// wait in rcm does.
-/// So does `create_id`: the client names the new id's handle itself, and the id is usable
-/// at once by this thread, whose later calls go behind its creation. (Another thread's
-/// calls on it may overtake the creation until this thread's answers are awaited, and
-/// find no such id: hand it over after the pipeline ends.)
+/// soon as the command is written, without waiting for the daemon's answer: a loop issuing
+/// thousands of connects, or a server's callbacks accepting a burst of requests, then pays
+/// one round trip to the daemon for the lot instead of one each.
+///
+/// Two more go the same way. The daemon's release of an id this thread destroys without
+/// waiting ([`CmId::begin_destroy`](crate::CmId::begin_destroy),
+/// [`Flow::Destroy`](crate::Flow), and a blocking [`CmId::destroy`](crate::CmId::destroy)
+/// with no callback in flight; one that waits for a callback first awaits what is owed, as
+/// any wait in rcm does). And `create_id`: the client names the new id's handle itself, and
+/// the id is usable at once by this thread, whose later calls go behind its creation
+/// (another thread's calls on it may overtake the creation until this thread's answers are
+/// awaited, and find no such id: hand it over after the pipeline ends).
 ///
 /// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
 /// wrong (an id in the wrong state, say); that failure comes instead as the id's error
@@ -343,9 +343,9 @@ pub(crate) fn pipeline_open() -> bool {
 /// session's reader with `CallbackMode::Inline`), when that batch ends, so that a burst's
 /// accepts share it; and before this thread waits in rcm (`get_event` with nothing queued,
 /// a blocking `destroy` that waits for a callback), since what it waits for may be such an
-/// error event, or the callback for the channel this thread keeps. Ids of
-/// devices in this process are not affected: their calls never wait for another process,
-/// and report every failure as their return value. Not `Send`, like [`SendBatch`]. While it
+/// error event, or the callback for the channel this thread keeps. Ids of devices in this
+/// process are not affected: their calls never wait for another process, and report every
+/// failure as their return value. Not `Send`, like [`SendBatch`]. While it
 /// holds answers owed, the thread keeps a command channel of the daemon's session to itself:
 /// do not wait on anything else meanwhile (a lock another calling thread of that session
 /// holds, a sleep), since a thread of the session may be waiting for a channel.

@@ -1389,15 +1389,6 @@ pub mod loom_api {
         }
     }
 
-    /// A blocking destroy is about to wait: what this thread holds back goes first (its
-    /// `SendBatch`'s datagrams, its `Pipeline`'s owed answers, see `fabric::before_wait`).
-    #[cfg(not(loom))]
-    fn before_blocking() {
-        crate::fabric::before_wait();
-    }
-    #[cfg(loom)]
-    fn before_blocking() {}
-
     /// Whether the calling thread is inside some slot's callback.
     pub fn in_callback() -> bool {
         super::in_callback()

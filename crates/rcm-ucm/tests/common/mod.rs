@@ -154,8 +154,8 @@ pub fn accept_next(lch: &EventChannel, pd: &[u8]) -> rcm::CmId {
     child
 }
 
-/// The active side's ConnectResponse then RTU, and both sides' Established.
-pub fn finish_connect(c: &rcm::CmId, cch: &EventChannel, sch: &EventChannel) {
+/// The active side's ConnectResponse, then its RTU (`establish`).
+pub fn establish_on_response(c: &rcm::CmId, cch: &EventChannel) {
     let rep = next(cch);
     assert!(
         matches!(rep.event(), Event::ConnectResponse { .. }),
@@ -163,6 +163,11 @@ pub fn finish_connect(c: &rcm::CmId, cch: &EventChannel, sch: &EventChannel) {
     );
     drop(rep);
     c.establish().expect("establish");
+}
+
+/// The active side's ConnectResponse then RTU, and both sides' Established.
+pub fn finish_connect(c: &rcm::CmId, cch: &EventChannel, sch: &EventChannel) {
+    establish_on_response(c, cch);
     let e = next(sch);
     assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
     drop(e);
