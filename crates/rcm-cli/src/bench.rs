@@ -572,11 +572,13 @@ pub fn run_client(
     steps.push(step("create id", create_start.elapsed(), &t, n));
     index.extend(ids.iter().enumerate().map(|(i, id)| (id.key(), i)));
     // One address has ~28k ephemeral ports: the ids are spread over the client devices.
+    // Through a daemon a burst's binds go without waiting for its answers too: a refused
+    // one is the id's ADDR_ERROR, and its resolve_addr is refused with the same error.
     let next = AtomicUsize::new(0);
     steps.push(sync_step(
         "bind addr",
         &ids,
-        false,
+        o.send_batch && !o.serial,
         |id| {
             let c = next.fetch_add(1, Ordering::Relaxed);
             let k = client_device_of(c, n, srcs.len(), o.serial);

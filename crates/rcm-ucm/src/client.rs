@@ -19,12 +19,13 @@
 //! fails with `DeviceRemoved`, also when the reader is held by an inline callback (the
 //! caller looks for the hang-up itself, every 100 ms).
 //!
-//! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`resolve_addr`,
-//! `resolve_route`, `connect`, `accept`, `establish`, `disconnect` of an id whose
-//! ESTABLISHED came, and `create_id` under a handle it chooses) on a mapped channel it
-//! keeps, without waiting for their answers; its later calls to the session go on that
-//! channel behind them, and the answers are read (a failure becomes the id's error event)
-//! when the pipeline ends or before the thread waits (docs/ucm-protocol.md §2.2).
+//! A thread with an [`rcm::Pipeline`] open writes its answerless calls (`bind`, which the
+//! daemon's refusal then seals the id with, `resolve_addr`, `resolve_route`, `connect`,
+//! `accept`, `establish`, `disconnect` of an id whose ESTABLISHED came, and `create_id`
+//! under a handle it chooses) on a mapped channel it keeps, without waiting for their
+//! answers; its later calls to the session go on that channel behind them, and the answers
+//! are read (a failure becomes the id's error event) when the pipeline ends or before the
+//! thread waits (docs/ucm-protocol.md §2.2).
 //!
 //! A thread that called one of the session's ids and then waits in
 //! [`rcm::EventChannel::get_event`] reads the session's connection itself while it polls
@@ -750,7 +751,9 @@ impl Inner {
     /// to come as (see `rcm::Pipeline`).
     fn owed_kind(op: &Op, known: &IdCache) -> Option<OwedKind> {
         match op {
-            Op::ResolveAddr { .. } => Some(OwedKind::Addr),
+            // A refused bind seals the id (`Command::BindOrSeal`): the calls written behind
+            // it are refused too, not carried out on an id bound elsewhere or not at all.
+            Op::Bind(_) | Op::ResolveAddr { .. } => Some(OwedKind::Addr),
             Op::ResolveRoute => Some(OwedKind::Route),
             Op::Connect(_) | Op::Accept(_) | Op::Establish => Some(OwedKind::Connect),
             // Once established, a connection's disconnect succeeds (also when it is going
@@ -1071,7 +1074,7 @@ struct Owed {
 /// Which error event a failed pipelined call becomes.
 #[derive(Clone, Copy)]
 enum OwedKind {
-    /// `ADDR_ERROR` (`resolve_addr`).
+    /// `ADDR_ERROR` (`bind`, `resolve_addr`).
     Addr,
     /// `ROUTE_ERROR` (`resolve_route`).
     Route,
@@ -1288,10 +1291,18 @@ impl RemoteId for Handle {
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
         let kind = Inner::owed_kind(&op, &self.known).filter(|_| rcm::remote::pipelining());
-        let cmd = Command::Call(self.wire, op);
+        let cmd = match op {
+            Op::Bind(a) if kind.is_some() => Command::BindOrSeal(self.wire, a),
+            op => Command::Call(self.wire, op),
+        };
         if let Some(r) = kind.and_then(|k| c.write_owed(&cmd, self.wire, k)) {
             return r.map(|()| Reply::Done);
         }
+        // Waited for, a refused bind is the call's error and leaves the id as it was.
+        let cmd = match cmd {
+            Command::BindOrSeal(h, a) => Command::Call(h, Op::Bind(a)),
+            cmd => cmd,
+        };
         match c.request(&cmd)? {
             Answer::Reply(r) => Ok(r),
             _ => Err(Error::Remote("unexpected answer to a call".into())),

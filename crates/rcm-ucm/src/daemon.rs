@@ -22,7 +22,7 @@ use crate::proto::{
     WireEvent,
 };
 use crate::spin::{hung_up, send_all, SpinRead};
-use rcm::remote::{Limit, Reply};
+use rcm::remote::{Limit, Op, Reply};
 use rcm::{CmId, Event, Fabric, FabricConfig, Flow, QpAttr, QpState};
 use rustix::io::Errno;
 use rustix::net::{send, SendFlags};
@@ -191,6 +191,18 @@ struct Shared {
 /// Which session holds an id, under which handle. `None` once destroyed.
 struct IdCell {
     owner: Mutex<Option<(Weak<Session>, u32)>>,
+    /// The refusal of a `BIND` whose client did not wait for it (`Command::BindOrSeal`):
+    /// every later call of the id but `QUERY` is refused with it (see `call_id`).
+    sealed: std::sync::OnceLock<rcm::Error>,
+}
+
+impl IdCell {
+    fn new(owner: (Weak<Session>, u32)) -> Arc<Self> {
+        Arc::new(IdCell {
+            owner: Mutex::new(Some(owner)),
+            sealed: std::sync::OnceLock::new(),
+        })
+    }
 }
 
 struct Table {
@@ -1839,19 +1851,40 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
                 commands: s.commands.load(Ordering::Relaxed),
             }))
         }
-        Command::Call(h, op) => {
-            let id = lock(&s.table).ids.get(&h).map(|(id, _)| id.clone());
-            match id {
-                // Commands of one session run one at a time, in order, and rcm serialises
-                // calls on one id: the two halves of Linux bug 2's fix.
-                Some(id) => id.call(op).map(Answer::Reply).map_err(WireError::Cm),
-                None => Err(WireError::NoSuchId),
-            }
-        }
+        Command::Call(h, op) => call_id(s, h, op, false),
+        Command::BindOrSeal(h, a) => call_id(s, h, Op::Bind(a), true),
     };
     Some(match r {
         Ok(a) => Message::Ok(a),
         Err(e) => Message::Err(e),
+    })
+}
+
+/// Carries out `op` on the id `h` of `s`. An id sealed by a refused `BindOrSeal` refuses it
+/// with that bind's error instead, unless it is a `QUERY` (which changes nothing): the
+/// client wrote it behind the bind without knowing the bind failed, and a `listen` or
+/// `resolve_addr` carried out on the unbound id would bind it elsewhere (the wildcard
+/// address, another port). `seal`: this call is such a bind, whose refusal seals the id.
+fn call_id(s: &Session, h: u32, op: Op, seal: bool) -> Result<Answer, WireError> {
+    let found = lock(&s.table)
+        .ids
+        .get(&h)
+        .map(|(id, cell)| match cell.sealed.get() {
+            Some(e) if !matches!(op, Op::Query) => Err(e.clone()),
+            _ => Ok((id.clone(), seal.then(|| cell.clone()))),
+        });
+    let (id, cell) = match found {
+        None => return Err(WireError::NoSuchId),
+        Some(Err(e)) => return Err(WireError::Cm(e)),
+        Some(Ok(found)) => found,
+    };
+    // Commands of one session run one at a time, in order, and rcm serialises calls on
+    // one id: the two halves of Linux bug 2's fix.
+    id.call(op).map(Answer::Reply).map_err(|e| {
+        if let Some(cell) = cell {
+            let _ = cell.sealed.set(e.clone());
+        }
+        WireError::Cm(e)
     })
 }
 
@@ -1966,9 +1999,7 @@ fn create_id(
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
     let h = chosen.unwrap_or_else(|| t.alloc());
-    let cell = Arc::new(IdCell {
-        owner: Mutex::new(Some((Arc::downgrade(s), h))),
-    });
+    let cell = IdCell::new((Arc::downgrade(s), h));
     // The id has no event before its first operation, so the context is in place in time.
     id.set_context(cell.clone());
     t.ids.insert(h, (id, cell));
@@ -2112,9 +2143,7 @@ fn on_connect_request(
         return Flow::Destroy;
     }
     let h = t.alloc();
-    let cell = Arc::new(IdCell {
-        owner: Mutex::new(Some((Arc::downgrade(&sess), h))),
-    });
+    let cell = IdCell::new((Arc::downgrade(&sess), h));
     child.set_context(cell.clone());
     t.ids.insert(h, (child.clone(), cell));
     let frame = Message::Event {

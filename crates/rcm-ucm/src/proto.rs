@@ -20,10 +20,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// The first handle of the range a client may choose its ids' handles from
 /// ([`Command::CreateIdAs`]); the daemon gives out handles below it.
 pub const CLIENT_HANDLES: u32 = 0x8000_0000;
+/// The flag byte after `BIND`'s address that makes it a [`Command::BindOrSeal`].
+pub const BIND_SEALS: u8 = 1;
 /// Bytes of the frame header after the length field.
 pub const HEADER_LEN: usize = 8;
 /// Longest private data any message carries (iWARP's 256 is the largest).
@@ -216,6 +218,10 @@ pub enum Command {
     CreateIdAs(PortSpace, u32),
     /// `destroy_id`.
     DestroyId(u32),
+    /// `bind` written without waiting for its answer: refused, it also seals the id, whose
+    /// later calls are then all refused with the same error (a call the client wrote behind
+    /// it, a `listen` say, must not go on as if it had been bound).
+    BindOrSeal(u32, SocketAddr),
     /// Grants credit for this many more events.
     GetEvent(u32),
     /// Takes an id from another session of the same client (named by its token).
@@ -747,6 +753,12 @@ impl Command {
                 w = W::frame(kind::DESTROY_ID, seq);
                 w.u32(*h);
             }
+            Command::BindOrSeal(h, a) => {
+                w = W::frame(kind::BIND, seq);
+                w.u32(*h);
+                w.addr(*a);
+                w.u8(BIND_SEALS);
+            }
             Command::GetEvent(n) => {
                 w = W::frame(kind::GET_EVENT, seq);
                 w.u32(*n);
@@ -1249,7 +1261,18 @@ pub fn decode_command(kind: u16, body: &[u8]) -> Result<Command, ProtoError> {
             let h = r.u32()?;
             let op = match k {
                 kind::SET_REUSEADDR => Op::SetReuseaddr(r.bool()?),
-                kind::BIND => Op::Bind(r.addr()?),
+                kind::BIND => {
+                    let a = r.addr()?;
+                    // The seal flag is optional: without it a refused bind changes nothing.
+                    if r.0.is_empty() {
+                        Op::Bind(a)
+                    } else if r.u8()? == BIND_SEALS {
+                        r.end()?;
+                        return Ok(Command::BindOrSeal(h, a));
+                    } else {
+                        return Err(ProtoError::BadValue("bind flags"));
+                    }
+                }
                 kind::RESOLVE_ADDR => Op::ResolveAddr {
                     src: r.opt_ip()?,
                     dst: r.addr()?,

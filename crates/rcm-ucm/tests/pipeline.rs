@@ -447,6 +447,72 @@ fn a_create_refused_at_the_id_limit_in_a_pipeline_is_the_ids_connect_error() {
 }
 
 #[test]
+fn a_bind_refused_in_a_pipeline_is_the_ids_addr_error_and_nothing_behind_it_binds_the_id() {
+    let d = daemon("pl-bind", 47884, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    let ch = EventChannel::new();
+    let holder = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    holder.bind(sa(1, 7496)).expect("bind");
+    let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    let listen = {
+        let _p = rcm::Pipeline::begin();
+        id.bind(sa(1, 7496))
+            .expect("a pipelined bind returns once written");
+        // Behind the bind on the thread's channel. Carried out on the unbound id it would
+        // have listened on the wildcard address; the daemon refuses it with the bind's error.
+        id.listen(0)
+    };
+    assert!(
+        matches!(listen, Err(rcm::Error::AddrInUse(a)) if a == sa(1, 7496)),
+        "{listen:?}"
+    );
+    let ev = ch
+        .get_event(Some(Duration::ZERO))
+        .expect("ADDR_ERROR queued when the listen read the bind's answer");
+    assert_eq!(ev.id(), &id);
+    assert!(
+        matches!(ev.event(), Event::AddrError(rcm::Error::AddrInUse(_))),
+        "{ev:?}"
+    );
+    drop(ev);
+    assert!(ch.get_event(Some(Duration::from_millis(20))).is_none());
+    // Sealed: a later bind, even to a free address, is refused the same way.
+    assert!(matches!(id.bind(sa(1, 0)), Err(rcm::Error::AddrInUse(_))));
+    assert_eq!(id.state(), State::Idle);
+    id.destroy().expect("destroy");
+    // Outside a pipeline a refused bind is the call's error, and the id binds afterwards.
+    let plain = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+    assert!(matches!(
+        plain.bind(sa(1, 7496)),
+        Err(rcm::Error::AddrInUse(_))
+    ));
+    plain.bind(sa(1, 0)).expect("bind after a refused one");
+    // Binds that succeed in a pipeline are binds: the ids resolve from where they are bound.
+    let ids: Vec<_> = {
+        let _p = rcm::Pipeline::begin();
+        (0..20u16)
+            .map(|k| {
+                let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+                id.bind(sa(1, 7500 + k)).expect("pipelined bind");
+                id.resolve_addr(None, sa(1, 7471)).expect("pipelined");
+                id
+            })
+            .collect()
+    };
+    for _ in 0..20 {
+        let ev = next(&ch);
+        assert!(matches!(ev.event(), Event::AddrResolved), "{ev:?}");
+    }
+    for (k, id) in ids.iter().enumerate() {
+        assert_eq!(id.local_addr(), Some(sa(1, 7500 + k as u16)));
+    }
+    for id in ids.into_iter().chain([holder, plain]) {
+        id.destroy().expect("destroy");
+    }
+    wait_ids(&d, 0, 0);
+}
+
+#[test]
 fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_is_owed() {
     let d = daemon("pl-destroy", 47883, &[1]);
     let f = rcm_ucm::fabric_with(

@@ -270,6 +270,8 @@ fn command(
         // Mapped (only before the session's first credit), the session's frames go into a
         // ring nobody reads here: its socket then stays silent, which the fuzzer takes.
         10 => Command::MapEvents,
+        // A bind whose refusal seals the id (then every later call of it is refused).
+        11 => Command::BindOrSeal(handle(rng), addr(rng)),
         _ => {
             let h = handle(rng);
             Command::Call(h, op(rng, addr))
@@ -1294,6 +1296,8 @@ fn the_protocol_document_matches_the_codec() {
             Command::Call(_, Op::NotifyEstablished) => "NOTIFY".to_string(),
             // CREATE_ID with the optional handle (§3).
             Command::CreateIdAs(..) => "CREATE_ID".to_string(),
+            // BIND with the seal flag (§3).
+            Command::BindOrSeal(..) => "BIND".to_string(),
             Command::Call(_, op) => upper_snake(&variant(op)),
             c => upper_snake(&variant(c)),
         };

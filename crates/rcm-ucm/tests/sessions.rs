@@ -37,6 +37,7 @@ fn handle_commands(h: u32, token: u64) -> Vec<Command> {
         Command::MigrateId { token, handle: h },
         Command::Call(h, Op::SetReuseaddr(true)),
         Command::Call(h, Op::Bind(sa(1, 7000))),
+        Command::BindOrSeal(h, sa(1, 7000)),
         Command::Call(
             h,
             Op::ResolveAddr {
@@ -347,6 +348,64 @@ fn a_client_may_name_the_handle_of_an_id_it_creates_in_its_own_range() {
     ok(&mut a, &Command::DestroyId(mine));
     ok(&mut a, &Command::CreateIdAs(PortSpace::Udp, mine));
     assert_eq!(stats(&mut a).ids, 2);
+}
+
+#[test]
+fn a_refused_bind_with_the_seal_flag_refuses_every_later_call_of_the_id_but_query() {
+    let d = daemon("bind-seal", 47885, &[1]);
+    let (mut a, _) = raw(&d);
+    let holder = create(&mut a);
+    ok(&mut a, &Command::Call(holder, Op::Bind(sa(1, 7495))));
+    // Without the flag a refused bind changes nothing: the id binds elsewhere afterwards.
+    let plain = create(&mut a);
+    assert!(matches!(
+        err(&mut a, &Command::Call(plain, Op::Bind(sa(1, 7495)))),
+        WireError::Cm(rcm::Error::AddrInUse(_))
+    ));
+    ok(&mut a, &Command::Call(plain, Op::Bind(sa(1, 0))));
+    // With it, one that succeeds is a bind like any.
+    let good = create(&mut a);
+    ok(&mut a, &Command::BindOrSeal(good, sa(1, 0)));
+    ok(&mut a, &Command::Call(good, Op::Listen(0)));
+    assert_eq!(query(&mut a, good).state, State::Listen);
+    // Refused, it seals the id: what comes behind it is refused with the same error, where
+    // a listen would otherwise have bound the wildcard address and a resolve_addr an
+    // ephemeral port.
+    for (port, nowhere) in [(7495, false), (0, true)] {
+        let sealed = create(&mut a);
+        let addr = if nowhere { sa(9, 0) } else { sa(1, port) };
+        let e = err(&mut a, &Command::BindOrSeal(sealed, addr));
+        if nowhere {
+            assert_eq!(e, WireError::Cm(rcm::Error::AddrNotAvailable(ip(9))));
+        } else {
+            assert!(
+                matches!(e, WireError::Cm(rcm::Error::AddrInUse(_))),
+                "{e:?}"
+            );
+        }
+        for cmd in handle_commands(sealed, 0).into_iter().filter(|c| {
+            !matches!(
+                c,
+                Command::DestroyId(_) | Command::MigrateId { .. } | Command::Call(_, Op::Query)
+            )
+        }) {
+            assert_eq!(err(&mut a, &cmd), e, "{cmd:?} on a sealed id");
+        }
+        // Nothing was carried out: the id is as created, and destroying it works.
+        assert_eq!(query(&mut a, sealed).state, State::Idle);
+        ok(&mut a, &Command::DestroyId(sealed));
+        assert_eq!(
+            err(&mut a, &Command::Call(sealed, Op::Query)),
+            WireError::NoSuchId
+        );
+    }
+    // The port stayed the holder's all along.
+    let probe = create(&mut a);
+    assert!(matches!(
+        err(&mut a, &Command::Call(probe, Op::Bind(sa(1, 7495)))),
+        WireError::Cm(rcm::Error::AddrInUse(_))
+    ));
+    assert_eq!(stats(&mut a).ids, 4);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -310,7 +310,7 @@ pub(crate) fn pipeline_open() -> bool {
 }
 
 /// While it lives, the calls this thread makes on a daemon's ids (`rcm-ucm`) that return
-/// nothing but success, namely `resolve_addr`, `resolve_route`, `connect`, `accept`,
+/// nothing but success, namely `bind`, `resolve_addr`, `resolve_route`, `connect`, `accept`,
 /// `establish`, and `disconnect` of an id whose `Established` event has come, return as
 /// soon as the command is written, without waiting for the daemon's answer: a loop issuing
 /// thousands of connects, or a server's callbacks accepting a burst of requests, then pays
@@ -327,12 +327,14 @@ pub(crate) fn pipeline_open() -> bool {
 ///
 /// What changes for the caller: such a call returns `Ok` even when the daemon then finds it
 /// wrong (an id in the wrong state, say); that failure comes instead as the id's error
-/// event, as rdma_cm reports failures found after a call returned: `ADDR_ERROR` for
-/// `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the others, each
-/// carrying the daemon's error. (A `disconnect` is pipelined only once established, when
-/// the daemon refuses it only for a removed device, whose `DeviceRemoval` comes as well; an
-/// earlier one waits, so that its refusal, the connection still being set up, is its
-/// return value. A `create_id` the daemon refuses, at its limit of ids, gives an id whose
+/// event, as rdma_cm reports failures found after a call returned: `ADDR_ERROR` for `bind`
+/// and `resolve_addr`, `ROUTE_ERROR` for `resolve_route`, `CONNECT_ERROR` for the others,
+/// each carrying the daemon's error. (A refused `bind` also makes the daemon refuse every
+/// later call of the id with the same error, `query` aside, so that a `listen` or
+/// `resolve_addr` behind it does not bind the id elsewhere; only destroying it is left. A
+/// `disconnect` is pipelined only once established, when the daemon refuses it only for a
+/// removed device, whose `DeviceRemoval` comes as well; an earlier one waits, so that its
+/// refusal, the connection still being set up, is its return value. A `create_id` the daemon refuses, at its limit of ids, gives an id whose
 /// `CONNECT_ERROR` carries `LimitExceeded(Ids)`, whose later calls fail, and which is left
 /// only to be destroyed.) Calls keep their order: every later call of this thread on the
 /// same daemon goes after them, and one that returns something (`query`) reads the answers
