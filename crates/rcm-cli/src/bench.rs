@@ -572,13 +572,16 @@ pub fn run_client(
     steps.push(step("create id", create_start.elapsed(), &t, n));
     index.extend(ids.iter().enumerate().map(|(i, id)| (id.key(), i)));
     // One address has ~28k ephemeral ports: the ids are spread over the client devices.
-    // Through a daemon a burst's binds go without waiting for its answers too: a refused
-    // one is the id's ADDR_ERROR, and its resolve_addr is refused with the same error.
+    // Each bind waits for its answer, as rdma_bind_addr does. Through a daemon a pipelined
+    // bind takes 1.0-1.3 µs a connection against 5.7-7.6, but in bursts whose binds were
+    // pipelined the later steps ran slower when the threads were not pinned (median 42.7k
+    // conn/s against 50.7k, 10 interleaved pairs; pinned the same), for a cause not found
+    // (docs/performance.md, twenty-eighth session).
     let next = AtomicUsize::new(0);
     steps.push(sync_step(
         "bind addr",
         &ids,
-        o.send_batch && !o.serial,
+        false,
         |id| {
             let c = next.fetch_add(1, Ordering::Relaxed);
             let k = client_device_of(c, n, srcs.len(), o.serial);

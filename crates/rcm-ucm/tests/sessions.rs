@@ -353,7 +353,8 @@ fn a_client_may_name_the_handle_of_an_id_it_creates_in_its_own_range() {
 #[test]
 fn a_refused_bind_with_the_seal_flag_refuses_every_later_call_of_the_id_but_query() {
     let d = daemon("bind-seal", 47885, &[1]);
-    let (mut a, _) = raw(&d);
+    let (mut a, ta) = raw(&d);
+    let (mut b, _) = raw(&d);
     let holder = create(&mut a);
     ok(&mut a, &Command::Call(holder, Op::Bind(sa(1, 7495))));
     // Without the flag a refused bind changes nothing: the id binds elsewhere afterwards.
@@ -391,9 +392,24 @@ fn a_refused_bind_with_the_seal_flag_refuses_every_later_call_of_the_id_but_quer
         }) {
             assert_eq!(err(&mut a, &cmd), e, "{cmd:?} on a sealed id");
         }
-        // Nothing was carried out: the id is as created, and destroying it works.
+        // Nothing was carried out: the id is as created.
         assert_eq!(query(&mut a, sealed).state, State::Idle);
-        ok(&mut a, &Command::DestroyId(sealed));
+        if nowhere {
+            // Migrated, it stays sealed; destroying it works there.
+            let Answer::Handle(moved) = ok(
+                &mut b,
+                &Command::MigrateId {
+                    token: ta,
+                    handle: sealed,
+                },
+            ) else {
+                panic!("MIGRATE_ID answers a handle");
+            };
+            assert_eq!(err(&mut b, &Command::Call(moved, Op::Bind(sa(1, 0)))), e);
+            ok(&mut b, &Command::DestroyId(moved));
+        } else {
+            ok(&mut a, &Command::DestroyId(sealed));
+        }
         assert_eq!(
             err(&mut a, &Command::Call(sealed, Op::Query)),
             WireError::NoSuchId
