@@ -213,6 +213,9 @@ struct Table {
     ids: foldhash::HashMap<u32, (CmId, Arc<IdCell>)>,
     next: u32,
     closed: bool,
+    /// Some id here was sealed (see `call_id`): until then a call does not look at its
+    /// id's cell, another cache line at every command of a burst.
+    sealed: bool,
 }
 
 impl Table {
@@ -732,6 +735,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
             ids: foldhash::HashMap::default(),
             next: 0,
             closed: false,
+            sealed: false,
         }),
         out: Mutex::new(Out::default()),
         out_cond: Condvar::new(),
@@ -1866,13 +1870,15 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
 /// `resolve_addr` carried out on the unbound id would bind it elsewhere (the wildcard
 /// address, another port). `seal`: this call is such a bind, whose refusal seals the id.
 fn call_id(s: &Session, h: u32, op: Op, seal: bool) -> Result<Answer, WireError> {
-    let found = lock(&s.table)
-        .ids
-        .get(&h)
-        .map(|(id, cell)| match cell.sealed.get() {
-            Some(e) if !matches!(op, Op::Query) => Err(e.clone()),
-            _ => Ok((id.clone(), seal.then(|| cell.clone()))),
-        });
+    let found = {
+        let t = lock(&s.table);
+        t.ids.get(&h).map(
+            |(id, cell)| match t.sealed.then(|| cell.sealed.get()).flatten() {
+                Some(e) if !matches!(op, Op::Query) => Err(e.clone()),
+                _ => Ok((id.clone(), seal.then(|| cell.clone()))),
+            },
+        )
+    };
     let (id, cell) = match found {
         None => return Err(WireError::NoSuchId),
         Some(Err(e)) => return Err(WireError::Cm(e)),
@@ -1883,6 +1889,7 @@ fn call_id(s: &Session, h: u32, op: Op, seal: bool) -> Result<Answer, WireError>
     id.call(op).map(Answer::Reply).map_err(|e| {
         if let Some(cell) = cell {
             let _ = cell.sealed.set(e.clone());
+            lock(&s.table).sealed = true;
         }
         WireError::Cm(e)
     })
@@ -2313,12 +2320,14 @@ fn migrate_id(
     }
     ta.ids.remove(&handle);
     let nh = tb.alloc();
+    tb.sealed |= entry.1.sealed.get().is_some();
     tb.ids.insert(nh, entry);
     let mut renamed = foldhash::HashMap::default();
     renamed.insert(handle, nh);
     for (c, o) in &mut child_owners {
         if let Some(e) = ta.ids.remove(c) {
             let nc = tb.alloc();
+            tb.sealed |= e.1.sealed.get().is_some();
             tb.ids.insert(nc, e);
             **o = Some((Arc::downgrade(s), nc));
             renamed.insert(*c, nc);
@@ -2432,6 +2441,7 @@ mod tests {
             ids: foldhash::HashMap::default(),
             next: crate::proto::CLIENT_HANDLES - 2,
             closed: false,
+            sealed: false,
         };
         assert_eq!(t.alloc(), crate::proto::CLIENT_HANDLES - 1);
         assert_eq!(t.alloc(), 1, "wrapped, past 0");

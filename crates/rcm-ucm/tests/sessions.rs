@@ -67,6 +67,14 @@ fn query(s: &mut RawSession, h: u32) -> rcm::remote::IdInfo {
     }
 }
 
+/// Migrates `handle` of the session with `token` into `s`: its new handle there.
+fn migrate(s: &mut RawSession, token: u64, handle: u32) -> u32 {
+    match ok(s, &Command::MigrateId { token, handle }) {
+        Answer::Handle(h) => h,
+        a => panic!("MIGRATE_ID of {handle} answered {a:?}"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // a. Ownership
 
@@ -396,15 +404,7 @@ fn a_refused_bind_with_the_seal_flag_refuses_every_later_call_of_the_id_but_quer
         assert_eq!(query(&mut a, sealed).state, State::Idle);
         if nowhere {
             // Migrated, it stays sealed; destroying it works there.
-            let Answer::Handle(moved) = ok(
-                &mut b,
-                &Command::MigrateId {
-                    token: ta,
-                    handle: sealed,
-                },
-            ) else {
-                panic!("MIGRATE_ID answers a handle");
-            };
+            let moved = migrate(&mut b, ta, sealed);
             assert_eq!(err(&mut b, &Command::Call(moved, Op::Bind(sa(1, 0)))), e);
             ok(&mut b, &Command::DestroyId(moved));
         } else {
@@ -875,16 +875,7 @@ fn migrate_moves_queued_events_in_order() {
         ok(&mut a, &resolve(id, n as u16 + 1));
         wait_stats(&mut a, |s| s.queued_events == n as u64 + 1, "an event");
     }
-    let nh = match ok(
-        &mut b,
-        &Command::MigrateId {
-            token: ta,
-            handle: h,
-        },
-    ) {
-        Answer::Handle(nh) => nh,
-        x => panic!("{x:?}"),
-    };
+    let nh = migrate(&mut b, ta, h);
     assert_ne!(nh, hb0);
     assert_eq!(stats(&mut a).queued_events, 1, "only `keep`'s event stays");
     assert_eq!(stats(&mut b).queued_events, 3);
@@ -938,11 +929,11 @@ fn a_child_with_its_request_still_queued_does_not_migrate() {
     // order, so the child's is the next one; B guesses it.
     wait_stats(&mut a, |s| s.queued_events == 1, "the connect request");
     let child = l + 1;
-    let migrate = Command::MigrateId {
+    let unread = Command::MigrateId {
         token: ta,
         handle: child,
     };
-    assert_eq!(err(&mut b, &migrate), WireError::NoSuchId);
+    assert_eq!(err(&mut b, &unread), WireError::NoSuchId);
     a.send(&Command::GetEvent(10)).expect("send");
     match a.next_event().expect("event") {
         Message::Event {
@@ -952,9 +943,7 @@ fn a_child_with_its_request_still_queued_does_not_migrate() {
         } => assert_eq!((handle, listener), (child, l)),
         m => panic!("expected the connect request, got {m:?}"),
     }
-    let Answer::Handle(nh) = ok(&mut b, &migrate) else {
-        panic!("a read request's child migrates");
-    };
+    let nh = migrate(&mut b, ta, child);
     assert_eq!(query(&mut b, nh).state, State::Connect);
     assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
     drop((a, b));
@@ -978,15 +967,7 @@ fn a_listener_migrates_with_its_queued_requests() {
     let c2 = dial(&client, &cch, sa(1, 7601), b"second");
     wait_stats(&mut a, |s| s.queued_events == 2, "the second request");
     let held = create(&mut b);
-    let Answer::Handle(nl) = ok(
-        &mut b,
-        &Command::MigrateId {
-            token: ta,
-            handle: l,
-        },
-    ) else {
-        panic!("the listener migrates");
-    };
+    let nl = migrate(&mut b, ta, l);
     assert_eq!(
         stats(&mut a).queued_events,
         0,
