@@ -131,9 +131,16 @@ fn bench(c: &mut Criterion) {
     // 64 ids created and destroyed in a row: one by one each call waits for its answer; in
     // a pipeline the client names the handles, and neither the creates nor the destroys
     // (with no callback in flight) wait, the lot awaited when the pipeline ends.
-    for (name, pipelined) in [
-        ("64 creates+destroys through daemon", false),
-        ("64 creates+destroys through daemon, pipelined", true),
+    // With a bind each (an ephemeral port): in a pipeline the binds do not wait either.
+    for (name, pipelined, bind) in [
+        ("64 creates+destroys through daemon", false, false),
+        ("64 creates+destroys through daemon, pipelined", true, false),
+        ("64 creates+binds+destroys through daemon", false, true),
+        (
+            "64 creates+binds+destroys through daemon, pipelined",
+            true,
+            true,
+        ),
     ] {
         let ch = EventChannel::new();
         g.bench_function(name, |b| {
@@ -142,6 +149,11 @@ fn bench(c: &mut Criterion) {
                 let ids: Vec<_> = (0..64)
                     .map(|_| remote_c.try_create_id_on(PortSpace::Tcp, &ch).unwrap())
                     .collect();
+                if bind {
+                    for id in &ids {
+                        id.bind(SocketAddr::new(ip(2), 0)).unwrap();
+                    }
+                }
                 for id in ids {
                     id.destroy().unwrap();
                 }
