@@ -263,6 +263,17 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                         // through its loopback (rcm::FabricConfig::loopback), in the
                         // calling threads, not the receive loop.
                         let src = rng.gen_bool(0.3).then_some(dst);
+                        // Some bind first, a few of them to an address no device has (in
+                        // a pipeline through a daemon such a bind returns at once, and its
+                        // refusal seals the id: the resolve_addr behind it is refused too).
+                        if rng.gen_bool(0.2) {
+                            let ip = if rng.gen_bool(0.25) {
+                                IpAddr::from([127, 0, 0, 254])
+                            } else {
+                                src.unwrap_or(dst)
+                            };
+                            let _ = id.bind(SocketAddr::new(ip, 0));
+                        }
                         let _ = id.resolve_addr(src, SocketAddr::new(dst, 7471));
                         live.push((id, flag));
                     }
