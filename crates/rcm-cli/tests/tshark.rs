@@ -9,9 +9,11 @@
 //! the binary; `RCM_TSHARK_KEEP=1` keeps the generated pcaps (under the temp directory) for
 //! a look in Wireshark.
 
+mod tshark_harness;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rcm_cli::netbuild::{ethernet_ip, ipv4_udp, ipv6_udp, PcapOut, TcpFlowBuilder};
+use rcm_cli::netbuild::{ethernet_ip, ipv4_udp, ipv6_udp, TcpFlowBuilder};
 use rcm_wire::cm::{
     ApStatus, Apr, ClassPortInfo, CmMad, CmMessage, Drep, Dreq, Lap, LapPath, Mra, MsgCode, Rej,
     RejReason, Rep, Req, ReqPath, Rtu, SidrRep, SidrReq, SidrStatus, TransportType,
@@ -20,15 +22,12 @@ use rcm_wire::cma::{self, CmaHdr, PortSpace};
 use rcm_wire::mpa::{self, MpaFrame, Terminate};
 use rcm_wire::roce::{emit_gsi, IpForIcrc, GSI_QKEY, ROCE_V2_UDP_PORT};
 use rcm_wire::Gid;
-use std::collections::HashMap;
 use std::fmt::{Display, Write as _};
-use std::io::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
 use std::time::Duration;
+use tshark_harness::{hex, parse_num, write_pcap, Row, Tshark};
 
 /// Random messages per message type.
 const PER_TYPE: usize = 20;
@@ -62,254 +61,14 @@ const NOISY_HEURISTICS: &[&str] = &[
     "drbd_rdma",
 ];
 
-struct Tshark {
-    bin: PathBuf,
-    /// (major, minor) of the installed Wireshark.
-    version: (u32, u32),
-    version_line: String,
-    disable: Vec<String>,
-}
-
-impl Tshark {
-    /// The §6.3 flow-label / packet-rate bugs and the MPA v2 blindness are those of 4.0; later
-    /// versions may have fixed them, so there the test accepts either reading.
-    fn is_4_0(&self) -> bool {
-        self.version == (4, 0)
-    }
-
-    fn base_command(&self, file: &Path) -> Command {
-        let mut cmd = Command::new(&self.bin);
-        cmd.arg("-n").arg("-r").arg(file);
-        for h in &self.disable {
-            cmd.arg("--disable-heuristic").arg(h);
-        }
-        cmd
-    }
-
-    fn run(cmd: &mut Command) -> String {
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "tshark failed ({}): {cmd:?}\nstderr:\n{stderr}",
-            out.status
-        );
-        let bad: Vec<&str> = stderr
-            .lines()
-            .filter(|l| l.contains("tshark:") && !l.contains("Running as user"))
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "tshark complained: {bad:?}\ncommand: {cmd:?}"
-        );
-        String::from_utf8(out.stdout).expect("tshark output is UTF-8")
-    }
-
-    /// `tshark -T fields` with `frame.number` first, one [`Row`] per frame. Fields with
-    /// several occurrences come joined by ','.
-    fn fields(&self, file: &Path, fields: &[&str]) -> Vec<Row> {
-        let mut cmd = self.base_command(file);
-        cmd.args(["-T", "fields", "-E", "header=n", "-E", "separator=/t"]);
-        cmd.args(["-E", "occurrence=a", "-E", "aggregator=,", "-E", "quote=n"]);
-        cmd.args(["-e", "frame.number"]);
-        for f in fields {
-            cmd.args(["-e", f]);
-        }
-        let text = Self::run(&mut cmd);
-        text.lines()
-            .map(|line| {
-                let mut cols = line.split('\t');
-                let frame = cols
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or_else(|| panic!("tshark line without a frame number: {line:?}"));
-                let mut vals = HashMap::new();
-                for (f, v) in fields.iter().zip(cols) {
-                    vals.insert((*f).to_owned(), v.to_owned());
-                }
-                Row { frame, vals }
-            })
-            .collect()
-    }
-
-    /// `tshark -V`: the full packet tree as text.
-    fn verbose(&self, file: &Path) -> String {
-        let mut cmd = self.base_command(file);
-        cmd.arg("-V");
-        Self::run(&mut cmd)
-    }
-}
-
-fn loud_skip(test: &str) {
-    static BANNER: std::sync::Once = std::sync::Once::new();
-    // Straight to the process's stderr, so the test harness's output capture cannot hide it.
-    let mut err = std::io::stderr().lock();
-    BANNER.call_once(|| {
-        let bar = "!".repeat(100);
-        let _ = writeln!(
-            err,
-            "\n{bar}\n!!! tshark NOT FOUND (not on PATH, nor at $TSHARK): SKIPPING the tshark \
-             cross-check tests.\n\
-             !!! The encoder is NOT being checked against Wireshark on this machine.\n\
-             !!! Install tshark (Debian/Ubuntu: apt-get install tshark), or set \
-             RCM_REQUIRE_TSHARK=1 to make its absence a failure (CI does).\n{bar}"
-        );
-    });
-    let _ = writeln!(err, "!!! SKIPPED (no tshark): {test}");
-}
-
-fn find_tshark() -> Option<Tshark> {
-    let bin = std::env::var_os("TSHARK").map_or_else(|| PathBuf::from("tshark"), PathBuf::from);
-    let out = match Command::new(&bin).arg("-v").output() {
-        Ok(o) => o,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => panic!("tshark ({}) is there but cannot be run: {e}", bin.display()),
-    };
-    assert!(
-        out.status.success(),
-        "`{} -v` failed: {}",
-        bin.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let version_line = text.lines().next().unwrap_or_default().to_owned();
-    // "TShark (Wireshark) 4.0.17 (Git v4.0.17 packaged as 4.0.17-0+deb12u3)."
-    let version = version_line
-        .split_whitespace()
-        .find_map(|w| {
-            let mut it = w.split('.');
-            let major = it.next()?.parse().ok()?;
-            let minor = it.next()?.parse().ok()?;
-            Some((major, minor))
-        })
-        .unwrap_or((0, 0));
-    let mut t = Tshark {
-        bin,
-        version,
-        version_line,
-        disable: NOISY_HEURISTICS.iter().map(|s| (*s).to_owned()).collect(),
-    };
-    // Ask once which names this tshark refuses ("No such protocol X, can't disable").
-    let empty = TempFile::new("probe", "pcap");
-    let pcap = PcapOut::new(Vec::new())
-        .and_then(PcapOut::into_inner)
-        .expect("empty pcap");
-    std::fs::write(empty.path(), pcap).expect("write probe pcap");
-    let out = t
-        .base_command(empty.path())
-        .output()
-        .expect("run tshark probe");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let refused: Vec<String> = stderr
-        .lines()
-        .filter_map(|l| {
-            l.split("No such protocol ")
-                .nth(1)?
-                .split(',')
-                .next()
-                .map(str::to_owned)
-        })
-        .collect();
-    t.disable.retain(|h| !refused.contains(h));
-    Some(t)
-}
-
-/// The installed tshark, or `None` after a loud skip message. Panics instead of skipping when
-/// `RCM_REQUIRE_TSHARK=1`.
+/// The installed tshark (see `tshark_harness::tshark`).
 fn tshark(test: &str) -> Option<&'static Tshark> {
-    static T: OnceLock<Option<Tshark>> = OnceLock::new();
-    let t = T.get_or_init(find_tshark).as_ref();
-    if t.is_none() {
-        let required = std::env::var("RCM_REQUIRE_TSHARK").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "{test}: tshark is not installed (or not on PATH / $TSHARK), and RCM_REQUIRE_TSHARK=1 \
-             says it must be: install tshark (apt-get install tshark)"
-        );
-        loud_skip(test);
-    }
-    t
-}
-
-/// One frame of `tshark -T fields` output.
-struct Row {
-    frame: usize,
-    vals: HashMap<String, String>,
-}
-
-impl Row {
-    fn get(&self, field: &str) -> &str {
-        self.vals
-            .get(field)
-            .unwrap_or_else(|| panic!("test bug: field {field} was not asked of tshark"))
-    }
-}
-
-/// A file under the temp directory, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str, ext: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        TempFile(
-            std::env::temp_dir().join(format!("rcm-tshark-{}-{tag}-{n}.{ext}", std::process::id())),
-        )
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if std::env::var_os("RCM_TSHARK_KEEP").is_none() {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-}
-
-/// Writes Ethernet frames into a pcap under the temp directory.
-fn write_pcap(tag: &str, frames: &[(Duration, Vec<u8>)]) -> TempFile {
-    let mut out = PcapOut::new(Vec::new()).expect("pcap header");
-    for (ts, f) in frames {
-        out.write_frame(*ts, f).expect("pcap frame");
-    }
-    let bytes = out.into_inner().expect("pcap bytes");
-    let file = TempFile::new(tag, "pcap");
-    std::fs::write(file.path(), bytes)
-        .unwrap_or_else(|e| panic!("writing {}: {e}", file.path().display()));
-    file
+    tshark_harness::tshark(test, NOISY_HEURISTICS)
 }
 
 // =============================================================================================
 // Comparing tshark's fields with what we encoded
 // =============================================================================================
-
-/// Reads a tshark integer: "0x…" is hex, "True"/"False" are 1/0, anything else decimal.
-fn parse_num(s: &str) -> Option<u64> {
-    let s = s.trim();
-    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16).ok()
-    } else if s.eq_ignore_ascii_case("true") {
-        Some(1)
-    } else if s.eq_ignore_ascii_case("false") {
-        Some(0)
-    } else {
-        s.parse().ok()
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter()
-        .fold(String::with_capacity(b.len() * 2), |mut s, x| {
-            let _ = write!(s, "{x:02x}");
-            s
-        })
-}
 
 /// `v` zero-padded to `len`: the private-data areas carry no length, tshark shows them whole.
 fn padded(v: &[u8], len: usize) -> Vec<u8> {
@@ -644,7 +403,7 @@ fn tshark_roce(
     let file = write_pcap(tag, &frames_of(sent));
     let mut fields: Vec<&str> = ROCE_FIELDS.to_vec();
     fields.extend_from_slice(extra);
-    let rows = t.fields(file.path(), &fields);
+    let rows = t.fields(file.path(), &fields, false);
     assert_eq!(
         rows.len(),
         sent.len(),
@@ -1417,7 +1176,7 @@ fn undissected_messages_are_named_by_tshark_and_decoded_by_rcm() {
     let file = write_pcap("undissected", &frames_of(&refs));
     let mut fields: Vec<&str> = ROCE_FIELDS.to_vec();
     fields.extend_from_slice(&["infiniband.mad.data", "infiniband.cm.req"]);
-    let rows = t.fields(file.path(), &fields);
+    let rows = t.fields(file.path(), &fields, false);
     assert_eq!(rows.len(), sent.len(), "tshark frame count");
     let mut m = Mismatches::default();
     for (i, (row, s)) in rows.iter().zip(&sent).enumerate() {
@@ -1955,7 +1714,7 @@ fn mpa_v1_crc_ddp_rdmap_fields_match_tshark() {
         .sum();
 
     let file = write_pcap("mpa-v1", &flow.frames);
-    let rows = t.fields(file.path(), MPA_FIELDS);
+    let rows = t.fields(file.path(), MPA_FIELDS, false);
     assert_eq!(rows.len(), flow.frames.len(), "tshark frame count");
     let mut m = Mismatches::default();
     check_segments(t, &rows, &flow, &mut m);
@@ -2012,7 +1771,7 @@ fn mpa_v2_enhanced_frames_in_tshark() {
     let flow = f.finish();
 
     let file = write_pcap("mpa-v2", &flow.frames);
-    let rows = t.fields(file.path(), MPA_FIELDS);
+    let rows = t.fields(file.path(), MPA_FIELDS, false);
     assert_eq!(rows.len(), flow.frames.len(), "tshark frame count");
     let mut m = Mismatches::default();
     check_segments(t, &rows, &flow, &mut m);

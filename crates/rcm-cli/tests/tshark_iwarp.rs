@@ -16,25 +16,26 @@
 //! pcaps under the temp directory. tshark finds MPA by its TCP heuristic dissector (tshark
 //! has no port-based "iwarp_mpa" decode-as), which is on by default.
 
+mod tshark_harness;
+
 use rcm::{
     AcceptOptions, CmId, ConnectOptions, Event as RcmEvent, Fabric, FabricConfig, Flow, PortSpace,
 };
 use rcm_cli::capture::TcpFlags;
-use rcm_cli::netbuild::{PcapOut, Peer, TcpFlowBuilder};
+use rcm_cli::netbuild::{Peer, TcpFlowBuilder};
 use rcm_proto::iw::{
     AcceptParams, Cep, CepConfig, CloseReason, ConnectParams, ConnectReply, Event, MpaVersion,
     ProtocolError, RtrKind, RtrModes, TcpAction,
 };
 use rcm_wire::mpa::{self, llp_ecode, term_etype, term_layer};
-use std::collections::{HashMap, VecDeque};
-use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write as _};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use tshark_harness::{hex, loud_skip, required, write_pcap, Row, TempFile, Tshark};
 
 /// The passive side's port in the built conversations (rdma_cm's iWARP default).
 const IWARP_PORT: u16 = 7471;
@@ -50,7 +51,7 @@ const LIVE_PORT: u16 = 28210;
 const LIVE_UDP_PORT: u16 = 28299;
 
 // =============================================================================================
-// tshark harness (as in tshark.rs)
+// tshark harness (shared with tshark.rs: tshark_harness/)
 // =============================================================================================
 
 /// Heuristic sub-dissectors that could claim DDP payloads (tshark 4.0 short names); those the
@@ -63,299 +64,9 @@ const NOISY_HEURISTICS: &[&str] = &[
     "drbd_rdma",
 ];
 
-struct Tshark {
-    bin: PathBuf,
-    version: (u32, u32),
-    version_line: String,
-    disable: Vec<String>,
-}
-
-impl Tshark {
-    fn base_command(&self, file: &Path) -> Command {
-        let mut cmd = Command::new(&self.bin);
-        cmd.arg("-n").arg("-r").arg(file);
-        for h in &self.disable {
-            cmd.arg("--disable-heuristic").arg(h);
-        }
-        cmd
-    }
-
-    fn run(cmd: &mut Command) -> String {
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "tshark failed ({}): {cmd:?}\nstderr:\n{stderr}",
-            out.status
-        );
-        let bad: Vec<&str> = stderr
-            .lines()
-            .filter(|l| l.contains("tshark:") && !l.contains("Running as user"))
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "tshark complained: {bad:?}\ncommand: {cmd:?}"
-        );
-        String::from_utf8(out.stdout).expect("tshark output is UTF-8")
-    }
-
-    /// `tshark -T fields`, `frame.number` first, one [`Row`] per frame; several occurrences of
-    /// a field come joined by ','. `checksums` turns on IP/TCP checksum validation.
-    fn fields(&self, file: &Path, fields: &[&str], checksums: bool) -> Vec<Row> {
-        let mut cmd = self.base_command(file);
-        if checksums {
-            cmd.args([
-                "-o",
-                "tcp.check_checksum:TRUE",
-                "-o",
-                "ip.check_checksum:TRUE",
-            ]);
-        }
-        cmd.args(["-T", "fields", "-E", "header=n", "-E", "separator=/t"]);
-        cmd.args(["-E", "occurrence=a", "-E", "aggregator=,", "-E", "quote=n"]);
-        cmd.args(["-e", "frame.number"]);
-        for f in fields {
-            cmd.args(["-e", f]);
-        }
-        let text = Self::run(&mut cmd);
-        text.lines()
-            .map(|line| {
-                let mut cols = line.split('\t');
-                let frame = cols
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or_else(|| panic!("tshark line without a frame number: {line:?}"));
-                let mut vals = HashMap::new();
-                for (f, v) in fields.iter().zip(cols) {
-                    vals.insert((*f).to_owned(), v.to_owned());
-                }
-                Row { frame, vals }
-            })
-            .collect()
-    }
-
-    /// `tshark -V`, split per frame (frame number → its text).
-    fn verbose_frames(&self, file: &Path) -> (String, HashMap<usize, String>) {
-        let mut cmd = self.base_command(file);
-        cmd.arg("-V");
-        let text = Self::run(&mut cmd);
-        let mut frames: HashMap<usize, String> = HashMap::new();
-        let mut cur = None;
-        for line in text.lines() {
-            if let Some(rest) = line.strip_prefix("Frame ") {
-                if let Some(n) = rest.split(':').next().and_then(|s| s.parse().ok()) {
-                    cur = Some(n);
-                }
-            }
-            if let Some(n) = cur {
-                let s = frames.entry(n).or_default();
-                s.push_str(line);
-                s.push('\n');
-            }
-        }
-        (text, frames)
-    }
-
-    /// The expert-info summary (`-z expert`).
-    fn expert_summary(&self, file: &Path) -> String {
-        let mut cmd = self.base_command(file);
-        cmd.args(["-q", "-z", "expert"]);
-        Self::run(&mut cmd)
-    }
-}
-
-fn required() -> bool {
-    std::env::var("RCM_REQUIRE_TSHARK").is_ok_and(|v| v == "1")
-}
-
-fn loud_skip(test: &str, why: &str) {
-    let bar = "!".repeat(100);
-    let mut err = std::io::stderr().lock();
-    let _ = writeln!(
-        err,
-        "\n{bar}\n!!! SKIPPED {test}: {why}\n!!! Set RCM_REQUIRE_TSHARK=1 to make this a \
-         failure (CI does).\n{bar}"
-    );
-}
-
-fn find_tshark() -> Option<Tshark> {
-    let bin = std::env::var_os("TSHARK").map_or_else(|| PathBuf::from("tshark"), PathBuf::from);
-    let out = match Command::new(&bin).arg("-v").output() {
-        Ok(o) => o,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => panic!("tshark ({}) is there but cannot be run: {e}", bin.display()),
-    };
-    assert!(
-        out.status.success(),
-        "`{} -v` failed: {}",
-        bin.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let version_line = text.lines().next().unwrap_or_default().to_owned();
-    let version = version_line
-        .split_whitespace()
-        .find_map(|w| {
-            let mut it = w.split('.');
-            let major = it.next()?.parse().ok()?;
-            let minor = it.next()?.parse().ok()?;
-            Some((major, minor))
-        })
-        .unwrap_or((0, 0));
-    let mut t = Tshark {
-        bin,
-        version,
-        version_line,
-        disable: NOISY_HEURISTICS.iter().map(|s| (*s).to_owned()).collect(),
-    };
-    let empty = TempFile::new("probe", "pcap");
-    let pcap = PcapOut::new(Vec::new())
-        .and_then(PcapOut::into_inner)
-        .expect("empty pcap");
-    std::fs::write(empty.path(), pcap).expect("write probe pcap");
-    let out = t
-        .base_command(empty.path())
-        .output()
-        .expect("run tshark probe");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let refused: Vec<String> = stderr
-        .lines()
-        .filter_map(|l| {
-            l.split("No such protocol ")
-                .nth(1)?
-                .split(',')
-                .next()
-                .map(str::to_owned)
-        })
-        .collect();
-    t.disable.retain(|h| !refused.contains(h));
-    Some(t)
-}
-
-/// The installed tshark, or `None` after a loud skip; a failure with `RCM_REQUIRE_TSHARK=1`.
+/// The installed tshark (see `tshark_harness::tshark`).
 fn tshark(test: &str) -> Option<&'static Tshark> {
-    static T: OnceLock<Option<Tshark>> = OnceLock::new();
-    let t = T.get_or_init(find_tshark).as_ref();
-    if t.is_none() {
-        assert!(
-            !required(),
-            "{test}: tshark is not installed (or not on PATH / $TSHARK), and RCM_REQUIRE_TSHARK=1 \
-             says it must be: install tshark (apt-get install tshark)"
-        );
-        loud_skip(test, "tshark NOT FOUND (not on PATH, nor at $TSHARK)");
-    }
-    t
-}
-
-/// One frame of `tshark -T fields` output.
-struct Row {
-    frame: usize,
-    vals: HashMap<String, String>,
-}
-
-impl Row {
-    fn get(&self, field: &str) -> &str {
-        self.vals
-            .get(field)
-            .unwrap_or_else(|| panic!("test bug: field {field} was not asked of tshark"))
-    }
-
-    /// Every occurrence of a numeric field.
-    fn nums(&self, field: &str) -> Vec<u64> {
-        let v = self.get(field);
-        if v.is_empty() {
-            return Vec::new();
-        }
-        v.split(',')
-            .map(|s| {
-                parse_num(s)
-                    .unwrap_or_else(|| panic!("frame {}: {field}: not a number: {s:?}", self.frame))
-            })
-            .collect()
-    }
-
-    /// The single value of a numeric field, if present.
-    fn num(&self, field: &str) -> Option<u64> {
-        self.nums(field).first().copied()
-    }
-
-    /// Every occurrence of a bytes field, as bytes.
-    fn bytes_each(&self, field: &str) -> Vec<Vec<u8>> {
-        let v = self.get(field);
-        if v.is_empty() {
-            return Vec::new();
-        }
-        v.split(',').map(unhex).collect()
-    }
-}
-
-/// A file under the temp directory, removed on drop.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str, ext: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        TempFile(std::env::temp_dir().join(format!(
-            "rcm-tshark-iwarp-{}-{tag}-{n}.{ext}",
-            std::process::id()
-        )))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if std::env::var_os("RCM_TSHARK_KEEP").is_none() {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-}
-
-fn write_pcap(tag: &str, frames: &[(Duration, Vec<u8>)]) -> TempFile {
-    let mut out = PcapOut::new(Vec::new()).expect("pcap header");
-    for (ts, f) in frames {
-        out.write_frame(*ts, f).expect("pcap frame");
-    }
-    let bytes = out.into_inner().expect("pcap bytes");
-    let file = TempFile::new(tag, "pcap");
-    std::fs::write(file.path(), bytes)
-        .unwrap_or_else(|e| panic!("writing {}: {e}", file.path().display()));
-    file
-}
-
-/// Reads a tshark integer: "0x…" is hex, "True"/"False" are 1/0, anything else decimal.
-fn parse_num(s: &str) -> Option<u64> {
-    let s = s.trim();
-    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16).ok()
-    } else if s.eq_ignore_ascii_case("true") {
-        Some(1)
-    } else if s.eq_ignore_ascii_case("false") {
-        Some(0)
-    } else {
-        s.parse().ok()
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter()
-        .fold(String::with_capacity(b.len() * 2), |mut s, x| {
-            let _ = write!(s, "{x:02x}");
-            s
-        })
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    let s: String = s.chars().filter(char::is_ascii_hexdigit).collect();
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
-        .collect()
+    tshark_harness::tshark(test, NOISY_HEURISTICS)
 }
 
 // =============================================================================================
