@@ -573,7 +573,7 @@ pub fn run_client(
     index.extend(ids.iter().enumerate().map(|(i, id)| (id.key(), i)));
     // One address has ~28k ephemeral ports: the ids are spread over the client devices.
     // Each bind waits for its answer, as rdma_bind_addr does. Through a daemon a pipelined
-    // bind takes 1.0-1.3 µs a connection against 5.7-7.6, but in bursts whose binds were
+    // bind takes 0.9-1.3 µs a connection against 5.6-7.3, but in bursts whose binds were
     // pipelined the later steps ran slower when the threads were not pinned (median 42.7k
     // conn/s against 50.7k, 10 interleaved pairs; pinned the same), for a cause not found
     // (docs/performance.md, twenty-eighth session).
