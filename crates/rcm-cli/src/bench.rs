@@ -1105,11 +1105,24 @@ fn wait(
                 // The device (or the daemon) is gone: nothing more comes for this id.
                 | Event::DeviceRemoval
         ) {
-            failures.push(format!("connection {i}: {}", e.event().name()));
+            failures.push(format!("connection {i}: {}", failure(e.event())));
             failed[i] = true;
             done[i - range.start] = true;
             pending -= 1;
         }
+    }
+}
+
+/// An event that ends a connection, with what it carries: the error, the reject reason, or
+/// why the peer is unreachable.
+fn failure(ev: &Event) -> String {
+    match ev {
+        Event::AddrError(e) | Event::RouteError(e) | Event::ConnectError(e) => {
+            format!("{}: {e}", ev.name())
+        }
+        Event::Rejected { reason, .. } => format!("{} ({reason:?})", ev.name()),
+        Event::Unreachable(u) => format!("{}: {u}", ev.name()),
+        _ => ev.name().to_string(),
     }
 }
 
@@ -1944,6 +1957,28 @@ pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<(
 
 #[cfg(test)]
 mod tests {
+    /// A connection's failure line says what its event carried, not only its name.
+    #[test]
+    fn a_failure_line_carries_the_events_error() {
+        use rcm::{Error, Event};
+        use std::net::IpAddr;
+        let ip = IpAddr::from([127, 0, 0, 254]);
+        let line = super::failure(&Event::AddrError(Error::AddrNotAvailable(ip)));
+        assert!(
+            line.starts_with("ADDR_ERROR: ") && line.contains("127.0.0.254"),
+            "{line}"
+        );
+        let line = super::failure(&Event::Rejected {
+            reason: rcm_wire::cm::RejReason::ConsumerDefined,
+            private_data: Vec::new(),
+        });
+        assert!(
+            line.starts_with("REJECTED (") && line.contains("Consumer"),
+            "{line}"
+        );
+        assert_eq!(super::failure(&Event::DeviceRemoval), "DEVICE_REMOVAL");
+    }
+
     /// The resident set is read from `VmRSS`, in kB; a status without it, or in another
     /// unit, gives nothing rather than a wrong number.
     #[test]
