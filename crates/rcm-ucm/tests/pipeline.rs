@@ -15,6 +15,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// A one-address daemon, a session of it, and a channel for its ids' events.
+fn session(name: &str, port: u16) -> (rcm_ucm::Daemon, rcm::Fabric, EventChannel) {
+    let d = daemon(name, port, &[1]);
+    let f = rcm_ucm::fabric(d.socket()).expect("client");
+    (d, f, EventChannel::new())
+}
+
 /// A one-address daemon whose sessions may hold `max_ids` ids.
 fn daemon_holding(name: &str, port: u16, max_ids: u32) -> rcm_ucm::Daemon {
     daemon_with_limits(
@@ -63,9 +70,7 @@ fn held_in_callback(f: &rcm::Fabric, release: std::sync::mpsc::Receiver<()>) -> 
 #[test]
 fn a_pipelined_call_that_fails_returns_ok_and_its_failure_is_the_ids_event_when_the_pipeline_ends()
 {
-    let d = daemon("pl-fail", 47870, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (_d, f, ch) = session("pl-fail", 47870);
     let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
     // Without a pipeline the daemon's refusal is the call's error: no route resolved.
     let refused = id
@@ -92,9 +97,7 @@ fn a_pipelined_call_that_fails_returns_ok_and_its_failure_is_the_ids_event_when_
 
 #[test]
 fn a_thread_waiting_for_an_event_first_awaits_what_its_open_pipeline_is_owed() {
-    let d = daemon("pl-wait", 47871, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (_d, f, ch) = session("pl-wait", 47871);
     let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
     let _p = rcm::Pipeline::begin();
     id.resolve_route()
@@ -110,9 +113,7 @@ fn a_thread_waiting_for_an_event_first_awaits_what_its_open_pipeline_is_owed() {
 
 #[test]
 fn a_call_after_pipelined_ones_goes_behind_them() {
-    let d = daemon("pl-order", 47872, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (_d, f, ch) = session("pl-order", 47872);
     let ids: Vec<_> = (0..50)
         .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
         .collect();
@@ -139,9 +140,7 @@ fn more_pipelined_calls_than_the_answer_ring_holds_all_complete() {
     // commands from a channel whose answer ring is full, so the writing thread must read
     // answers while it writes.
     const N: usize = 4000;
-    let d = daemon("pl-many", 47873, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (_d, f, ch) = session("pl-many", 47873);
     let ids: Vec<_> = (0..N)
         .map(|_| f.try_create_id_on(PortSpace::Tcp, &ch).expect("create"))
         .collect();
@@ -377,9 +376,7 @@ fn a_pipelined_disconnect_refused_for_a_removed_device_is_the_ids_connect_error(
 #[test]
 fn ids_created_in_a_pipeline_are_usable_at_once_by_the_thread() {
     const N: usize = 200;
-    let d = daemon("pl-create", 47880, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (d, f, ch) = session("pl-create", 47880);
     let ids: Vec<_> = {
         let _p = rcm::Pipeline::begin();
         (0..N)
@@ -448,9 +445,7 @@ fn a_create_refused_at_the_id_limit_in_a_pipeline_is_the_ids_connect_error() {
 
 #[test]
 fn a_bind_refused_in_a_pipeline_is_the_ids_addr_error_and_nothing_behind_it_binds_the_id() {
-    let d = daemon("pl-bind", 47884, &[1]);
-    let f = rcm_ucm::fabric(d.socket()).expect("client");
-    let ch = EventChannel::new();
+    let (d, f, ch) = session("pl-bind", 47884);
     let holder = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
     holder.bind(sa(1, 7496)).expect("bind");
     let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");

@@ -1153,6 +1153,33 @@ fn daemon_survives_fuzzed_sessions() {
     d.shutdown();
 }
 
+/// `BIND`'s seal flag is optional and last: absent, a plain bind; 1, a sealing one; any
+/// other value, or a byte after it, is refused (a daemon reading 2 as "seal" or "no seal"
+/// would guess what the client meant).
+#[test]
+fn binds_seal_flag_is_optional_exactly_one_and_last() {
+    let a = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), 7471);
+    let sealing = Command::BindOrSeal(9, a).encode(1);
+    let plain = Command::Call(9, Op::Bind(a)).encode(1);
+    let (h, body) = split_frame(&sealing).expect("frame");
+    let (_, plain_body) = split_frame(&plain).expect("frame");
+    assert_eq!(h.kind, proto::kind::BIND);
+    assert_eq!(body.split_last(), Some((&proto::BIND_SEALS, plain_body)));
+    assert_eq!(decode_command(h.kind, body), Ok(Command::BindOrSeal(9, a)));
+    assert_eq!(
+        decode_command(h.kind, plain_body),
+        Ok(Command::Call(9, Op::Bind(a)))
+    );
+    for flag in [0u8, 2, 0xFF] {
+        let mut b = plain_body.to_vec();
+        b.push(flag);
+        assert!(decode_command(h.kind, &b).is_err(), "flag {flag}");
+    }
+    let mut b = body.to_vec();
+    b.push(0);
+    assert!(decode_command(h.kind, &b).is_err(), "a byte after the flag");
+}
+
 /// The QP attributes after an event are optional and last: absent, the frame ends with the
 /// event; present, a 1 byte and the 65-byte attributes; anything else there is refused.
 #[test]
