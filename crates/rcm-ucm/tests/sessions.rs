@@ -1029,6 +1029,61 @@ fn a_listener_migrates_with_its_queued_requests() {
     wait_ids(&d, 0, 0);
 }
 
+#[test]
+fn a_sealed_child_that_migrates_with_its_listener_stays_sealed() {
+    let d = daemon("sealed-child", 47886, &[1]);
+    let (mut a, ta) = raw(&d);
+    let (mut b, _) = raw(&d);
+    let l = raw_listener(&mut a, sa(1, 7602), 4);
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, sa(1, 7602), b"sealed");
+    wait_stats(&mut a, |s| s.queued_events == 1, "the request");
+    // A's client has not read the request, but the child's handle can be guessed: this
+    // daemon hands out the next one.
+    let child = l + 1;
+    assert_eq!(query(&mut a, child).state, State::Connect);
+    // A bound child refuses a bind; with the seal flag that seals it.
+    let e = err(&mut a, &Command::BindOrSeal(child, sa(1, 0)));
+    let accept = Command::Call(child, Op::Accept(rcm::AcceptOptions::default()));
+    assert_eq!(err(&mut a, &accept), e);
+    // B has no sealed id of its own: only the child's move can tell B's table to look.
+    let nl = migrate(&mut b, ta, l);
+    b.send(&Command::GetEvent(10)).expect("send");
+    let moved = match b.next_event().expect("event") {
+        Message::Event {
+            handle,
+            event: WireEvent::ConnectRequest { listener, .. },
+            ..
+        } => {
+            assert_eq!(listener, nl);
+            handle
+        }
+        m => panic!("expected the connect request, got {m:?}"),
+    };
+    assert_eq!(query(&mut b, moved).state, State::Connect);
+    assert_eq!(
+        err(
+            &mut b,
+            &Command::Call(moved, Op::Accept(rcm::AcceptOptions::default()))
+        ),
+        e,
+        "the child stayed sealed in its new session"
+    );
+    ok(&mut b, &Command::DestroyId(moved));
+    // Destroyed, the child rejects the request.
+    loop {
+        let ev = next(&cch);
+        if ev.id() == &c {
+            assert!(matches!(ev.event(), Event::Rejected { .. }), "{ev:?}");
+            break;
+        }
+    }
+    assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    drop((a, b));
+    wait_ids(&d, 0, 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // f. Linux bug 2: concurrent commands on one id
 
