@@ -150,27 +150,14 @@ impl DeviceInner {
         let gate = raw.is_none().then(|| Arc::new(RxGate::new()));
         let io_gate = gate.clone();
         let dev = Arc::new_cyclic(|me| DeviceInner {
-            ip,
             port,
             sock: Mutex::new(Some(sock)),
-            engine: Mutex::new(engine),
-            ceps: Mutex::new(LocalMap::default()),
-            listens: Mutex::new(LocalMap::default()),
-            ud_qps: Mutex::new(LocalMap::default()),
-            removed: AtomicBool::new(false),
-            late_holders: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
-            wake_at: Mutex::new(None),
-            pending: Mutex::new(Pending::default()),
-            psn: AtomicU32::new(0),
             gso: AtomicBool::new(gso),
             inline_callbacks,
             loopback,
-            stats: DeviceStats::default(),
-            thread: Mutex::new(None),
-            iw: None,
             poller: gate.is_some().then(|| Arc::new(DevicePoll(me.clone()))),
             gate,
+            ..DeviceInner::blank(ip, engine)
         });
         let weak = Arc::downgrade(&dev);
         // Made here, not on the thread: the device's memory is all taken when it opens.
@@ -200,6 +187,17 @@ impl DeviceInner {
     ) -> crate::Result<Arc<Self>> {
         crate::iwarp::check_addr(ip)?;
         let dev = Arc::new(DeviceInner {
+            iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
+            ..DeviceInner::blank(ip, engine)
+        });
+        crate::iwarp::IwDev::start(&dev, spin)?;
+        Ok(dev)
+    }
+
+    /// A device on `ip` with nothing of a transport yet (no socket, thread, or iWARP
+    /// state, all tables empty): each `open_*` sets what its transport has.
+    fn blank(ip: IpAddr, engine: Endpoint) -> DeviceInner {
+        DeviceInner {
             ip,
             port: 0,
             sock: Mutex::new(None),
@@ -218,12 +216,10 @@ impl DeviceInner {
             loopback: false,
             stats: DeviceStats::default(),
             thread: Mutex::new(None),
-            iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
+            iw: None,
             gate: None,
             poller: None,
-        });
-        crate::iwarp::IwDev::start(&dev, spin)?;
-        Ok(dev)
+        }
     }
 
     /// Whether this is an iWARP device.
