@@ -335,6 +335,8 @@ struct Out {
     granted: bool,
     /// The events ring had no room for the next event: the writer thread tries again.
     ring_full: bool,
+    /// Buffers of events sent, for the next events' frames (see `Out::frame_buf`).
+    spare: Vec<Vec<u8>>,
 }
 
 /// The session's socket for writing, and the bytes of a cut batch that must go out before
@@ -812,16 +814,34 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     }
 }
 
+/// Buffers of sent events a session keeps for its next events' frames, and the largest
+/// one kept: a burst's events are a few hundred bytes each, and one with long private
+/// data is let go rather than held.
+const SPARE_FRAMES: usize = 32;
+const SPARE_FRAME_BYTES: usize = 1024;
+
 impl Out {
     /// Takes the event at the head of the queue as sent: its credit is used, and a connect
     /// request is no longer unread in the daemon. The caller checked that there is credit.
-    fn take_sent(&mut self) -> Option<Queued> {
-        let q = self.events.pop_front()?;
+    /// Its frame's buffer is kept for a later event.
+    fn take_sent(&mut self) -> bool {
+        let Some(q) = self.events.pop_front() else {
+            return false;
+        };
         if q.listener.is_some() {
             self.unread_requests = self.unread_requests.saturating_sub(1);
         }
         self.credit -= 1;
-        Some(q)
+        if self.spare.len() < SPARE_FRAMES && q.frame.capacity() <= SPARE_FRAME_BYTES {
+            self.spare.push(q.frame);
+        }
+        true
+    }
+
+    /// A buffer for an event's frame: one of a sent event's if there is one, so that a
+    /// burst's events do not each allocate (and free) their frame.
+    fn frame_buf(&mut self) -> Vec<u8> {
+        self.spare.pop().unwrap_or_default()
     }
 }
 
@@ -829,10 +849,11 @@ impl Out {
 fn take_batch(out: &mut Out, buf: &mut Vec<u8>) {
     let mut n = 0;
     while out.credit > 0 && n < EVENT_BATCH {
-        let Some(q) = out.take_sent() else {
+        let Some(q) = out.events.front() else {
             break;
         };
         buf.extend_from_slice(&q.frame);
+        out.take_sent();
         n += 1;
     }
 }
@@ -1300,6 +1321,7 @@ fn map_channel(sh: &Arc<Shared>, s: &Arc<Session>, t: Channel, seq: u32) -> Resu
         end,
         target: t,
         pending: None,
+        answer: Vec::new(),
         done: done.clone(),
         serving: rings.serving.clone(),
     });
@@ -1337,6 +1359,8 @@ struct Mapped {
     target: Channel,
     /// An answer the ring had no room for: the channel's next command waits for it to go.
     pending: Option<Vec<u8>>,
+    /// The buffer answers are encoded into, kept from command to command.
+    answer: Vec<u8>,
     done: Arc<Done>,
     /// Its ring thread's count of channels.
     serving: Arc<AtomicUsize>,
@@ -1762,8 +1786,10 @@ fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
     // At each command too, not only each turn: a turn the scheduler preempts in its middle
     // gives a poller's yield back before the turn's end (see `rcm::look_here`).
     rcm::look_here();
-    let answer = answer_mapped(sh, &m.target, frame)?;
-    if !m.end.try_send(&answer)? {
+    let answer = answer_mapped(sh, &m.target, frame, std::mem::take(&mut m.answer))?;
+    if m.end.try_send(&answer)? {
+        m.answer = answer;
+    } else {
         // A client that pipelines its calls reads their answers while it writes more; one
         // that does not read them fills its answer ring, and then only its channel waits.
         m.pending = Some(answer);
@@ -1774,7 +1800,12 @@ fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
 /// The answer to one frame read from a mapped channel of `t`'s session. Any frame the ring
 /// can hold is read: one over the message limit is answered with that typed error, as on
 /// a socket, and the channel goes on.
-fn answer_mapped(sh: &Arc<Shared>, t: &Channel, frame: &[u8]) -> std::io::Result<Vec<u8>> {
+fn answer_mapped(
+    sh: &Arc<Shared>,
+    t: &Channel,
+    frame: &[u8],
+    buf: Vec<u8>,
+) -> std::io::Result<Vec<u8>> {
     let max = sh.limits.max_message as usize;
     let h = match Header::parse(frame.first_chunk::<12>().unwrap_or(&[0; 12])) {
         Ok(h) if frame.len() == 4 + h.len as usize => h,
@@ -1788,7 +1819,7 @@ fn answer_mapped(sh: &Arc<Shared>, t: &Channel, frame: &[u8]) -> std::io::Result
     };
     if frame.len() > max {
         let e = WireError::Cm(rcm::Error::LimitExceeded(Limit::MessageSize));
-        return Ok(Message::Err(e).encode(h.seq));
+        return Ok(Message::Err(e).encode_in(buf, h.seq));
     }
     t.target.commands.fetch_add(1, Ordering::Relaxed);
     let reply = match decode_command(h.kind, &frame[12..]) {
@@ -1808,7 +1839,7 @@ fn answer_mapped(sh: &Arc<Shared>, t: &Channel, frame: &[u8]) -> std::io::Result
         }
         Err(e) => Message::Err(WireError::BadMessage(e.to_string())),
     };
-    Ok(reply.encode(h.seq))
+    Ok(reply.encode_in(buf, h.seq))
 }
 
 /// The answer to `GET_EVENT` on a command channel, socket or mapped: it grants nothing.
@@ -2072,12 +2103,13 @@ fn on_event(sh: &Weak<Shared>, limits: Limits, id: &CmId, ev: Event) -> Flow {
         }
         return Flow::Continue;
     }
+    let buf = out.frame_buf();
     let frame = Message::Event {
         handle: h,
         event: WireEvent::from_event(ev, 0),
         qp,
     }
-    .encode(0);
+    .encode_in(buf, 0);
     out.events.push_back(Queued {
         handle: h,
         listener: None,
@@ -2153,12 +2185,13 @@ fn on_connect_request(
     let cell = IdCell::new((Arc::downgrade(&sess), h));
     child.set_context(cell.clone());
     t.ids.insert(h, (child.clone(), cell));
+    let buf = out.frame_buf();
     let frame = Message::Event {
         handle: h,
         event: WireEvent::from_event(ev, lh),
         qp,
     }
-    .encode(0);
+    .encode_in(buf, 0);
     out.events.push_back(Queued {
         handle: h,
         listener: Some(lh),
@@ -2430,7 +2463,10 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{channel_may_attach, may_warn, DevicePolls, EventQueue, Queued, Table};
+    use super::{
+        channel_may_attach, may_warn, DevicePolls, EventQueue, Out, Queued, Table, SPARE_FRAMES,
+        SPARE_FRAME_BYTES,
+    };
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
@@ -2446,6 +2482,42 @@ mod tests {
         assert_eq!(t.alloc(), crate::proto::CLIENT_HANDLES - 1);
         assert_eq!(t.alloc(), 1, "wrapped, past 0");
         assert_eq!(t.alloc(), 2);
+    }
+
+    #[test]
+    fn sent_events_leave_their_buffers_for_the_next_but_only_so_many_and_so_large() {
+        let mut out = Out::default();
+        let queue = |out: &mut Out, cap: usize, listener: Option<u32>| {
+            let mut frame = out.frame_buf();
+            frame.reserve(cap);
+            frame.extend_from_slice(b"frame");
+            out.events.push_back(Queued {
+                handle: 1,
+                listener,
+                frame,
+            });
+        };
+        // The large one first: it is let go while there is still room for it.
+        queue(&mut out, SPARE_FRAME_BYTES + 1, Some(7));
+        for _ in 0..SPARE_FRAMES + 8 {
+            queue(&mut out, 256, None);
+        }
+        out.unread_requests = 1;
+        out.credit = u64::MAX;
+        while out.take_sent() {}
+        assert!(out.events.is_empty());
+        assert_eq!(out.unread_requests, 0, "the request was taken as read");
+        assert_eq!(
+            out.spare.len(),
+            SPARE_FRAMES,
+            "no more than so many are kept"
+        );
+        assert!(out.spare.iter().all(|b| b.capacity() <= SPARE_FRAME_BYTES));
+        // A kept buffer comes back with its room, and its old bytes are the encoder's to
+        // clear (`Message::encode_in`).
+        let b = out.frame_buf();
+        assert!(b.capacity() >= 256);
+        assert_eq!(out.spare.len(), SPARE_FRAMES - 1);
     }
 
     #[test]

@@ -550,6 +550,9 @@ fn decoders_never_panic_and_round_trip() {
             assert_eq!((mh.seq, mh.flags), (seq, 0));
             assert!(mh.kind >= 0x80, "daemon message kinds are 0x80 and above");
             assert_eq!(decode_message(mh.kind, mbody).as_ref(), Ok(&msg));
+            // Encoded into a buffer that held another frame (the daemon reuses its
+            // answers' and events' buffers): the same bytes, nothing of the old left.
+            assert_eq!(msg.encode_in(frame.clone(), seq), mframe);
             // Damaged frames, and random bytes under every kind: errors, never panics.
             for f in [
                 mutate(&mut rng, &frame),
