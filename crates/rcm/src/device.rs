@@ -396,11 +396,20 @@ impl DeviceInner {
                 if tx[..i].iter().any(|u| u.dst == t.dst) {
                     continue;
                 }
-                let mut same = tx[i..].iter().filter(|u| u.dst == t.dst).peekable();
-                while same.peek().is_some() {
-                    let group: Vec<&Transmit> =
-                        same.by_ref().take(crate::sys::MAX_SEGMENTS).collect();
-                    self.send_group(&sock, &mut buf, &mut batch, &group);
+                // A group is gathered on the stack: a `Vec` each was an allocation per
+                // destination and batch (five a connection of a burst through a daemon).
+                let mut same = tx[i..].iter().filter(|u| u.dst == t.dst);
+                let mut group = [t; crate::sys::MAX_SEGMENTS];
+                loop {
+                    let mut n = 0;
+                    for (slot, u) in group.iter_mut().zip(same.by_ref()) {
+                        *slot = u;
+                        n += 1;
+                    }
+                    if n == 0 {
+                        break;
+                    }
+                    self.send_group(&sock, &mut buf, &mut batch, &group[..n]);
                 }
             }
             let _ = TX_BATCH.try_with(|b| *b.borrow_mut() = batch);
