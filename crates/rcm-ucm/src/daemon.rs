@@ -1692,6 +1692,9 @@ impl DevicePolls {
     /// the `poll(2)` fails. A single device is just received from.
     fn find_ready(&mut self) {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        fn pollfd(s: &Arc<dyn std::os::fd::AsFd + Send + Sync>) -> PollFd<'_> {
+            PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN)
+        }
         self.ready.clear();
         self.ready.resize(self.pollers.len(), true);
         if self.pollers.len() < 2 {
@@ -1706,17 +1709,31 @@ impl DevicePolls {
                 .enumerate()
                 .filter_map(|(k, s)| Some((k, s.as_ref()?)))
         };
-        let mut fds: Vec<PollFd> = fds_of()
-            .map(|(_, s)| PollFd::from_borrowed_fd(s.as_fd(), PollFlags::IN))
-            .collect();
+        let Some((_, first)) = fds_of().next() else {
+            return;
+        };
+        // On the stack for a daemon's usual few addresses: this runs at every idle look
+        // and after every round, and a `Vec` was an allocation each time.
+        let mut few: [PollFd; POLLED_ON_STACK] = std::array::from_fn(|_| pollfd(first));
+        let mut many = Vec::new();
+        let n = fds_of().count();
+        let fds: &mut [PollFd] = if n <= POLLED_ON_STACK {
+            for (slot, (_, s)) in few.iter_mut().zip(fds_of()) {
+                *slot = pollfd(s);
+            }
+            &mut few[..n]
+        } else {
+            many.extend(fds_of().map(|(_, s)| pollfd(s)));
+            &mut many
+        };
         let zero = Timespec {
             tv_sec: 0,
             tv_nsec: 0,
         };
-        if fds.is_empty() || poll(&mut fds, Some(&zero)).is_err() {
+        if poll(fds, Some(&zero)).is_err() {
             return;
         }
-        for ((k, _), fd) in fds_of().zip(&fds) {
+        for ((k, _), fd) in fds_of().zip(fds.iter()) {
             if let Some(r) = self.ready.get_mut(k) {
                 // Anything but nothing (an error, a hang-up) is the device's own to handle.
                 *r = !fd.revents().is_empty();
@@ -1749,6 +1766,9 @@ impl Drop for DevicePolls {
         self.sleep();
     }
 }
+
+/// Devices whose readiness `DevicePolls::find_ready` asks without allocating.
+const POLLED_ON_STACK: usize = 8;
 
 /// Commands of one mapped channel served in a round at most: a client that pipelines its
 /// calls (`rcm::Pipeline`) has many waiting, and a round's datagrams then go out in runs
@@ -2464,8 +2484,8 @@ fn close_session(sh: &Arc<Shared>, s: &Arc<Session>) {
 #[cfg(test)]
 mod tests {
     use super::{
-        channel_may_attach, may_warn, DevicePolls, EventQueue, Out, Queued, Table, SPARE_FRAMES,
-        SPARE_FRAME_BYTES,
+        channel_may_attach, may_warn, DevicePolls, EventQueue, Out, Queued, Table, POLLED_ON_STACK,
+        SPARE_FRAMES, SPARE_FRAME_BYTES,
     };
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     use std::sync::Arc;
@@ -2643,6 +2663,24 @@ mod tests {
                 dev.begun.load(Ordering::SeqCst),
                 dev.ended.load(Ordering::SeqCst)
             );
+        }
+    }
+
+    /// Past the devices asked on the stack, and with one that cannot say among them, each
+    /// answer still goes to its own device.
+    #[test]
+    fn more_devices_than_asked_on_the_stack_are_each_asked() {
+        for n in [POLLED_ON_STACK, POLLED_ON_STACK + 3] {
+            let mut fakes: Vec<FakeDevice> = (0..n).map(|_| FakeDevice::with_socket()).collect();
+            fakes[1] = FakeDevice::default();
+            let (f, mut d) = polls_of(fakes);
+            f[2].deliver();
+            f[n - 1].deliver();
+            assert!(d.sweep(Duration::from_millis(1), || false));
+            let mut want = vec![0; n];
+            (want[1], want[2], want[n - 1]) = (1, 1, 1);
+            assert_eq!(polls(&f), want, "{n} devices");
+            d.sleep();
         }
     }
 
