@@ -913,22 +913,61 @@ fn migrate_moves_queued_events_in_order() {
     wait_ids(&d, 0, 0);
 }
 
+/// Two raw sessions of a daemon, A with a listener on port `lport` and one connect request
+/// queued for it, unread (A has no event credit), and the client id that sent it.
+struct QueuedRequest {
+    d: Daemon,
+    a: RawSession,
+    ta: u64,
+    b: RawSession,
+    l: u32,
+    /// The request's child: handles are handed out in order, so it is the listener's next.
+    child: u32,
+    /// The client's fabric: dropped, it would destroy `c`.
+    _client: rcm::Fabric,
+    cch: EventChannel,
+    c: rcm::CmId,
+}
+
+fn queued_request(name: &str, port: u16, lport: u16, pd: &[u8]) -> QueuedRequest {
+    let d = daemon(name, port, &[1]);
+    let (mut a, ta) = raw(&d);
+    let (b, _) = raw(&d);
+    let l = raw_listener(&mut a, sa(1, lport), 4);
+    let client = rcm_ucm::fabric(d.socket()).expect("client");
+    let cch = EventChannel::new();
+    let c = dial(&client, &cch, sa(1, lport), pd);
+    wait_stats(&mut a, |s| s.queued_events == 1, "the connect request");
+    QueuedRequest {
+        d,
+        a,
+        ta,
+        b,
+        l,
+        child: l + 1,
+        _client: client,
+        cch,
+        c,
+    }
+}
+
 /// A child whose connect request is still queued (its client was never told its handle) does
 /// not migrate: the request names the listener by its handle in the source session. Once
 /// the request is written, the child is an id like any other and migrates.
 #[test]
 fn a_child_with_its_request_still_queued_does_not_migrate() {
-    let d = daemon("migchild", 47219, &[1]);
-    let (mut a, ta) = raw(&d);
-    let (mut b, _) = raw(&d);
-    let l = raw_listener(&mut a, sa(1, 7600), 4);
-    let client = rcm_ucm::fabric(d.socket()).expect("client");
-    let cch = EventChannel::new();
-    let c = dial(&client, &cch, sa(1, 7600), b"queued");
-    // A has no event credit: the request waits in its queue. Handles are handed out in
-    // order, so the child's is the next one; B guesses it.
-    wait_stats(&mut a, |s| s.queued_events == 1, "the connect request");
-    let child = l + 1;
+    // A has no event credit: the request waits in its queue; B guesses the child's handle.
+    let QueuedRequest {
+        d,
+        mut a,
+        ta,
+        mut b,
+        l,
+        child,
+        c,
+        _client,
+        cch: _cch,
+    } = queued_request("migchild", 47219, 7600, b"queued");
     let unread = Command::MigrateId {
         token: ta,
         handle: child,
@@ -1031,17 +1070,18 @@ fn a_listener_migrates_with_its_queued_requests() {
 
 #[test]
 fn a_sealed_child_that_migrates_with_its_listener_stays_sealed() {
-    let d = daemon("sealed-child", 47886, &[1]);
-    let (mut a, ta) = raw(&d);
-    let (mut b, _) = raw(&d);
-    let l = raw_listener(&mut a, sa(1, 7602), 4);
-    let client = rcm_ucm::fabric(d.socket()).expect("client");
-    let cch = EventChannel::new();
-    let c = dial(&client, &cch, sa(1, 7602), b"sealed");
-    wait_stats(&mut a, |s| s.queued_events == 1, "the request");
-    // A's client has not read the request, but the child's handle can be guessed: this
-    // daemon hands out the next one.
-    let child = l + 1;
+    // A's client has not read the request, but the child's handle can be guessed.
+    let QueuedRequest {
+        d,
+        mut a,
+        ta,
+        mut b,
+        l,
+        child,
+        cch,
+        c,
+        _client,
+    } = queued_request("sealed-child", 47886, 7602, b"sealed");
     assert_eq!(query(&mut a, child).state, State::Connect);
     // A bound child refuses a bind; with the seal flag that seals it.
     let e = err(&mut a, &Command::BindOrSeal(child, sa(1, 0)));
