@@ -15,6 +15,16 @@ fn sock(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("rcm-cli-d-{}-{name}.sock", std::process::id()))
 }
 
+/// Removes a socket path when dropped: a daemon killed with -9 cannot remove its own, and
+/// each test run left its socket files in the temporary directory.
+struct RemovedAtEnd(PathBuf);
+
+impl Drop for RemovedAtEnd {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Starts `rcm daemon` and waits until it serves.
 fn start(path: &Path, udp: u16, binds: &[&str]) -> Started {
     start_with(path, udp, binds, &[])
@@ -332,6 +342,7 @@ fn killed_client_is_cleaned_up_and_its_peer_sees_the_disconnect() {
 #[test]
 fn a_bench_whose_daemon_dies_ends_with_device_removals() {
     let path = sock("dies");
+    let _removed = RemovedAtEnd(path.clone());
     let mut d = start(&path, 27807, &["127.0.0.1", "127.0.0.2"]);
     let p = path.to_str().unwrap().to_string();
     // Nobody answers at 127.0.0.9: the REQs wait (the daemon retries for seconds).
@@ -386,6 +397,7 @@ fn a_bench_whose_daemon_dies_ends_with_device_removals() {
 #[test]
 fn a_ping_server_whose_daemon_dies_stops_with_an_error() {
     let path = sock("dies-ping");
+    let _removed = RemovedAtEnd(path.clone());
     let mut d = start(&path, 27808, &["127.0.0.1"]);
     let p = path.to_str().unwrap().to_string();
     let (mut srv, lines) = ping_server(&p, "7602", Stdio::piped());
