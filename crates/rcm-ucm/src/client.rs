@@ -1291,18 +1291,19 @@ impl RemoteId for Handle {
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;
         let kind = Inner::owed_kind(&op, &self.known).filter(|_| rcm::remote::pipelining());
-        let cmd = match op {
-            Op::Bind(a) if kind.is_some() => Command::BindOrSeal(self.wire, a),
-            op => Command::Call(self.wire, op),
-        };
-        if let Some(r) = kind.and_then(|k| c.write_owed(&cmd, self.wire, k)) {
-            return r.map(|()| Reply::Done);
+        let cmd = Command::Call(self.wire, op);
+        if let Some(k) = kind {
+            // Written without waiting, a bind seals the id if refused; waited for (below, when
+            // no mapped channel can be had), a refused bind is the call's error and leaves
+            // the id as it was.
+            let sealing = match &cmd {
+                Command::Call(h, Op::Bind(a)) => Some(Command::BindOrSeal(*h, *a)),
+                _ => None,
+            };
+            if let Some(r) = c.write_owed(sealing.as_ref().unwrap_or(&cmd), self.wire, k) {
+                return r.map(|()| Reply::Done);
+            }
         }
-        // Waited for, a refused bind is the call's error and leaves the id as it was.
-        let cmd = match cmd {
-            Command::BindOrSeal(h, a) => Command::Call(h, Op::Bind(a)),
-            cmd => cmd,
-        };
         match c.request(&cmd)? {
             Answer::Reply(r) => Ok(r),
             _ => Err(Error::Remote("unexpected answer to a call".into())),
