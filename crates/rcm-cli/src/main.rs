@@ -128,8 +128,9 @@ struct BenchArgs {
     /// run's devices are 127.0.0.1 and 127.0.0.2.
     #[arg(long, value_name = "IP")]
     bind: Vec<std::net::IpAddr>,
-    /// Seconds to wait for any one step before giving up (at most a day).
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    /// How long to wait for any one step before giving up: seconds, or a number with a unit
+    /// (90s, 5m, 1h; at most a day).
+    #[arg(long, default_value = "60", value_parser = seconds)]
     timeout: u64,
     /// Go through the `rcm daemon` at this socket (server and client are two sessions of it)
     /// instead of devices in this process.
@@ -577,8 +578,8 @@ fn ping(a: &PingArgs) -> ExitCode {
 
 #[derive(clap::Args)]
 struct StressArgs {
-    /// How long to run, in seconds.
-    #[arg(short = 'd', long, default_value_t = 10)]
+    /// How long to run: seconds, or a number with a unit (30s, 5m, 2h; at most a day).
+    #[arg(short = 'd', long, default_value = "10", value_parser = seconds)]
     duration: u64,
     /// Worker threads.
     #[arg(short = 't', long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -601,6 +602,34 @@ struct StressArgs {
     /// callbacks never block, so all three apply.
     #[arg(long, default_value = "threads", value_parser = ["threads", "batched", "inline"])]
     callbacks: String,
+}
+
+/// A length of time on the command line, in whole seconds: a plain number is seconds, or
+/// one with a unit `s`, `m` or `h`; from one second to a day.
+fn seconds(v: &str) -> Result<u64, String> {
+    const DAY: u64 = 86_400;
+    let (digits, unit) = match v.trim().char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => v.trim().split_at(i),
+        None => (v.trim(), ""),
+    };
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        _ => {
+            return Err(format!(
+                "`{v}`: expected seconds, or a number with s, m or h"
+            ))
+        }
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{v}`: expected seconds, or a number with s, m or h"))?;
+    match n.checked_mul(scale) {
+        Some(0) => Err("must be at least 1 s".into()),
+        Some(t) if t <= DAY => Ok(t),
+        _ => Err(format!("`{v}` is more than a day ({DAY} s)")),
+    }
 }
 
 /// A `--callbacks` value (checked by clap) as a mode.
@@ -848,7 +877,35 @@ fn decode(file: &std::path::Path, verbose: bool, json: bool) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::HeldOffReport;
+    use super::{seconds, HeldOffReport};
+
+    #[test]
+    fn lengths_of_time_take_seconds_or_a_unit_from_a_second_to_a_day() {
+        for (v, want) in [
+            ("45", 45),
+            ("45s", 45),
+            ("2m", 120),
+            ("1h", 3_600),
+            ("24h", 86_400),
+        ] {
+            assert_eq!(seconds(v), Ok(want), "{v}");
+        }
+        for (v, says) in [
+            ("0", "at least 1 s"),
+            ("0m", "at least 1 s"),
+            ("86401", "more than a day"),
+            ("25h", "more than a day"),
+            ("99999999999999999999h", "expected seconds"),
+            ("2d", "expected seconds"),
+            ("1.5s", "expected seconds"),
+            ("s", "expected seconds"),
+            ("", "expected seconds"),
+            ("-3", "expected seconds"),
+        ] {
+            let e = seconds(v).expect_err(v);
+            assert!(e.contains(says), "{v}: {e}");
+        }
+    }
     use std::time::{Duration, Instant};
 
     #[test]

@@ -222,6 +222,18 @@ fn bench_usage_errors_are_clear() {
         assert_eq!(code, 2, "{args:?}");
         assert!(err.contains(what), "{args:?}: {err}");
     }
+    // Lengths of time: seconds or a unit, a second to a day; anything else names its option.
+    for (args, what) in [
+        (vec!["bench", "--timeout", "0"], "--timeout"),
+        (vec!["bench", "--timeout", "25h"], "more than a day"),
+        (vec!["stress", "-d", "2d"], "--duration"),
+        (vec!["stress", "-d", "0s"], "at least 1 s"),
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(out.is_empty(), "{args:?} ran: {out}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
     // 0 connections means "serve forever" for a server only (a client made one).
     for args in [
         vec!["ping", "-c", "0"],
@@ -999,7 +1011,7 @@ fn stress_in_every_callback_mode() {
         let (code, out, err) = rcm(&[
             "stress",
             "-d",
-            "2",
+            "2s",
             "--seed",
             "11",
             "--callbacks",
