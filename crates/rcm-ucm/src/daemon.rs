@@ -1798,6 +1798,7 @@ fn serve_mapped(sh: &Arc<Shared>, m: &mut Mapped) -> std::io::Result<bool> {
             m.pending = Some(p);
             return Ok(false);
         }
+        m.answer = p;
         return Ok(true);
     }
     let Some(frame) = m.end.try_recv(crate::shmchan::RING_BYTES as usize)? else {
