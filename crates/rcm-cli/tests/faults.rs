@@ -762,6 +762,29 @@ impl Net {
         self.spawn(h, "rcm", env!("CARGO_BIN_EXE_rcm"), args, &[])
     }
 
+    /// `rcm ping --listen` on host `h` (its address bound) for `count` connections, each
+    /// step given `timeout` seconds, `extra` before them; returned once it listens.
+    fn ping_server(&self, h: usize, count: &str, timeout: &str, extra: &[&str]) -> Proc {
+        let ip = self.ip(h).to_string();
+        let mut args = vec!["ping"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--listen", "--bind", &ip, "-c", count, "--timeout", timeout]);
+        let p = self.rcm(h, &args);
+        p.wait_output("listening on", Duration::from_secs(20));
+        p
+    }
+
+    /// `rcm ping --connect` from host `h` (its address bound) to host `to`'s, for `count`
+    /// connections, each step given `timeout` seconds, `extra` before them.
+    fn ping_client(&self, h: usize, to: usize, count: &str, timeout: &str, extra: &[&str]) -> Proc {
+        let (ip, to) = (self.ip(h).to_string(), self.ip(to).to_string());
+        let mut args = vec!["ping"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--connect", &to, "--bind", &ip, "-c", count]);
+        args.extend_from_slice(&["--timeout", timeout]);
+        self.rcm(h, &args)
+    }
+
     /// Starts an agent on host `h` (`cfg`: `retry=INITIAL/MAX/DEADLINE` in ms, `seed=N`,
     /// `timewait=MS`, `half_open=N`, comma-separated).
     fn agent(&self, h: usize, cfg: &str) -> Agent {
@@ -2098,21 +2121,7 @@ fn link_cut_mid_handshake() {
 fn link_cut_mid_handshake_cli_default_deadline() {
     const T: &str = "link_cut_mid_handshake_cli_default_deadline";
     let net = Net::new(T, 2);
-    let (a, b) = (net.ip(A).to_string(), net.ip(B).to_string());
-    let mut srv = net.rcm(
-        A,
-        &[
-            "ping",
-            "--listen",
-            "--bind",
-            &a,
-            "-c",
-            "1",
-            "--timeout",
-            "150",
-        ],
-    );
-    srv.wait_output("listening on", Duration::from_secs(20));
+    let mut srv = net.ping_server(A, "1", "150", &[]);
     net.tap(Some(Box::new(|p: &Pkt<'_>, links: &mut [Link]| {
         if p.from == B && p.cm.is_some_and(|c| c.attr == attr::REQ) {
             links[B].down = true;
@@ -2120,21 +2129,7 @@ fn link_cut_mid_handshake_cli_default_deadline() {
         Verdict::Pass
     })));
     let t0 = Instant::now();
-    let mut cli = net.rcm(
-        B,
-        &[
-            "ping",
-            "--connect",
-            &a,
-            "--bind",
-            &b,
-            "-c",
-            "1",
-            "--json",
-            "--timeout",
-            "150",
-        ],
-    );
+    let mut cli = net.ping_client(B, A, "1", "150", &["--json"]);
     let st = cli.wait(Duration::from_secs(150));
     let took = t0.elapsed();
     let st = st.unwrap_or_else(|| panic!("rcm ping did not end\n{}", cli.output()));
@@ -2178,35 +2173,9 @@ fn link_cut_mid_handshake_cli_default_deadline() {
     let srv_took = t0.elapsed();
     net.tap(None);
     net.set_down(B, false);
-    let mut srv2 = net.rcm(
-        A,
-        &[
-            "ping",
-            "--listen",
-            "--bind",
-            &a,
-            "-c",
-            "3",
-            "--timeout",
-            "60",
-        ],
-    );
-    srv2.wait_output("listening on", Duration::from_secs(20));
+    let mut srv2 = net.ping_server(A, "3", "60", &[]);
     let t1 = Instant::now();
-    let mut cli2 = net.rcm(
-        B,
-        &[
-            "ping",
-            "--connect",
-            &a,
-            "--bind",
-            &b,
-            "-c",
-            "3",
-            "--timeout",
-            "60",
-        ],
-    );
+    let mut cli2 = net.ping_client(B, A, "3", "60", &[]);
     let ok = cli2
         .wait(Duration::from_secs(70))
         .is_some_and(|s| s.success());
@@ -3229,21 +3198,7 @@ fn serve_forever_servers_release_finished_connections() {
     let mut results = Vec::new();
     for tool in ["bench", "ping"] {
         let mut srv = if tool == "ping" {
-            let p = net.rcm(
-                A,
-                &[
-                    "ping",
-                    "--listen",
-                    "--bind",
-                    &a,
-                    "-c",
-                    "0",
-                    "--timeout",
-                    "600",
-                ],
-            );
-            p.wait_output("listening on", Duration::from_secs(20));
-            p
+            net.ping_server(A, "0", "600", &[])
         } else {
             let p = net.rcm(A, &["bench", "--listen", "--bind", &a]);
             p.wait_output("serving on", Duration::from_secs(20));
@@ -3337,38 +3292,10 @@ fn serve_forever_servers_release_finished_connections() {
 fn lossy_link_1000_connections_rcm_ping() {
     const T: &str = "lossy_link_1000_connections_rcm_ping";
     let net = Net::new(T, 2);
-    let (a, b) = (net.ip(A).to_string(), net.ip(B).to_string());
     net.set_link(B, LOSSY);
-    let mut srv = net.rcm(
-        A,
-        &[
-            "ping",
-            "--listen",
-            "--bind",
-            &a,
-            "-c",
-            "1000",
-            "--timeout",
-            "120",
-        ],
-    );
-    srv.wait_output("listening on", Duration::from_secs(20));
+    let mut srv = net.ping_server(A, "1000", "120", &[]);
     let t0 = Instant::now();
-    let mut cli = net.rcm(
-        B,
-        &[
-            "ping",
-            "--connect",
-            &a,
-            "--bind",
-            &b,
-            "-c",
-            "1000",
-            "--json",
-            "--timeout",
-            "120",
-        ],
-    );
+    let mut cli = net.ping_client(B, A, "1000", "120", &["--json"]);
     let st = cli.wait(Duration::from_secs(150));
     let took = t0.elapsed();
     let r: Value = serde_json::from_str(&cli.stdout()).unwrap_or(Value::Null);
@@ -3441,23 +3368,8 @@ fn lossy_link_1000_connections_rcm_ping() {
 fn iwarp_hostile_peers_and_a_legitimate_client() {
     const T: &str = "iwarp_hostile_peers_and_a_legitimate_client";
     let net = Net::new(T, 3);
-    let (a, b) = (net.ip(A).to_string(), net.ip(B).to_string());
-    let mut srv = net.rcm(
-        A,
-        &[
-            "ping",
-            "--transport",
-            "iwarp",
-            "--listen",
-            "--bind",
-            &a,
-            "-c",
-            "2",
-            "--timeout",
-            "60",
-        ],
-    );
-    srv.wait_output("listening on", Duration::from_secs(20));
+    let a = net.ip(A).to_string();
+    let mut srv = net.ping_server(A, "2", "60", &["--transport", "iwarp"]);
     let mut evil = net.agent(C, "");
     let kinds = [("garbage", 5u64), ("bigpd", 5), ("slow", 3), ("idle", 20)];
     for (kind, count) in kinds {
@@ -3465,25 +3377,7 @@ fn iwarp_hostile_peers_and_a_legitimate_client() {
     }
     std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
-    let client = || {
-        net.rcm(
-            B,
-            &[
-                "ping",
-                "--transport",
-                "iwarp",
-                "--connect",
-                &a,
-                "--bind",
-                &b,
-                "-c",
-                "1",
-                "--json",
-                "--timeout",
-                "30",
-            ],
-        )
-    };
+    let client = || net.ping_client(B, A, "1", "30", &["--transport", "iwarp", "--json"]);
     let mut cli = client();
     let st = cli.wait(Duration::from_secs(40));
     let took = t0.elapsed();
