@@ -1101,16 +1101,7 @@ fn resolution_results_are_cancelled_by_destroy() {
     cfg.dispatcher_threads = 1;
     let f = Fabric::loopback_with(2, cfg).unwrap();
     // Occupy the only dispatcher thread so the resolution events stay queued.
-    let gate = Gate::new();
-    let (entered_tx, entered_rx) = mpsc::channel();
-    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
-    let blocker = f.create_id(PortSpace::Tcp, move |_, _| {
-        etx.lock().unwrap().send(()).unwrap();
-        g.wait();
-        Flow::Continue
-    });
-    poke(&blocker, 0);
-    entered_rx.recv_timeout(T).unwrap();
+    let (blocker, gate) = busy_callback(&f);
     let calls = Arc::new(AtomicUsize::new(0));
     let mut ids = Vec::new();
     for _ in 0..20 {

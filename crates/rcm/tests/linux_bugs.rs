@@ -466,16 +466,7 @@ fn bug03_callback_listener_destroyed_with_queued_requests() {
     let mut cfg = config(25205);
     cfg.dispatcher_threads = 1;
     let f = Fabric::loopback_with(2, cfg).unwrap();
-    let gate = Gate::new();
-    let (entered_tx, entered_rx) = mpsc::channel();
-    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
-    let blocker = f.create_id(PortSpace::Tcp, move |_, _| {
-        etx.lock().unwrap().send(()).unwrap();
-        g.wait();
-        Flow::Continue
-    });
-    poke(&blocker, 0);
-    entered_rx.recv_timeout(T).unwrap();
+    let (blocker, gate) = busy_callback(&f);
     let calls = Arc::new(AtomicUsize::new(0));
     let ctx = Arc::new(AtomicUsize::new(0));
     let (c, keep) = (calls.clone(), Tracked(ctx.clone()));
@@ -1283,16 +1274,7 @@ fn bug11_destroy_with_queued_provider_events() {
     listener.listen(0).unwrap();
 
     // Burst queued behind a blocked dispatcher.
-    let gate = Gate::new();
-    let (entered_tx, entered_rx) = mpsc::channel();
-    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
-    let blocker = f.create_id(PortSpace::Tcp, move |_, _| {
-        etx.lock().unwrap().send(()).unwrap();
-        g.wait();
-        Flow::Continue
-    });
-    poke(&blocker, 0);
-    entered_rx.recv_timeout(T).unwrap();
+    let (blocker, gate) = busy_callback(&f);
     let calls = Arc::new(AtomicUsize::new(0));
     let ctx = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
@@ -1466,16 +1448,7 @@ fn bug12_destroy_never_hangs_silently() {
     assert!(ch.get_event(Some(Duration::from_millis(100))).is_none());
     removal.wait(T).unwrap();
 
-    let gate = Gate::new();
-    let (entered_tx, entered_rx) = mpsc::channel();
-    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
-    let cb = f.create_id(PortSpace::Tcp, move |_, _| {
-        etx.lock().unwrap().send(()).unwrap();
-        g.wait();
-        Flow::Continue
-    });
-    poke(&cb, 0);
-    entered_rx.recv_timeout(T).unwrap();
+    let (cb, gate) = busy_callback(&f);
     let g2 = gate.clone();
     let opener = thread::spawn(move || {
         thread::sleep(Duration::from_millis(200));

@@ -65,6 +65,22 @@ pub fn poke(id: &CmId, seq: u32) {
         .expect("resolve_addr to an unreachable address is accepted (the error is an event)");
 }
 
+/// An id of `f` whose callback is running and blocked on the returned gate: with one
+/// dispatcher thread, the events queued meanwhile wait behind it until the gate opens.
+pub fn busy_callback(f: &Fabric) -> (CmId, Arc<Gate>) {
+    let gate = Gate::new();
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (g, etx) = (gate.clone(), Mutex::new(entered_tx));
+    let id = f.create_id(rcm::PortSpace::Tcp, move |_, _| {
+        etx.lock().unwrap().send(()).unwrap();
+        g.wait();
+        rcm::Flow::Continue
+    });
+    poke(&id, 0);
+    entered_rx.recv_timeout(T).expect("the callback entered");
+    (id, gate)
+}
+
 /// A latch a callback can block on.
 pub struct Gate {
     open: Mutex<bool>,
