@@ -1088,6 +1088,21 @@ fn a_dreq_the_peer_never_answers_ends_in_one_disconnected() {
     f.shutdown();
 }
 
+/// `r` is the refusal of `len` bytes of private data where `max` fit.
+fn too_long(r: rcm::Result<()>, len: usize, max: usize) {
+    match r {
+        Err(Error::PrivateDataTooLong { len: l, max: m }) => assert_eq!((l, m), (len, max)),
+        r => panic!("{len} bytes where {max} fit: {r:?}"),
+    }
+}
+
+/// The next event of a channel, with its id.
+fn next(ch: &EventChannel) -> (CmId, Event) {
+    let mut e = ch.get_event(Some(T)).expect("an event");
+    let id = e.id().clone();
+    (id, e.take().expect("the event"))
+}
+
 /// rdma_cm's private-data limits on RoCE (an RC port space): connect 56 bytes (the REQ's
 /// 92 less the 36-byte cma header), accept 196 (the REP's), reject 148 (the REJ's). One byte
 /// more is `PrivateDataTooLong` naming both numbers, and the refused call changes nothing:
@@ -1105,15 +1120,6 @@ fn private_data_limits_are_rdma_cms_and_a_refused_call_changes_nothing() {
     let l = f.create_id_on(PortSpace::Tcp, &sch);
     l.bind(addr(1, 7479)).unwrap();
     l.listen(4).unwrap();
-    let too_long = |r: rcm::Result<()>, len: usize, max: usize| match r {
-        Err(Error::PrivateDataTooLong { len: l, max: m }) => assert_eq!((l, m), (len, max)),
-        r => panic!("{len} bytes where {max} fit: {r:?}"),
-    };
-    let next = |ch: &EventChannel| {
-        let mut e = ch.get_event(Some(T)).expect("an event");
-        let id = e.id().clone();
-        (id, e.take().expect("the event"))
-    };
 
     // Accepted, at the limits.
     let c = routed(&f, &cch, addr(1, 7479));
@@ -1217,15 +1223,6 @@ fn ud_private_data_limits_and_a_rejected_sidr_request() {
     let l = f.create_id_on(PortSpace::Udp, &sch);
     l.bind(addr(1, 7480)).unwrap();
     l.listen(4).unwrap();
-    let too_long = |r: rcm::Result<()>, len: usize, max: usize| match r {
-        Err(Error::PrivateDataTooLong { len: l, max: m }) => assert_eq!((l, m), (len, max)),
-        r => panic!("{len} bytes where {max} fit: {r:?}"),
-    };
-    let next = |ch: &EventChannel| {
-        let mut e = ch.get_event(Some(T)).expect("an event");
-        let id = e.id().clone();
-        (id, e.take().expect("the event"))
-    };
     let ud_routed = || {
         let c = f.create_id_on(PortSpace::Udp, &cch);
         c.resolve_addr(None, addr(1, 7480)).unwrap();
