@@ -676,7 +676,7 @@ impl Inner {
                 None => Err(std::io::ErrorKind::NotConnected.into()),
             };
         }
-        let mut since = None;
+        let mut wait = crate::shmchan::RoomWait::default();
         loop {
             let Some(end) = ch.shm.as_mut() else {
                 return Err(std::io::ErrorKind::NotConnected.into());
@@ -685,24 +685,12 @@ impl Inner {
                 return Ok(());
             }
             if self.take_answers(ch)? > 0 {
-                since = None;
+                wait.restart();
                 continue;
             }
-            if ch.shm.as_ref().is_some_and(|end| hung_up(&end.stream)) {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::BrokenPipe,
-                    "the daemon hung up with the channel's ring full",
-                ));
-            }
-            let t0 = *since.get_or_insert_with(std::time::Instant::now);
-            if t0.elapsed() > crate::shmchan::FULL_FOR {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "the daemon takes no commands and sends no answers",
-                ));
-            }
-            if !rcm::spin_allowed() || !rcm::yield_to_pollers() {
-                std::thread::sleep(crate::shmchan::FULL_NAP);
+            match ch.shm.as_ref() {
+                Some(end) => wait.turn(&end.stream)?,
+                None => return Err(std::io::ErrorKind::NotConnected.into()),
             }
         }
     }

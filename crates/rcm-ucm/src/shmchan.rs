@@ -150,26 +150,9 @@ impl ShmEnd {
     /// on for up to [`FULL_FOR`]; then the error is `TimedOut`, or `BrokenPipe` as soon as
     /// the other side is seen gone.
     pub(crate) fn send(&mut self, frame: &[u8]) -> io::Result<()> {
-        let mut since = None;
+        let mut wait = RoomWait::default();
         while !self.try_send(frame)? {
-            let t0 = *since.get_or_insert_with(Instant::now);
-            if hung_up(&self.stream) {
-                return Err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "the other side hung up with its ring full",
-                ));
-            }
-            if t0.elapsed() > FULL_FOR {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the other side does not read its ring",
-                ));
-            }
-            // Beside a CPU-bound process a yield waits a scheduler tick each time; held off
-            // polling (see `rcm::yield_to_pollers`), this thread sleeps a little instead.
-            if !rcm::spin_allowed() || !rcm::yield_to_pollers() {
-                std::thread::sleep(FULL_NAP);
-            }
+            wait.turn(&self.stream)?;
         }
         Ok(())
     }
@@ -270,6 +253,44 @@ impl ShmEnd {
             }
             std::hint::spin_loop();
         }
+    }
+}
+
+/// A writer's wait for room in the other side's ring: since when it has waited.
+#[derive(Default)]
+pub(crate) struct RoomWait {
+    since: Option<Instant>,
+}
+
+impl RoomWait {
+    /// One turn of the wait, after a write found no room: `BrokenPipe` as soon as the
+    /// other side (`s`'s peer) has hung up, `TimedOut` once no room came for [`FULL_FOR`];
+    /// else this thread yields before the next try.
+    pub(crate) fn turn(&mut self, s: &UnixStream) -> io::Result<()> {
+        let t0 = *self.since.get_or_insert_with(Instant::now);
+        if hung_up(s) {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the other side hung up with its ring full",
+            ));
+        }
+        if t0.elapsed() > FULL_FOR {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the other side does not read its ring",
+            ));
+        }
+        // Beside a CPU-bound process a yield waits a scheduler tick each time; held off
+        // polling (see `rcm::yield_to_pollers`), this thread sleeps a little instead.
+        if !rcm::spin_allowed() || !rcm::yield_to_pollers() {
+            std::thread::sleep(FULL_NAP);
+        }
+        Ok(())
+    }
+
+    /// The other side moved (it answered): [`FULL_FOR`] counts anew from the next turn.
+    pub(crate) fn restart(&mut self) {
+        self.since = None;
     }
 }
 
