@@ -878,6 +878,7 @@ fn decode(file: &std::path::Path, verbose: bool, json: bool) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::{seconds, HeldOffReport};
+    use std::time::{Duration, Instant};
 
     #[test]
     fn lengths_of_time_take_seconds_or_a_unit_from_a_second_to_a_day() {
@@ -906,7 +907,6 @@ mod tests {
             assert!(e.contains(says), "{v}: {e}");
         }
     }
-    use std::time::{Duration, Instant};
 
     #[test]
     fn the_daemon_warns_of_new_hold_offs_at_most_every_ten_seconds() {

@@ -555,8 +555,13 @@ mod tests {
             }
         }
 
+        /// Returns once the echo takes commands again (so that the next `hold` waits for
+        /// it to stop anew).
         fn release(&self) {
             self.asked.store(false, Ordering::SeqCst);
+            while self.held.load(Ordering::SeqCst) {
+                std::hint::spin_loop();
+            }
         }
     }
 
@@ -613,6 +618,8 @@ mod tests {
                         std::hint::spin_loop();
                     }
                 }
+                // Stopped (the test's part ended, maybe failed): no `release` waits on it.
+                pause.held.store(false, Ordering::SeqCst);
             });
             let _stop = StopOnDrop(&stop);
             f()
