@@ -469,8 +469,9 @@ struct PingArgs {
     /// UDP port of the RoCEv2 devices.
     #[arg(long, default_value_t = 4791)]
     udp_port: u16,
-    /// Give up after this many seconds (at most a day).
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    /// Give up after this long: seconds, or a number with a unit (90s, 5m, 1h; at most a
+    /// day).
+    #[arg(long, default_value = "60", value_parser = seconds)]
     timeout: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]

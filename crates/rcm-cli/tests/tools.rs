@@ -228,6 +228,7 @@ fn bench_usage_errors_are_clear() {
         (vec!["bench", "--timeout", "25h"], "more than a day"),
         (vec!["stress", "-d", "2d"], "--duration"),
         (vec!["stress", "-d", "0s"], "at least 1 s"),
+        (vec!["ping", "--timeout", "1.5m"], "--timeout"),
     ] {
         let (code, out, err) = rcm(&args);
         assert_eq!(code, 2, "{args:?}: {out}\n{err}");
@@ -670,7 +671,7 @@ fn ping_reject_is_not_satisfied_by_a_missing_listener() {
         "--udp-port",
         "26806",
         "--timeout",
-        "5",
+        "5s",
     ]);
     let (code, out, err) = rcm(&[
         "ping",
