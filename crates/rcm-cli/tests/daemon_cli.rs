@@ -392,6 +392,65 @@ fn a_bench_whose_daemon_dies_ends_with_device_removals() {
     );
 }
 
+/// A thread writing pipelined calls into a full command ring (its daemon stopped with
+/// SIGSTOP, so nothing is taken) fails as soon as the daemon dies (kill -9), not after the
+/// ring's full-for limit (`shmchan::FULL_FOR`, 1 s): the wait for room looks for the
+/// daemon's hang-up.
+#[test]
+fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
+    let path = sock("full-dies");
+    let _removed = RemovedAtEnd(path.clone());
+    let mut d = start(&path, 27809, &["127.0.0.1"]);
+    let f = rcm_ucm::fabric(&path).expect("a session");
+    let _pipeline = rcm::Pipeline::begin();
+    // The thread's channel, mapped and held by the pipeline while the daemon still runs.
+    let mut ids = vec![f
+        .try_create_id(rcm::PortSpace::Tcp, |_, _| rcm::Flow::Continue)
+        .expect("a pipelined create")];
+    let pid = rustix::process::Pid::from_child(&d);
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+    let made = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let m = made.clone();
+    // Kills the daemon once the creates have stopped for 60 ms: the ring is full, and the
+    // writer has been waiting for room about that long, far from the full-for limit.
+    let killer = std::thread::spawn(move || {
+        let (mut last, mut still) = (0, 0);
+        for _ in 0..500 {
+            std::thread::sleep(Duration::from_millis(20));
+            let n = m.load(std::sync::atomic::Ordering::SeqCst);
+            still = if n == last && n > 0 { still + 1 } else { 0 };
+            last = n;
+            if still == 3 {
+                break;
+            }
+        }
+        let at = Instant::now();
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
+        (at, last)
+    });
+    let failed = loop {
+        match f.try_create_id(rcm::PortSpace::Tcp, |_, _| rcm::Flow::Continue) {
+            Ok(id) => ids.push(id),
+            Err(e) => break e,
+        }
+        made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    };
+    let failed_at = Instant::now();
+    let (killed, made) = killer.join().expect("killer");
+    let _ = d.wait();
+    assert!(made > 100, "{made} creates before the ring was full");
+    assert!(
+        failed_at > killed,
+        "failed before the daemon died: {failed:?}"
+    );
+    let after = failed_at - killed;
+    assert!(
+        after < Duration::from_millis(500),
+        "the writer failed {after:?} after its daemon died ({failed:?})"
+    );
+    drop(ids);
+}
+
 /// A ping server that serves forever (`-c 0`) through a daemon that dies (kill -9) stops,
 /// with an error, instead of waiting for requests that cannot come.
 #[test]
