@@ -609,26 +609,19 @@ struct StressArgs {
 /// one with a unit `s`, `m` or `h`; from one second to a day.
 fn seconds(v: &str) -> Result<u64, String> {
     const DAY: u64 = 86_400;
-    let (digits, unit) = match v.trim().char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => v.trim().split_at(i),
-        None => (v.trim(), ""),
-    };
+    let bad = || format!("`{v}`: expected seconds, or a number with s, m or h");
+    let t = v.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
     let scale = match unit {
         "" | "s" => 1,
         "m" => 60,
         "h" => 3_600,
-        _ => {
-            return Err(format!(
-                "`{v}`: expected seconds, or a number with s, m or h"
-            ))
-        }
+        _ => return Err(bad()),
     };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("`{v}`: expected seconds, or a number with s, m or h"))?;
+    let n: u64 = digits.parse().map_err(|_| bad())?;
     match n.checked_mul(scale) {
         Some(0) => Err("must be at least 1 s".into()),
-        Some(t) if t <= DAY => Ok(t),
+        Some(secs) if secs <= DAY => Ok(secs),
         _ => Err(format!("`{v}` is more than a day ({DAY} s)")),
     }
 }

@@ -398,6 +398,7 @@ fn a_bench_whose_daemon_dies_ends_with_device_removals() {
 /// daemon's hang-up.
 #[test]
 fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let path = sock("full-dies");
     let _removed = RemovedAtEnd(path.clone());
     let mut d = start(&path, 27809, &["127.0.0.1"]);
@@ -409,7 +410,7 @@ fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
         .expect("a pipelined create")];
     let pid = rustix::process::Pid::from_child(&d);
     rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
-    let made = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let made = std::sync::Arc::new(AtomicUsize::new(0));
     let m = made.clone();
     // Kills the daemon once the creates have stopped for 60 ms: the ring is full, and the
     // writer has been waiting for room about that long, far from the full-for limit.
@@ -417,7 +418,7 @@ fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
         let (mut last, mut still) = (0, 0);
         for _ in 0..500 {
             std::thread::sleep(Duration::from_millis(20));
-            let n = m.load(std::sync::atomic::Ordering::SeqCst);
+            let n = m.load(Ordering::SeqCst);
             still = if n == last && n > 0 { still + 1 } else { 0 };
             last = n;
             if still == 3 {
@@ -433,7 +434,7 @@ fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
             Ok(id) => ids.push(id),
             Err(e) => break e,
         }
-        made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        made.fetch_add(1, Ordering::SeqCst);
     };
     let failed_at = Instant::now();
     let (killed, made) = killer.join().expect("killer");
