@@ -64,6 +64,42 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 type Waiter = mpsc::SyncSender<Result<Answer, WireError>>;
 
+/// What an answer on the session's connection is for.
+enum Pending {
+    /// A call waiting for it.
+    Call(Waiter),
+    /// The `DESTROY_ID` of this handle, which nobody waits for (see `Handle::release`).
+    Release(u32),
+}
+
+/// The session's ids by handle, and the handles of ids destroyed whose events may still be
+/// on their way (protocol §8): such a handle is not chosen for a new id until the events
+/// handled have reached the count that its `DESTROY_ID` was answered with (`u64::MAX` while
+/// that answer has not come), or a late event of the old id would go to the new one.
+#[derive(Default)]
+struct Sinks {
+    live: foldhash::HashMap<u32, (Sink, Arc<IdCache>)>,
+    draining: foldhash::HashMap<u32, u64>,
+    /// `draining` is cleared of the handles that are free again when it grows to this.
+    prune_at: usize,
+}
+
+impl Sinks {
+    /// Whether `h` may not be chosen for a new id now that `seen` events were handled.
+    fn holds(&self, h: u32, seen: u64) -> bool {
+        self.live.contains_key(&h) || self.draining.get(&h).is_some_and(|&n| n > seen)
+    }
+
+    /// `h` drains until `seen` reaches `until`.
+    fn drain_until(&mut self, h: u32, until: u64, seen: u64) {
+        self.draining.insert(h, until);
+        if self.draining.len() >= self.prune_at {
+            self.draining.retain(|_, n| *n > seen);
+            self.prune_at = (2 * self.draining.len()).max(64);
+        }
+    }
+}
+
 struct Inner {
     /// Frames for the session's connection, written in order by its writer thread: whoever
     /// sends (the reader giving credit back, a release, a call without a channel) never
@@ -72,12 +108,15 @@ struct Inner {
     out: mpsc::Sender<Vec<u8>>,
     /// By the sequence numbers and handles this session chose or the daemon handed out (a
     /// fast hash: neither is a value the daemon's other clients pick).
-    pending: Mutex<foldhash::HashMap<u32, Waiter>>,
+    pending: Mutex<foldhash::HashMap<u32, Pending>>,
     seq: AtomicU32,
-    /// The next handle this client chooses for an id it creates in a pipeline, counted
-    /// within `proto::CLIENT_HANDLES` and above.
+    /// The next handle this client chooses for an id it creates, counted within
+    /// `proto::CLIENT_HANDLES` and above.
     next_handle: AtomicU32,
-    sinks: Mutex<foldhash::HashMap<u32, (Sink, Arc<IdCache>)>>,
+    sinks: Mutex<Sinks>,
+    /// `EVENT` frames handled since the session opened, each counted once its id's sink
+    /// was looked for: the count that `DESTROY_ID`'s answer is compared with.
+    events_seen: AtomicU64,
     alive: AtomicBool,
     token: u64,
     limits: Limits,
@@ -338,7 +377,8 @@ impl Client {
             pending: Mutex::new(foldhash::HashMap::default()),
             seq: AtomicU32::new(3),
             next_handle: AtomicU32::new(0),
-            sinks: Mutex::new(foldhash::HashMap::default()),
+            sinks: Mutex::new(Sinks::default()),
+            events_seen: AtomicU64::new(0),
             alive: AtomicBool::new(true),
             token,
             limits,
@@ -383,6 +423,23 @@ impl Client {
         Ok(Client(inner))
     }
 
+    /// Moves the counter by which the client chooses its ids' handles to `n` (taken within
+    /// the client's range, `proto::CLIENT_HANDLES` and above): for tests that must see the
+    /// counter come round to handles in use or destroyed, which otherwise takes 2^31 creates.
+    #[doc(hidden)]
+    pub fn set_handle_counter(&self, n: u32) {
+        self.0.next_handle.store(n, Ordering::Relaxed);
+    }
+
+    /// Handles of destroyed ids that the client does not choose again yet: their destroys'
+    /// answers have not come, or events they count have not been taken (protocol §8).
+    #[doc(hidden)]
+    pub fn handles_draining(&self) -> usize {
+        let seen = self.0.events_seen.load(Ordering::Acquire);
+        let sinks = lock(&self.0.sinks);
+        sinks.draining.values().filter(|&&n| n > seen).count()
+    }
+
     /// This session's token: another session of the same client takes an id from this one
     /// with `MigrateId` naming it.
     pub fn token(&self) -> u64 {
@@ -405,7 +462,7 @@ impl Client {
     /// Ids of this session whose events this client delivers (for leak checks): created and
     /// not yet destroyed, connect requests' children included.
     pub fn held_ids(&self) -> usize {
-        lock(&self.0.sinks).len()
+        lock(&self.0.sinks).live.len()
     }
 
     /// Command channels of this session that the daemon mapped into shared memory (see
@@ -713,6 +770,14 @@ impl Inner {
         let Some(o) = ch.owed.drain(..=pos).next_back() else {
             return;
         };
+        if matches!(o.kind, OwedKind::Release) {
+            let r = match decode_message(h.kind, body) {
+                Ok(Message::Ok(a)) => Ok(a),
+                Ok(Message::Err(e)) => Err(e.into_cm()),
+                _ => Err(Error::Remote("unexpected answer to a command".into())),
+            };
+            return self.settle_release(o.handle, &r);
+        }
         let err = match decode_message(h.kind, body) {
             Ok(Message::Ok(_)) => return,
             Ok(Message::Err(e)) => e.into_cm(),
@@ -720,15 +785,16 @@ impl Inner {
             Err(e) => Error::Remote(format!("bad answer from the daemon: {e}")),
         };
         let ev = match o.kind {
-            // The id is gone from this side already; the daemon's refusal (an id it ended
-            // itself meanwhile) leaves nothing to tell.
             OwedKind::Release => return,
             OwedKind::Addr => Event::AddrError(err),
             OwedKind::Route => Event::RouteError(err),
             OwedKind::Connect | OwedKind::Create => Event::ConnectError(err),
         };
         // Released meanwhile: nobody to tell.
-        let sink = lock(&self.sinks).get(&o.handle).map(|(s, _)| s.clone());
+        let sink = lock(&self.sinks)
+            .live
+            .get(&o.handle)
+            .map(|(s, _)| s.clone());
         if let Some(s) = sink {
             s.event(ev);
         }
@@ -960,7 +1026,7 @@ impl Inner {
             if !self.alive.load(Ordering::SeqCst) {
                 return Err(Error::DeviceRemoved);
             }
-            p.insert(seq, tx);
+            p.insert(seq, Pending::Call(tx));
         }
         if let Err(e) = self.send(cmd.encode(seq)) {
             lock(&self.pending).remove(&seq);
@@ -1100,6 +1166,17 @@ fn client_handle(counter: &AtomicU32, held: impl Fn(u32) -> bool) -> u32 {
     }
 }
 
+impl Inner {
+    /// A handle for a new id: the next of the client's range that no id holds and no
+    /// destroyed id's events may still come for (see `Sinks`).
+    fn choose_handle(&self, sinks: &mut Sinks) -> u32 {
+        let seen = self.events_seen.load(Ordering::Acquire);
+        let h = client_handle(&self.next_handle, |h| sinks.holds(h, seen));
+        sinks.draining.remove(&h);
+        h
+    }
+}
+
 impl Client {
     /// `create_id` in a pipeline: under a handle chosen here, its command written without
     /// waiting for the answer (a refusal becomes the id's CONNECT_ERROR). `None` when it
@@ -1111,10 +1188,10 @@ impl Client {
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Some(Err(Error::DeviceRemoved));
             }
-            let h = client_handle(&self.0.next_handle, |h| sinks.contains_key(&h));
+            let h = self.0.choose_handle(&mut sinks);
             // Filed before the command goes: nothing comes for it before its first call,
             // but a refusal of the create itself needs the sink.
-            sinks.insert(h, (sink.clone(), known.clone()));
+            sinks.live.insert(h, (sink.clone(), known.clone()));
             h
         };
         let written = self
@@ -1128,7 +1205,7 @@ impl Client {
                 released: AtomicBool::new(false),
             })));
         }
-        lock(&self.0.sinks).remove(&h);
+        lock(&self.0.sinks).live.remove(&h);
         match written {
             Some(Err(e)) => Some(Err(e)),
             _ => None,
@@ -1143,19 +1220,31 @@ impl Provider for Client {
                 return r;
             }
         }
-        let Answer::Handle(h) = self.0.request(&Command::CreateId(ps))? else {
-            return Err(Error::Remote("unexpected answer to CreateId".into()));
-        };
-        // No event can come for `h` before its first operation, which follows this.
+        // The handle is chosen here too, not by the daemon: only this side knows which
+        // handles still have events of a destroyed id on their way (see `Sinks`).
         let known = Arc::new(IdCache::default());
-        {
+        let h = {
             let mut sinks = lock(&self.0.sinks);
             // The reader marks the session dead before it takes the sinks (each then gets its
             // DeviceRemoval): an id made after that would never hear of it.
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Err(Error::DeviceRemoved);
             }
-            sinks.insert(h, (sink, known.clone()));
+            let h = self.0.choose_handle(&mut sinks);
+            // No event can come for `h` before its first operation, which follows this;
+            // filed now so that the handle is held while the answer is on its way.
+            sinks.live.insert(h, (sink, known.clone()));
+            h
+        };
+        match self.0.request(&Command::CreateIdAs(ps, h)) {
+            Ok(Answer::Handle(got)) if got == h => {}
+            r => {
+                lock(&self.0.sinks).live.remove(&h);
+                return Err(match r {
+                    Err(e) => e,
+                    Ok(_) => Error::Remote("unexpected answer to CreateId".into()),
+                });
+            }
         }
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
@@ -1305,7 +1394,12 @@ impl RemoteId for Handle {
         {
             let mut sinks = lock(&c.sinks);
             self.released.store(true, Ordering::SeqCst);
-            sinks.remove(&self.wire);
+            sinks.live.remove(&self.wire);
+            if self.wire >= proto::CLIENT_HANDLES {
+                // Until the destroy's answer says how far its events go.
+                let seen = c.events_seen.load(Ordering::Acquire);
+                sinks.drain_until(self.wire, u64::MAX, seen);
+            }
         }
         if !c.alive.load(Ordering::SeqCst) {
             return;
@@ -1328,7 +1422,8 @@ impl RemoteId for Handle {
         // sent on the session's connection without waiting, a call that then finds an idle
         // channel could overtake it.
         if !on_reader || c.holds_channel() {
-            let _ = c.request(&cmd);
+            let r = c.request(&cmd);
+            c.settle_release(self.wire, &r);
             return;
         }
         // On the reader, which cannot wait for an answer on the session's connection: a
@@ -1337,10 +1432,15 @@ impl RemoteId for Handle {
         // the refusal was one that passes, the daemon's connection limit or a socket error,
         // a call made after a later attach can still overtake it.)
         if let Some(ch) = c.acquire(true) {
-            let _ = c.call_on(ch, &cmd);
+            let r = c.call_on(ch, &cmd);
+            c.settle_release(self.wire, &r);
             return;
         }
-        let _ = c.send(cmd.encode(0));
+        let seq = c.next_seq();
+        lock(&c.pending).insert(seq, Pending::Release(self.wire));
+        if c.send(cmd.encode(seq)).is_err() {
+            lock(&c.pending).remove(&seq);
+        }
     }
 
     fn busy_poll(&self) -> Option<Weak<dyn rcm::remote::BusyPoll>> {
@@ -1428,7 +1528,7 @@ fn reader(weak: &Weak<Inner>, s: &UnixStream, inline: bool) {
     let Some(c) = weak.upgrade() else { return };
     c.fail_calls();
     // No attribute answer outlives this: a removed id's calls fail in rcm before they get here.
-    let sinks: Vec<Sink> = lock(&c.sinks).drain().map(|(_, (s, _))| s).collect();
+    let sinks: Vec<Sink> = lock(&c.sinks).live.drain().map(|(_, (s, _))| s).collect();
     for s in sinks {
         s.event(Event::DeviceRemoval);
     }
@@ -1443,6 +1543,41 @@ fn wait_readable(s: &UnixStream) {
 }
 
 impl Inner {
+    /// An answer read on the session's connection goes where it is awaited.
+    fn answered(&self, p: Pending, r: Result<Answer, WireError>) {
+        match p {
+            Pending::Call(w) => {
+                let _ = w.send(r);
+            }
+            Pending::Release(h) => self.settle_release(h, &r.map_err(WireError::into_cm)),
+        }
+    }
+
+    /// The answer to the `DESTROY_ID` of handle `h` (see `Sinks`): the handle is free again
+    /// once the events handled reach the count it names; at once when the daemon did not
+    /// hold it (nothing of it can be on its way). Without either (the session failed, or a
+    /// bad answer) it stays out of use for the session's life.
+    fn settle_release(&self, h: u32, r: &rcm::Result<Answer>) {
+        if h < proto::CLIENT_HANDLES {
+            return;
+        }
+        let until = match r {
+            Ok(Answer::Released { events }) => *events,
+            Err(Error::Destroyed) => 0,
+            _ => return,
+        };
+        let mut sinks = lock(&self.sinks);
+        if sinks.draining.get(&h) != Some(&u64::MAX) {
+            return;
+        }
+        let seen = self.events_seen.load(Ordering::Acquire);
+        if seen >= until {
+            sinks.draining.remove(&h);
+        } else {
+            sinks.drain_until(h, until, seen);
+        }
+    }
+
     /// The session is over: calls waiting for their answers fail, and later ones at once.
     fn fail_calls(&self) {
         {
@@ -1632,30 +1767,32 @@ impl Inner {
                 tracing::warn!(error = %e, kind = h.kind, "undecodable frame from the daemon");
                 if h.kind == proto::kind::EVENT {
                     // It used a credit like any event: given back, or the window shrinks.
+                    // And it has its place among the events (see `events_seen`).
+                    self.events_seen.fetch_add(1, Ordering::Release);
                     *used += 1;
-                } else if let Some(w) = lock(&self.pending).remove(&h.seq) {
+                } else if let Some(p) = lock(&self.pending).remove(&h.seq) {
                     // The call it answers fails instead of waiting for ever.
-                    let _ = w.send(Err(WireError::Cm(Error::Remote(format!(
-                        "bad answer from the daemon: {e}"
-                    )))));
+                    let why = format!("bad answer from the daemon: {e}");
+                    self.answered(p, Err(WireError::Cm(Error::Remote(why))));
                 }
                 return give_credit(self, used);
             }
         };
         match msg {
             Message::Ok(a) => {
-                if let Some(w) = lock(&self.pending).remove(&h.seq) {
-                    let _ = w.send(Ok(a));
+                if let Some(p) = lock(&self.pending).remove(&h.seq) {
+                    self.answered(p, Ok(a));
                 }
             }
             Message::Err(e) => {
-                if let Some(w) = lock(&self.pending).remove(&h.seq) {
-                    let _ = w.send(Err(e));
+                if let Some(p) = lock(&self.pending).remove(&h.seq) {
+                    self.answered(p, Err(e));
                 }
             }
             Message::HelloOk { .. } => {}
             Message::Event { handle, event, qp } => {
                 deliver(self, handle, event, qp);
+                self.events_seen.fetch_add(1, Ordering::Release);
                 *used += 1;
                 return give_credit(self, used);
             }
@@ -1770,13 +1907,13 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
             known: cache.clone(),
             released: AtomicBool::new(false),
         });
-        let lsink = lock(&c.sinks).get(&listener).map(|(s, _)| s.clone());
+        let lsink = lock(&c.sinks).live.get(&listener).map(|(s, _)| s.clone());
         match lsink {
             Some(ls) => {
                 if let Some(cs) = ls.connect_request(child.clone(), private_data, param, ud) {
                     let mut sinks = lock(&c.sinks);
                     if !child.released.load(Ordering::SeqCst) {
-                        sinks.insert(handle, (cs, cache));
+                        sinks.live.insert(handle, (cs, cache));
                     }
                 }
             }
@@ -1785,7 +1922,7 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
         }
         return;
     }
-    let sink = lock(&c.sinks).get(&handle).cloned();
+    let sink = lock(&c.sinks).live.get(&handle).cloned();
     if let (Some((s, cache)), Some(ev)) = (sink, event.into_event()) {
         cache.event(&ev, qp);
         s.event(ev);

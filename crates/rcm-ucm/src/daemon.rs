@@ -337,6 +337,9 @@ struct Out {
     ring_full: bool,
     /// Buffers of events sent, for the next events' frames (see `Out::frame_buf`).
     spare: Vec<Vec<u8>>,
+    /// Events taken from the queue to be written, since the session opened: an event's
+    /// place in what the client receives, which `DESTROY_ID` answers (protocol §8).
+    sent: u64,
 }
 
 /// The session's socket for writing, and the bytes of a cut batch that must go out before
@@ -832,6 +835,7 @@ impl Out {
             self.unread_requests = self.unread_requests.saturating_sub(1);
         }
         self.credit -= 1;
+        self.sent += 1;
         if self.spare.len() < SPARE_FRAMES && q.frame.capacity() <= SPARE_FRAME_BYTES {
             self.spare.push(q.frame);
         }
@@ -1884,7 +1888,7 @@ fn serve(sh: &Arc<Shared>, s: &Arc<Session>, cmd: Command) -> Option<Message> {
         )),
         Command::CreateId(ps) => create_id(sh, s, ps, None),
         Command::CreateIdAs(ps, h) => create_id(sh, s, ps, Some(h)),
-        Command::DestroyId(h) => destroy_id(s, h).map(|()| Answer::Reply(Reply::Done)),
+        Command::DestroyId(h) => destroy_id(s, h).map(|events| Answer::Released { events }),
         Command::GetEvent(n) => {
             let mut out = lock(&s.out);
             out.credit = out.credit.saturating_add(u64::from(n));
@@ -2229,12 +2233,13 @@ fn on_connect_request(
 /// Removes `h` from the session (with its queued events and the connect requests queued on
 /// it, whose children go too, with their own events) under the id's cell lock, so no event
 /// of it is queued after; then destroys what was removed.
-fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
+fn destroy_id(s: &Arc<Session>, h: u32) -> Result<u64, WireError> {
     let Some(cell) = lock(&s.table).ids.get(&h).map(|(_, c)| c.clone()) else {
         return Err(WireError::NoSuchId);
     };
     let mut victims = Vec::new();
     let mut child_cells = Vec::new();
+    let sent;
     {
         let mut own = lock(&cell.owner);
         let mut t = lock(&s.table);
@@ -2250,6 +2255,9 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
         t.ids.remove(&h);
         victims.push(id);
         let mut out = lock(&s.out);
+        // Under the id's cell, which an event for it is queued under: every event of it
+        // was taken to be written before this count, or is in the queue and goes below.
+        sent = out.sent;
         let mut children = Vec::new();
         let mut unread = out.unread_requests;
         out.events.retain_naming(h, |q| {
@@ -2297,7 +2305,7 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<(), WireError> {
     for id in victims {
         let _ = id.destroy();
     }
-    Ok(())
+    Ok(sent)
 }
 
 /// `migrate_id`: moves an id, and its queued events, from the session holding `token` to

@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// The first handle of the range a client may choose its ids' handles from
 /// ([`Command::CreateIdAs`]); the daemon gives out handles below it.
 pub const CLIENT_HANDLES: u32 = 0x8000_0000;
@@ -294,6 +294,14 @@ pub enum Answer {
     Reply(Reply),
     /// A handle (`CreateId`, `MigrateId`).
     Handle(u32),
+    /// `DestroyId` done: how many `EVENT` frames the session had been sent when the handle
+    /// was removed. Every event of the destroyed id is among them, so once the client has
+    /// taken that many, none of them can still be on its way to a new id under the same
+    /// handle (the protocol document, §8).
+    Released {
+        /// Events sent to the session, counted from its start.
+        events: u64,
+    },
     /// Device addresses.
     Devices(Vec<IpAddr>),
     /// Counters.
@@ -882,6 +890,10 @@ impl Message {
                             w.ip(*d);
                         }
                     }
+                    Answer::Released { events } => {
+                        w.u8(7);
+                        w.u64(*events);
+                    }
                     Answer::Stats(s) => {
                         w.u8(6);
                         for v in [
@@ -1373,6 +1385,7 @@ pub fn decode_message(kind: u16, body: &[u8]) -> Result<Message, ProtoError> {
                 credit: r.u64()?,
                 commands: r.u64()?,
             }),
+            7 => Answer::Released { events: r.u64()? },
             _ => return Err(ProtoError::BadValue("answer")),
         }),
         kind::ERR => Message::Err(r.error()?),

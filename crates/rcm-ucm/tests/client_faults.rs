@@ -13,6 +13,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// The handle of a client's first id: the client library chooses its ids' handles.
+const FIRST: u32 = proto::CLIENT_HANDLES;
+
 /// A frame as the daemon writes it.
 fn frame(kind: u16, seq: u32, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(12 + body.len());
@@ -250,9 +253,9 @@ fn reader_keeps_reading() {
                 .collect::<Vec<_>>()
         })
     };
-    for h in 1..=IDS {
+    for h in FIRST..FIRST + IDS {
         let (seq, cmd) = read_command(&mut s);
-        assert_eq!(cmd, Command::CreateId(rcm::PortSpace::Tcp));
+        assert_eq!(cmd, Command::CreateIdAs(rcm::PortSpace::Tcp, h));
         let ok = Message::Ok(proto::Answer::Handle(h));
         s.write_all(&ok.encode(seq)).expect("reply");
     }
@@ -266,7 +269,7 @@ fn reader_keeps_reading() {
     });
     std::thread::sleep(Duration::from_millis(300));
     let event = Message::Event {
-        handle: 1,
+        handle: FIRST,
         event: proto::WireEvent::AddrResolved,
         qp: None,
     }
@@ -309,12 +312,12 @@ fn session_channel_and_one_id(
         .expect("attach ok");
     refuse_map(&mut c);
     let (seq, create) = read_command(&mut c);
-    assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
-    c.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+    assert_eq!(create, Command::CreateIdAs(rcm::PortSpace::Tcp, FIRST));
+    c.write_all(&Message::Ok(proto::Answer::Handle(FIRST)).encode(seq))
         .expect("handle");
     go.recv_timeout(T).expect("the id is made");
     let event = Message::Event {
-        handle: 1,
+        handle: FIRST,
         event: proto::WireEvent::AddrResolved,
         qp: None,
     }
@@ -419,7 +422,10 @@ fn a_call_waiting_behind_a_held_reader_fails_when_the_daemon_dies() {
         s.write_all(&event).expect("event");
         // The call made under the lock comes on the channel; then the daemon is gone.
         let (_, call) = read_command(&mut c);
-        assert_eq!(call, Command::CreateId(rcm::PortSpace::Tcp));
+        assert!(
+            matches!(call, Command::CreateIdAs(rcm::PortSpace::Tcp, _)),
+            "{call:?}"
+        );
         drop(listener);
         let _ = std::fs::remove_file(&daemon_path);
     });
@@ -481,14 +487,14 @@ fn frames_cut_anywhere_and_longer_than_the_buffer_are_read_whole() {
         std::thread::spawn(move || f.try_create_id_on(rcm::PortSpace::Tcp, &ch))
     };
     let (seq, cmd) = read_command(&mut s);
-    assert_eq!(cmd, Command::CreateId(rcm::PortSpace::Tcp));
-    s.write_all(&Message::Ok(proto::Answer::Handle(1)).encode(seq))
+    assert_eq!(cmd, Command::CreateIdAs(rcm::PortSpace::Tcp, FIRST));
+    s.write_all(&Message::Ok(proto::Answer::Handle(FIRST)).encode(seq))
         .expect("reply");
     let id = maker.join().expect("maker").expect("create");
     let mut bytes = frame(proto::kind::EVENT, 0, &vec![0xEE; 40_000]);
     for _ in 0..EVENTS {
         let ev = Message::Event {
-            handle: 1,
+            handle: FIRST,
             event: proto::WireEvent::AddrResolved,
             qp: None,
         };
@@ -644,8 +650,13 @@ fn last_polled_round(round: usize) -> (Seen, u64, Option<&'static str>) {
         let (mut s, _) = listener.accept().expect("session");
         open_session(&mut s);
         let (mut c, _) = listener.accept().expect("channel");
+        // A create gets the handle it names.
         let answer = |c: &mut UnixStream, a: proto::Answer| {
             let (seq, cmd) = read_command(c);
+            let a = match cmd {
+                Command::CreateIdAs(_, h) => proto::Answer::Handle(h),
+                _ => a,
+            };
             c.write_all(&Message::Ok(a).encode(seq)).expect("answer");
             cmd
         };
@@ -653,22 +664,22 @@ fn last_polled_round(round: usize) -> (Seen, u64, Option<&'static str>) {
         assert!(matches!(answer(&mut c, done()), Command::Attach { .. }));
         refuse_map(&mut c);
         assert!(matches!(
-            answer(&mut c, proto::Answer::Handle(1)),
-            Command::CreateId(_)
+            answer(&mut c, done()),
+            Command::CreateIdAs(_, FIRST)
         ));
         assert!(matches!(
-            answer(&mut c, proto::Answer::Handle(2)),
-            Command::CreateId(_)
+            answer(&mut c, done()),
+            Command::CreateIdAs(_, h) if h == FIRST + 1
         ));
         let bind = answer(&mut c, done());
         assert!(
-            matches!(bind, Command::Call(1, rcm::remote::Op::Bind(_))),
+            matches!(bind, Command::Call(FIRST, rcm::remote::Op::Bind(_))),
             "{bind:?}"
         );
         // The waiter polls by now (it began as the answer came).
         std::thread::sleep(Duration::from_millis(200));
         let mut bytes = Message::Event {
-            handle: 2,
+            handle: FIRST + 1,
             event: proto::WireEvent::AddrResolved,
             qp: None,
         }
@@ -749,4 +760,144 @@ fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
         }
     }
     panic!("in {ROUNDS} rounds, none had the waiter receive the frames and the callback run");
+}
+
+/// A destroyed id's handle is not chosen again while events of that id may still be on
+/// their way to the client (protocol §8): not while its `DESTROY_ID` is unanswered, nor
+/// until the client has taken as many events as the answer counts; after that it is, and
+/// the late event went to no id. Before, the client let go of the handle as the id was
+/// released: a create whose counter came round to it took it at once, and the old id's
+/// late event went to the new id.
+#[test]
+fn a_destroyed_ids_handle_waits_for_the_ids_late_events() {
+    use rcm::PortSpace::Tcp;
+    let (path, client, f, mut s) = fake_session("handle-reuse");
+    // Answers a create with the handle it names; that handle.
+    let answer_create = |s: &mut UnixStream| {
+        let (seq, cmd) = read_command(s);
+        let Command::CreateIdAs(Tcp, h) = cmd else {
+            panic!("expected a create naming its handle, got {cmd:?}");
+        };
+        s.write_all(&Message::Ok(proto::Answer::Handle(h)).encode(seq))
+            .expect("handle");
+        h
+    };
+    let create_on = |ch: &rcm::EventChannel| {
+        let (f, ch) = (f.clone(), ch.clone());
+        std::thread::spawn(move || f.try_create_id_on(Tcp, &ch).expect("create"))
+    };
+    let (cha, chb, chc, chd) = (
+        rcm::EventChannel::new(),
+        rcm::EventChannel::new(),
+        rcm::EventChannel::new(),
+        rcm::EventChannel::new(),
+    );
+    let a = create_on(&cha);
+    assert_eq!(answer_create(&mut s), FIRST);
+    let a = a.join().expect("a");
+    // A is destroyed. While its destroy waits for the answer, the counter comes round.
+    let destroyer = std::thread::spawn(move || a.destroy());
+    let (dseq, cmd) = read_command(&mut s);
+    assert_eq!(cmd, Command::DestroyId(FIRST));
+    client.set_handle_counter(0);
+    let b = create_on(&chb);
+    assert_eq!(
+        answer_create(&mut s),
+        FIRST + 1,
+        "A's handle was chosen while its destroy was unanswered"
+    );
+    let b = b.join().expect("b");
+    // One event was written to the session before A's handle went; the client has not
+    // taken it yet.
+    s.write_all(&Message::Ok(proto::Answer::Released { events: 1 }).encode(dseq))
+        .expect("released");
+    destroyer.join().expect("destroyer").expect("destroy");
+    client.set_handle_counter(0);
+    let c = create_on(&chc);
+    assert_eq!(
+        answer_create(&mut s),
+        FIRST + 2,
+        "A's handle was chosen before A's last event was taken"
+    );
+    let c = c.join().expect("c");
+    // A's late event, then one for B: once B has its own, A's was taken.
+    for h in [FIRST, FIRST + 1] {
+        let ev = Message::Event {
+            handle: h,
+            event: proto::WireEvent::AddrResolved,
+            qp: None,
+        };
+        s.write_all(&ev.encode(0)).expect("event");
+    }
+    let e = chb.get_event(Some(T)).expect("B's event");
+    assert_eq!(e.id(), &b);
+    assert!(matches!(e.event(), rcm::Event::AddrResolved), "{e:?}");
+    let quiet = Some(Duration::from_millis(100));
+    assert!(chc.get_event(quiet).is_none(), "A's late event went to C");
+    assert!(cha.get_event(quiet).is_none(), "A's late event went to A");
+    // Now A's handle is free again.
+    client.set_handle_counter(0);
+    let d = create_on(&chd);
+    assert_eq!(
+        answer_create(&mut s),
+        FIRST,
+        "A's handle stayed out of use after its events were taken"
+    );
+    let d = d.join().expect("d");
+    // The daemon goes: the ids' destroys need no answers.
+    drop(s);
+    drop((b, c, d, f));
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A destroy that a callback on the session's reader asks for when no command channel can
+/// be had goes on the session's connection, with nobody waiting for its answer: that answer
+/// still lets the handle go once the events it counts were taken (protocol §8), instead of
+/// the handle staying out of use for the session's life.
+#[test]
+fn a_destroy_sent_from_the_reader_without_a_channel_lets_its_handle_go() {
+    use std::sync::Arc;
+    let (path, listener) = fake_listener("reader-release");
+    let (created, go) = mpsc::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let (mut s, c, event) = session_channel_and_one_id(&listener, &go);
+        // The channel goes and no other is let in: the callback's call fails on it, and
+        // the destroy has only the session's connection.
+        drop(c);
+        std::thread::spawn(move || refuse_channels(&listener));
+        s.write_all(&event).expect("event");
+        let (seq, cmd) = read_command(&mut s);
+        assert_eq!(cmd, Command::DestroyId(FIRST));
+        // The event written before it is the one the callback ran for.
+        let released = Message::Ok(proto::Answer::Released { events: 1 });
+        s.write_all(&released.encode(seq)).expect("released");
+        s
+    });
+    let cfg = rcm::FabricConfig {
+        callbacks: rcm::CallbackMode::Inline,
+        ..rcm::FabricConfig::default()
+    };
+    let client = Client::connect_for(&path, &cfg).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client.clone()), cfg);
+    let (ran, got) = mpsc::channel();
+    let id = f
+        .try_create_id(rcm::PortSpace::Tcp, move |id, ev| {
+            if !matches!(ev, rcm::Event::AddrResolved) {
+                return rcm::Flow::Continue;
+            }
+            let _ = ran.send(id.resolve_route());
+            rcm::Flow::Destroy
+        })
+        .expect("create");
+    created.send(()).expect("tell the fake daemon");
+    let r = got.recv_timeout(T).expect("the callback ran");
+    assert!(r.is_err(), "a call on the closed channel: {r:?}");
+    let s = daemon.join().expect("fake daemon");
+    wait_until(
+        || client.held_ids() == 0 && client.handles_draining() == 0,
+        || format!("{} handles held back", client.handles_draining()),
+    );
+    assert_eq!(client.mapped_channels(), 0);
+    drop((s, id, f));
+    let _ = std::fs::remove_file(&path);
 }

@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use rcm::remote::Reply;
 use rcm_shm::{Consumer, Region};
-use rcm_ucm::proto::{Answer, Command, Limits, Message, WireError, WireEvent};
+use rcm_ucm::proto::{self, Answer, Command, Limits, Message, WireError, WireEvent};
 use rcm_ucm::raw::RawSession;
 use rcm_ucm::shmchan::{EVENTS, EVENTS_REGION_BYTES};
 use rcm_ucm::{Client, Daemon};
@@ -233,15 +233,19 @@ fn a_client_ends_the_session_on_a_broken_events_ring() {
             // The client's CreateId, answered in the ring (a byte on the socket for its
             // reader, asleep or not).
             let (seq, create) = read_command(&mut s);
-            assert_eq!(create, Command::CreateId(rcm::PortSpace::Tcp));
-            tx.push(&Message::Ok(Answer::Handle(1)).encode(seq))
+            let first = proto::CLIENT_HANDLES;
+            assert_eq!(create, Command::CreateIdAs(rcm::PortSpace::Tcp, first));
+            tx.push(&Message::Ok(Answer::Handle(first)).encode(seq))
                 .expect("push")
                 .expect("room");
             s.write_all(&[1]).expect("doorbell");
             // Until the client has the id (an event for a handle it has not filed yet
             // would be dropped, not delivered).
             let (_, query) = read_command(&mut s);
-            assert!(matches!(query, Command::Call(1, _)), "{query:?}");
+            assert!(
+                matches!(query, Command::Call(h, _) if h == first),
+                "{query:?}"
+            );
             match spoil {
                 // Not a frame of the protocol.
                 0 => {
@@ -315,13 +319,12 @@ fn push_ringing(tx: &mut rcm_shm::Producer, s: &mut UnixStream, f: &[u8]) {
     }
 }
 
-/// Answers the client's first two calls (its CreateId with handle 1, then one more) in the
-/// ring.
+/// Answers the client's first two calls (its CreateId, then one more) in the ring.
 fn answer_create_and_one_call(tx: &mut rcm_shm::Producer, s: &mut UnixStream) {
     for _ in 0..2 {
         let (seq, cmd) = read_command(s);
         let a = match cmd {
-            Command::CreateId(_) => Answer::Handle(1),
+            Command::CreateIdAs(_, h) => Answer::Handle(h),
             _ => Answer::Reply(Reply::Done),
         };
         push_ringing(tx, s, &Message::Ok(a).encode(seq));
@@ -444,7 +447,7 @@ fn a_doorbell_read_by_a_polling_waiter_does_not_strand_its_frame() {
         answer_create_and_one_call(&mut tx, &mut s);
         ack_tx.send(()).expect("ack");
         let event = Message::Event {
-            handle: 1,
+            handle: proto::CLIENT_HANDLES,
             event: WireEvent::AddrResolved,
             qp: None,
         }

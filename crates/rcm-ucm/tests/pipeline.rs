@@ -557,3 +557,76 @@ fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_
     b.destroy().expect("destroy");
     wait_ids(&d, 0, 0);
 }
+
+/// Ids that had events on their way when destroyed: a destroy waited for, one in a
+/// pipeline, and one by a callback's `Flow::Destroy` on the session's reader, through a
+/// channel in shared memory (pipelined) or on a socket (a call). Each handle is held back until its destroy's answer has
+/// come and the events it counts were taken (protocol §8), and then let go: none stays
+/// held for good.
+#[test]
+fn every_way_of_destroying_lets_the_handle_go_once_its_events_are_taken() {
+    let resolve = |id: &rcm::CmId| id.resolve_addr(None, nowhere()).expect("resolve");
+    // An id whose callback destroys it at its first event.
+    let doomed = |f: &rcm::Fabric, gone: &Arc<AtomicUsize>| {
+        let gone = gone.clone();
+        f.create_id(PortSpace::Tcp, move |_, _| {
+            gone.fetch_add(1, Ordering::SeqCst);
+            Flow::Destroy
+        })
+    };
+    let d = daemon("pl-drain", 47888, &[1]);
+    let inline = FabricConfig {
+        callbacks: CallbackMode::Inline,
+        ..FabricConfig::default()
+    };
+    let client = rcm_ucm::Client::connect_for(d.socket(), &inline).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client.clone()), inline.clone());
+    let ch = EventChannel::new();
+    // Waited for, and in a pipeline, each with its ADDR_ERROR unread.
+    for _ in 0..20 {
+        let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+        resolve(&id);
+        id.destroy().expect("destroy");
+    }
+    {
+        let _p = rcm::Pipeline::begin();
+        for _ in 0..20 {
+            let id = f.try_create_id_on(PortSpace::Tcp, &ch).expect("create");
+            resolve(&id);
+            drop(id.begin_destroy());
+        }
+    }
+    // By callbacks on the reader, with a command channel.
+    let gone = Arc::new(AtomicUsize::new(0));
+    let ids: Vec<_> = (0..20).map(|_| doomed(&f, &gone)).collect();
+    ids.iter().for_each(resolve);
+    wait_until(
+        || gone.load(Ordering::SeqCst) == 20,
+        || "the callbacks ran".into(),
+    );
+    drop(ids);
+    wait_until(
+        || client.held_ids() == 0 && client.handles_draining() == 0,
+        || format!("{} handles still held back", client.handles_draining()),
+    );
+    // By callbacks on the reader through channels on sockets (a daemon that maps no
+    // memory): no pipeline there, each destroy is a call on a channel.
+    let mut cfg = config("pl-drain-sockets", 47889, &[1]);
+    cfg.shared_memory = false;
+    let sockets = rcm_ucm::Daemon::start(cfg).expect("daemon");
+    let client = rcm_ucm::Client::connect_for(sockets.socket(), &inline).expect("session");
+    let f = rcm::Fabric::with_provider(Arc::new(client.clone()), inline);
+    let gone = Arc::new(AtomicUsize::new(0));
+    let ids: Vec<_> = (0..20).map(|_| doomed(&f, &gone)).collect();
+    ids.iter().for_each(resolve);
+    wait_until(
+        || gone.load(Ordering::SeqCst) == 20,
+        || "the callbacks ran".into(),
+    );
+    assert_eq!(client.mapped_channels(), 0, "the channels are on sockets");
+    wait_until(
+        || client.held_ids() == 0 && client.handles_draining() == 0,
+        || format!("{} handles still held back", client.handles_draining()),
+    );
+    drop(ids);
+}

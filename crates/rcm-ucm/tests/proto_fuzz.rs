@@ -376,7 +376,7 @@ fn wire_event(rng: &mut StdRng) -> WireEvent {
 }
 
 fn message(rng: &mut StdRng) -> Message {
-    match rng.gen_range(0..12) {
+    match rng.gen_range(0..13) {
         0 => Message::HelloOk {
             version: rng.gen(),
             token: rng.gen(),
@@ -410,6 +410,7 @@ fn message(rng: &mut StdRng) -> Message {
             commands: rng.gen(),
         })),
         8 => Message::Err(wire_error(rng)),
+        9 => Message::Ok(Answer::Released { events: rng.gen() }),
         _ => Message::Event {
             handle: rng.gen(),
             event: wire_event(rng),

@@ -635,6 +635,58 @@ fn a_burst_past_a_credit_window_waits_for_a_slow_listener() {
     peer.shutdown();
 }
 
+/// `DESTROY_ID` answers how many events the session had been written when the handle went
+/// (protocol §8): an event written before counts, one still queued for want of credit does
+/// not (it goes with the id), and neither do events written after.
+#[test]
+fn destroy_answers_how_many_events_were_written_before_the_handle_went() {
+    let d = daemon("released", 47887, &[1]);
+    let (mut s, _) = raw(&d);
+    let resolve = |h| {
+        Command::Call(
+            h,
+            Op::ResolveAddr {
+                src: None,
+                dst: nowhere(),
+            },
+        )
+    };
+    let released = |s: &mut RawSession, h| match ok(s, &Command::DestroyId(h)) {
+        Answer::Released { events } => events,
+        a => panic!("DestroyId answered {a:?}"),
+    };
+    let event_of = |s: &mut RawSession, want: u32| match s.next_event().expect("event") {
+        Message::Event { handle, .. } => assert_eq!(handle, want),
+        m => panic!("expected an event, got {m:?}"),
+    };
+    let (a, b, c) = (create(&mut s), create(&mut s), create(&mut s));
+    s.send(&Command::GetEvent(2)).expect("credit");
+    ok(&mut s, &resolve(a));
+    event_of(&mut s, a);
+    ok(&mut s, &resolve(b));
+    event_of(&mut s, b);
+    // c's event waits for credit: not written, so not counted, and it goes with c.
+    ok(&mut s, &resolve(c));
+    wait_stats(&mut s, |st| st.queued_events == 1, "c's event queued");
+    assert_eq!(released(&mut s, c), 2);
+    assert_eq!(stats(&mut s).queued_events, 0, "c's event went with c");
+    // b's event, written after a's, counts for a too.
+    assert_eq!(released(&mut s, a), 2);
+    // An id that had no event: the count when it went.
+    let e = create(&mut s);
+    s.send(&Command::GetEvent(1)).expect("credit");
+    ok(&mut s, &resolve(b));
+    event_of(&mut s, b);
+    assert_eq!(released(&mut s, e), 3);
+    assert_eq!(released(&mut s, b), 3);
+    assert!(matches!(
+        err(&mut s, &Command::DestroyId(b)),
+        WireError::NoSuchId
+    ));
+    drop(s);
+    wait_ids(&d, 0, 0);
+}
+
 #[test]
 fn credit_for_more_than_a_batch_brings_every_queued_event() {
     const N: usize = 600;
