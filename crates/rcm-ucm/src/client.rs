@@ -785,6 +785,7 @@ impl Inner {
             Err(e) => Error::Remote(format!("bad answer from the daemon: {e}")),
         };
         let ev = match o.kind {
+            // Settled above.
             OwedKind::Release => return,
             OwedKind::Addr => Event::AddrError(err),
             OwedKind::Route => Event::RouteError(err),
