@@ -560,19 +560,35 @@ fn a_blocking_destroy_in_a_pipeline_that_waits_for_a_callback_first_awaits_what_
 
 /// Ids that had events on their way when destroyed: a destroy waited for, one in a
 /// pipeline, and one by a callback's `Flow::Destroy` on the session's reader, through a
-/// channel in shared memory (pipelined) or on a socket (a call). Each handle is held back until its destroy's answer has
-/// come and the events it counts were taken (protocol §8), and then let go: none stays
-/// held for good.
+/// channel in shared memory (pipelined) or on a socket (a call). Each handle is held back
+/// until its destroy's answer has come and the events it counts were taken (protocol §8),
+/// and then let go: none stays held for good.
 #[test]
 fn every_way_of_destroying_lets_the_handle_go_once_its_events_are_taken() {
     let resolve = |id: &rcm::CmId| id.resolve_addr(None, nowhere()).expect("resolve");
-    // An id whose callback destroys it at its first event.
-    let doomed = |f: &rcm::Fabric, gone: &Arc<AtomicUsize>| {
-        let gone = gone.clone();
-        f.create_id(PortSpace::Tcp, move |_, _| {
-            gone.fetch_add(1, Ordering::SeqCst);
-            Flow::Destroy
-        })
+    let all_let_go = |client: &rcm_ucm::Client| {
+        wait_until(
+            || client.held_ids() == 0 && client.handles_draining() == 0,
+            || format!("{} handles still held back", client.handles_draining()),
+        );
+    };
+    // Twenty ids destroyed by their callbacks at their first event, on the reader.
+    let destroyed_by_callbacks = |f: &rcm::Fabric| {
+        let gone = Arc::new(AtomicUsize::new(0));
+        let ids: Vec<_> = (0..20)
+            .map(|_| {
+                let gone = gone.clone();
+                f.create_id(PortSpace::Tcp, move |_, _| {
+                    gone.fetch_add(1, Ordering::SeqCst);
+                    Flow::Destroy
+                })
+            })
+            .collect();
+        ids.iter().for_each(resolve);
+        wait_until(
+            || gone.load(Ordering::SeqCst) == 20,
+            || "the callbacks ran".into(),
+        );
     };
     let d = daemon("pl-drain", 47888, &[1]);
     let inline = FabricConfig {
@@ -596,37 +612,17 @@ fn every_way_of_destroying_lets_the_handle_go_once_its_events_are_taken() {
             drop(id.begin_destroy());
         }
     }
-    // By callbacks on the reader, with a command channel.
-    let gone = Arc::new(AtomicUsize::new(0));
-    let ids: Vec<_> = (0..20).map(|_| doomed(&f, &gone)).collect();
-    ids.iter().for_each(resolve);
-    wait_until(
-        || gone.load(Ordering::SeqCst) == 20,
-        || "the callbacks ran".into(),
-    );
-    drop(ids);
-    wait_until(
-        || client.held_ids() == 0 && client.handles_draining() == 0,
-        || format!("{} handles still held back", client.handles_draining()),
-    );
-    // By callbacks on the reader through channels on sockets (a daemon that maps no
-    // memory): no pipeline there, each destroy is a call on a channel.
+    // Through a channel in shared memory.
+    destroyed_by_callbacks(&f);
+    all_let_go(&client);
+    // Through channels on sockets (a daemon that maps no memory): no pipeline there, each
+    // destroy is a call on a channel.
     let mut cfg = config("pl-drain-sockets", 47889, &[1]);
     cfg.shared_memory = false;
     let sockets = rcm_ucm::Daemon::start(cfg).expect("daemon");
     let client = rcm_ucm::Client::connect_for(sockets.socket(), &inline).expect("session");
     let f = rcm::Fabric::with_provider(Arc::new(client.clone()), inline);
-    let gone = Arc::new(AtomicUsize::new(0));
-    let ids: Vec<_> = (0..20).map(|_| doomed(&f, &gone)).collect();
-    ids.iter().for_each(resolve);
-    wait_until(
-        || gone.load(Ordering::SeqCst) == 20,
-        || "the callbacks ran".into(),
-    );
+    destroyed_by_callbacks(&f);
     assert_eq!(client.mapped_channels(), 0, "the channels are on sockets");
-    wait_until(
-        || client.held_ids() == 0 && client.handles_draining() == 0,
-        || format!("{} handles still held back", client.handles_draining()),
-    );
-    drop(ids);
+    all_let_go(&client);
 }
