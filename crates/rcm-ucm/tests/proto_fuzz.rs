@@ -701,6 +701,9 @@ struct FuzzSession {
     responses: Vec<u32>,
     /// `OK Handle` answers seen, by seq (the last few).
     handles: Vec<(u32, u32)>,
+    /// Events read, and the count in the last `OK Released` (protocol §8).
+    events_in: u64,
+    released: u64,
 }
 
 impl FuzzSession {
@@ -722,6 +725,8 @@ impl FuzzSession {
             requests: Vec::new(),
             responses: Vec::new(),
             handles: Vec::new(),
+            events_in: 0,
+            released: 0,
         })
     }
 
@@ -817,6 +822,19 @@ impl FuzzSession {
             assert_eq!(h.flags, 0);
             if let Message::Event { .. } = m {
                 assert_eq!(h.seq, 0, "events carry seq 0");
+                self.events_in += 1;
+            }
+            // A destroy's answer counts events written before it on this connection (the
+            // fuzz sessions have no channels): never more than were read, and never fewer
+            // than an earlier answer counted.
+            if let Message::Ok(Answer::Released { events }) = m {
+                assert!(
+                    events <= self.events_in,
+                    "a destroy answered {events} events, {} were read before it",
+                    self.events_in
+                );
+                assert!(events >= self.released, "the count went back");
+                self.released = events;
             }
             if let Message::HelloOk { token, .. } = m {
                 let mut t = tokens.lock().expect("tokens");
