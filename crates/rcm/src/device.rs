@@ -97,7 +97,7 @@ pub(crate) struct DeviceInner {
     /// to check), and once the kernel refused one.
     gso: AtomicBool,
     /// `CallbackMode::Inline`: callbacks of received events run on the receive loop.
-    inline_callbacks: bool,
+    pub(crate) inline_callbacks: bool,
     /// `FabricConfig::loopback`: datagrams to `ip` go to the engine, not to the socket.
     loopback: bool,
     pub stats: DeviceStats,
@@ -184,10 +184,12 @@ impl DeviceInner {
         engine: Endpoint,
         max_half_open: usize,
         spin: Duration,
+        inline_callbacks: bool,
     ) -> crate::Result<Arc<Self>> {
         crate::iwarp::check_addr(ip)?;
         let dev = Arc::new(DeviceInner {
             iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
+            inline_callbacks,
             ..DeviceInner::blank(ip, engine)
         });
         crate::iwarp::IwDev::start(&dev, spin)?;

@@ -90,8 +90,11 @@ pub enum CallbackMode {
     /// after the batch of datagrams it received, with what the callbacks send held and sent
     /// together at the end (a receive of one datagram holds nothing: its answer leaves from
     /// within the call that made it): one thread hop less per event (on a 2-core VM, serial
-    /// connect p50 ~33 µs instead of ~55). Events from elsewhere (a call's own, a timer's,
-    /// iWARP's, and those of datagrams a thread waiting in `get_event` received itself, see
+    /// connect p50 ~33 µs instead of ~55). An iWARP device's I/O thread likewise runs the
+    /// callbacks of what its streams brought (a connect request, the MPA Reply, the peer's
+    /// close) after each pass over them (serial iWARP connects p50 ~40–57 µs instead of
+    /// ~61–67). Events from elsewhere (a call's own, a timer's, and those of datagrams a
+    /// thread waiting in `get_event` received itself, see
     /// [`EventChannel::set_spin`](crate::EventChannel::set_spin)) run as in
     /// `BatchedThreads`. For a fabric served by the `rcm daemon` (rcm-ucm), the callbacks
     /// run on the session's reader thread after each batch of events it read.
@@ -762,6 +765,7 @@ impl Fabric {
                 Endpoint::new(cfg),
                 self.0.cfg.max_half_open,
                 self.0.cfg.spin,
+                self.0.cfg.callbacks == CallbackMode::Inline,
             )?,
             None => DeviceInner::open(
                 ip,

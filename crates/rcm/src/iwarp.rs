@@ -860,6 +860,11 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
             return;
         }
         let tokens: Vec<Token> = events.iter().map(mio::event::Event::token).collect();
+        // `CallbackMode::Inline`: the callbacks of what this pass produced run here once the
+        // device's state is let go (at the end of the pass), not on a callback thread that
+        // must be woken: a serial connect's MPA Reply is written by the accepting callback
+        // on this thread.
+        let _here = d.inline_callbacks.then(crate::CallbacksHere::begin);
         // Time is the Cep's to keep; this loop only sleeps until its next deadline, and not
         // at all while a stream has more to read.
         wait = d.with_iw(|e, iw, now| {
