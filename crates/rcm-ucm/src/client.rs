@@ -1428,8 +1428,9 @@ impl RemoteId for Handle {
             return;
         }
         // On the reader, which cannot wait for an answer on the session's connection: a
-        // channel, or (none attaches) fire and forget there (seq 0 is never answered), in
-        // order with the session's other calls while they have no channel either. (When
+        // channel, or (none attaches) written there without waiting, its answer settled by
+        // the reader when it comes, in order with the session's other calls while they have
+        // no channel either. (When
         // the refusal was one that passes, the daemon's connection limit or a socket error,
         // a call made after a later attach can still overtake it.)
         if let Some(ch) = c.acquire(true) {
