@@ -80,8 +80,14 @@ fn addr_error_for(
 
 #[test]
 fn a_waiter_receives_its_event_from_the_session_itself() {
-    // A waiter held off polling (a CPU-bound neighbour) rightly leaves its event to the
-    // reader: tried again, up to five times, each on a fresh thread, and skipped if all were.
+    // A waiter that is not polling when its event comes rightly leaves it to the reader:
+    // held off polling (a CPU-bound neighbour took its yields, which is counted), or
+    // preempted between two looks for longer than the reader stands aside (which is not:
+    // beside two CPU-bound processes, one attempt in three). Tried up to five times, each on
+    // a fresh thread: it fails only if none received its event and none was held off (a
+    // waiter that never receives fails all five on a quiet host), and is skipped when the
+    // host was too busy to tell.
+    let mut held_off = 0;
     for n in 1..=5 {
         let d = daemon("bp-own", 47500, &[1]);
         let (c, f) = session(&d);
@@ -90,13 +96,19 @@ fn a_waiter_receives_its_event_from_the_session_itself() {
         let polled = c.busy_polled();
         f.shutdown();
         d.shutdown();
-        if !held {
-            assert!(polled >= 1, "the waiter did not receive its event itself");
+        if polled >= 1 {
             return;
         }
-        eprintln!("attempt {n}: the waiter was held off polling (a CPU-bound neighbour)");
+        held_off += usize::from(held);
+        eprintln!("attempt {n}: the reader received the event (waiter held off: {held})");
     }
-    eprintln!("skipped: every attempt was held off polling; this host is too busy to test it");
+    assert!(
+        held_off > 0,
+        "the waiter did not receive its event itself in five attempts"
+    );
+    eprintln!(
+        "skipped: {held_off} of 5 attempts were held off polling; this host is too busy to tell"
+    );
 }
 
 #[test]
