@@ -762,6 +762,18 @@ fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
     panic!("in {ROUNDS} rounds, none had the waiter receive the frames and the callback run");
 }
 
+/// The fake daemon's answer to the client's next command, a TCP `CREATE_ID` naming its
+/// handle: that handle.
+fn answer_create(s: &mut UnixStream) -> u32 {
+    let (seq, cmd) = read_command(s);
+    let Command::CreateIdAs(rcm::PortSpace::Tcp, h) = cmd else {
+        panic!("expected a create naming its handle, got {cmd:?}");
+    };
+    s.write_all(&Message::Ok(proto::Answer::Handle(h)).encode(seq))
+        .expect("handle");
+    h
+}
+
 /// A destroyed id's handle is not chosen again while events of that id may still be on
 /// their way to the client (protocol §8): not while its `DESTROY_ID` is unanswered, nor
 /// until the client has taken as many events as the answer counts; after that it is, and
@@ -772,16 +784,6 @@ fn calls_from_callbacks_of_what_a_waiter_received_last_fail_at_once() {
 fn a_destroyed_ids_handle_waits_for_the_ids_late_events() {
     use rcm::PortSpace::Tcp;
     let (path, client, f, mut s) = fake_session("handle-reuse");
-    // Answers a create with the handle it names; that handle.
-    let answer_create = |s: &mut UnixStream| {
-        let (seq, cmd) = read_command(s);
-        let Command::CreateIdAs(Tcp, h) = cmd else {
-            panic!("expected a create naming its handle, got {cmd:?}");
-        };
-        s.write_all(&Message::Ok(proto::Answer::Handle(h)).encode(seq))
-            .expect("handle");
-        h
-    };
     let create_on = |ch: &rcm::EventChannel| {
         let (f, ch) = (f.clone(), ch.clone());
         std::thread::spawn(move || f.try_create_id_on(Tcp, &ch).expect("create"))
@@ -899,5 +901,53 @@ fn a_destroy_sent_from_the_reader_without_a_channel_lets_its_handle_go() {
     );
     assert_eq!(client.mapped_channels(), 0);
     drop((s, id, f));
+    let _ = std::fs::remove_file(&path);
+}
+
+/// How a destroy's other answers settle its handle (protocol §8): `ERR NoSuchId` (the
+/// daemon did not hold it, so nothing of it can be on its way) lets the handle go at once;
+/// an answer that says nothing of the events (here a version-6 `OK Done`) keeps it out of
+/// use for the session's life rather than guess.
+#[test]
+fn a_destroy_answered_no_such_id_frees_its_handle_and_a_bad_answer_keeps_it() {
+    use rcm::PortSpace::Tcp;
+    let (path, client, f, mut s) = fake_session("handle-settle");
+    let ch = rcm::EventChannel::new();
+    // A create from another thread (the fake answers it here), with the handle it named.
+    let create = |s: &mut UnixStream| {
+        let (f, ch) = (f.clone(), ch.clone());
+        let t = std::thread::spawn(move || f.try_create_id_on(Tcp, &ch).expect("create"));
+        let h = answer_create(s);
+        (h, t.join().expect("creator"))
+    };
+    // Destroys `id` from another thread, answering its DESTROY_ID with `answer`.
+    let destroy = |s: &mut UnixStream, id: rcm::CmId, h: u32, answer: Message| {
+        let t = std::thread::spawn(move || id.destroy());
+        let (seq, cmd) = read_command(s);
+        assert_eq!(cmd, Command::DestroyId(h));
+        s.write_all(&answer.encode(seq)).expect("answer");
+        t.join().expect("destroyer").expect("destroy");
+    };
+    let (h, a) = create(&mut s);
+    assert_eq!(h, FIRST);
+    destroy(&mut s, a, h, Message::Err(WireError::NoSuchId));
+    client.set_handle_counter(0);
+    let (h, b) = create(&mut s);
+    assert_eq!(
+        h, FIRST,
+        "a handle the daemon did not hold was kept out of use"
+    );
+    let done = Message::Ok(proto::Answer::Reply(rcm::remote::Reply::Done));
+    destroy(&mut s, b, h, done);
+    assert_eq!(client.handles_draining(), 1);
+    client.set_handle_counter(0);
+    let (h, c) = create(&mut s);
+    assert_eq!(
+        h,
+        FIRST + 1,
+        "a handle whose destroy's answer said nothing was reused"
+    );
+    drop(s);
+    drop((c, f));
     let _ = std::fs::remove_file(&path);
 }
