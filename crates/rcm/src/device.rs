@@ -106,10 +106,10 @@ pub(crate) struct DeviceInner {
     pub iw: Option<crate::iwarp::IwDev>,
     /// Who receives from the socket (see `rxgate`): on a device whose I/O thread reads it
     /// (not one verifying ICRCs on a raw socket, not iWARP).
-    gate: Option<Arc<RxGate>>,
+    pub(crate) gate: Option<Arc<RxGate>>,
     /// What a thread waiting for an event polls when this device has a `gate` (the hint
     /// names it; see `busy_poll_hint`).
-    poller: Option<Arc<DevicePoll>>,
+    pub(crate) poller: Option<Arc<DevicePoll>>,
 }
 
 impl DeviceInner {
@@ -187,9 +187,12 @@ impl DeviceInner {
         inline_callbacks: bool,
     ) -> crate::Result<Arc<Self>> {
         crate::iwarp::check_addr(ip)?;
-        let dev = Arc::new(DeviceInner {
-            iw: Some(crate::iwarp::IwDev::new(cfg, max_half_open)?),
+        let iw = crate::iwarp::IwDev::new(cfg, max_half_open)?;
+        let dev = Arc::new_cyclic(|me| DeviceInner {
+            iw: Some(iw),
             inline_callbacks,
+            gate: Some(Arc::new(RxGate::new())),
+            poller: Some(Arc::new(DevicePoll(me.clone()))),
             ..DeviceInner::blank(ip, engine)
         });
         crate::iwarp::IwDev::start(&dev, spin)?;
@@ -227,6 +230,15 @@ impl DeviceInner {
     /// Whether this is an iWARP device.
     pub(crate) fn is_iwarp(&self) -> bool {
         self.iw.is_some()
+    }
+
+    /// Wakes the device's I/O thread if it is parked (standing aside for a waiter).
+    pub(crate) fn unpark_io(&self) {
+        if let Some(iw) = &self.iw {
+            iw.unpark();
+        } else if let Some(h) = sync::lock(&self.thread).as_ref() {
+            h.thread().unpark();
+        }
     }
 
     /// Runs `f` on the engine, then sends what it queued and routes what it reported.
@@ -758,7 +770,7 @@ fn recv_nowait(sock: &UdpSocket, buf: &mut [u8]) -> Option<(SocketAddr, usize)> 
 }
 
 /// Waits up to `d` for `sock` to become readable.
-fn wait_readable(sock: &UdpSocket, d: Duration) {
+pub(crate) fn wait_readable(sock: &impl std::os::fd::AsFd, d: Duration) {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let mut fds = [PollFd::new(sock, PollFlags::IN)];
     let t = Timespec::try_from(d).ok();
@@ -987,7 +999,7 @@ std::thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-fn set_busy_poll_hint(p: &Arc<DevicePoll>) {
+pub(crate) fn set_busy_poll_hint(p: &Arc<DevicePoll>) {
     let _ = BUSY_POLL_HINT.try_with(|h| {
         if let Ok(mut h) = h.try_borrow_mut() {
             let same = h
@@ -1066,9 +1078,7 @@ impl BusyPoll for DevicePoll {
         let Some(d) = self.0.upgrade() else { return };
         if d.gate.as_ref().is_some_and(|g| g.polled_left().is_zero()) {
             // It may be parked standing aside: back to its socket now.
-            if let Some(h) = sync::lock(&d.thread).as_ref() {
-                h.thread().unpark();
-            }
+            d.unpark_io();
         }
     }
 }
@@ -1086,6 +1096,9 @@ impl DeviceInner {
     /// its events run where the fabric's mode puts events from elsewhere (the callback
     /// threads), never on this thread.
     fn poll_once(self: &Arc<Self>) -> bool {
+        if self.is_iwarp() {
+            return self.iw_poll_once();
+        }
         let Some(gate) = &self.gate else { return false };
         if self.stop.load(Ordering::Relaxed) {
             return false;

@@ -926,7 +926,8 @@ impl Device {
     /// Datagrams received by threads waiting in [`EventChannel::get_event`] rather than by
     /// the device's own thread: a waiter polls the device it last called for as long as
     /// the channel polls ([`EventChannel::set_spin`]), and handles what arrives itself, its
-    /// own event included (busy polling). They are also in [`Device::traffic`].
+    /// own event included (busy polling). They are also in [`Device::traffic`]. On an iWARP
+    /// device: the streams' readiness events that waiters handled.
     ///
     /// [`EventChannel::get_event`]: crate::EventChannel::get_event
     /// [`EventChannel::set_spin`]: crate::EventChannel::set_spin
@@ -949,14 +950,19 @@ impl Device {
     /// the callbacks of its events run where the fabric's mode puts events from elsewhere,
     /// or on the polling thread inside a [`CallbacksHere`]. Call [`BusyPoll::kick`] before
     /// the thread sleeps, or the device's thread resumes only when the poll's deadline
-    /// passes. `None` for a device whose thread must read its socket itself (iWARP, or one
-    /// verifying ICRCs on a raw socket).
+    /// passes. `None` for a device whose thread must read its socket itself (one verifying
+    /// ICRCs on a raw socket), and for iWARP devices: their streams are polled by the
+    /// application's waiting threads
+    /// ([`EventChannel::set_spin`](crate::EventChannel::set_spin)), not by a provider's.
     ///
     /// [`BusyPoll::begin`]: crate::remote::BusyPoll::begin
     /// [`BusyPoll::end`]: crate::remote::BusyPoll::end
     /// [`BusyPoll::poll`]: crate::remote::BusyPoll::poll
     /// [`BusyPoll::kick`]: crate::remote::BusyPoll::kick
     pub fn busy_poller(&self) -> Option<Arc<dyn crate::remote::BusyPoll>> {
+        if self.0.is_iwarp() {
+            return None;
+        }
         self.0
             .poller()
             .map(|p| p as Arc<dyn crate::remote::BusyPoll>)

@@ -363,10 +363,11 @@ impl EventChannel {
     /// Sets how long [`EventChannel::get_event`] polls for an event before it sleeps
     /// (default [`crate::DEFAULT_SPIN`]; zero sleeps at once). See [`crate::FabricConfig::spin`].
     ///
-    /// While it polls, a waiting thread also receives for the RoCEv2 device it last called
-    /// (busy polling, as `SO_BUSY_POLL` has an application poll the NIC): the answer to its
+    /// While it polls, a waiting thread also receives for the device it last called (busy
+    /// polling, as `SO_BUSY_POLL` has an application poll the NIC): the answer to its
     /// `connect`, say, is received, handled and taken by this one thread, and the device's
-    /// own thread stands aside until the poll's deadline. Events for callback ids among
+    /// own thread stands aside until the poll's deadline. On an iWARP device the thread
+    /// looks at the device's TCP streams (their readiness) and handles what they bring. Events for callback ids among
     /// what it receives go to the fabric's callback threads, never to this one.
     /// [`Device::busy_polled`](crate::Device::busy_polled) counts what waiters received.
     /// For ids a provider holds (a daemon's), the thread polls what the provider offers

@@ -8,12 +8,19 @@
 //! queue to the ids, with no engine lock held, so user code never runs under it and the events
 //! of one stream reach its id in order.
 //!
+//! A thread of the application waiting for an event polls the device's readiness itself while
+//! the I/O thread stands aside (busy polling, as on RoCEv2 devices; see `rxgate`): the
+//! readiness is edge-triggered, so whoever takes it from the poll hands it to the engine,
+//! and the I/O thread sleeps on the poll's descriptor without holding the poll, so that a
+//! waiter can look meanwhile.
+//!
 //! As Linux's siw and iw_cm do, an rdma_cm listener on port P listens on TCP `ip:P`; an active
 //! side connects to `dst:P` from an ephemeral local port of its device's address, and sends
 //! the MPA Request once the TCP connect completed.
 
 use crate::device::DeviceInner;
 use crate::id::IdInner;
+use crate::rxgate::RxGate;
 use crate::sync;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
@@ -184,13 +191,50 @@ pub(crate) struct IwDev {
     pending: Mutex<Pending>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// The poll, until the I/O thread takes it.
-    poll: Mutex<Option<Poll>>,
+    /// The streams' readiness: looked at by the I/O thread, or by a thread waiting for its
+    /// event that polls the device meanwhile (busy polling, see [`DeviceInner::iw_poll_once`]).
+    looker: Arc<Mutex<Looker>>,
+    /// The epoll instance behind `looker`, which the I/O thread sleeps on without holding
+    /// the looker: a waiter can poll the streams while the thread sleeps.
+    epoll_fd: Arc<std::os::fd::OwnedFd>,
+    /// A waiter took the waker's readiness, which was the I/O thread's: it looks through its
+    /// deadlines (and at `stop`) again before it sleeps.
+    rewake: AtomicBool,
+    /// The I/O thread is (about to be) asleep on `epoll_fd`. With `rewake`, each side
+    /// writes its own flag before it reads the other's, so a wake-up a waiter took is
+    /// either seen by the thread before it sleeps or given back to it by the waiter.
+    asleep: AtomicBool,
+}
+
+/// The device's `mio` poll and the room its readiness lands in. Whoever holds it looks;
+/// readiness is edge-triggered, so what one looker takes the other never sees, and the
+/// taker hands it to the engine itself.
+pub(crate) struct Looker {
+    poll: Poll,
+    events: Events,
+}
+
+impl Looker {
+    /// The streams and listeners ready within `timeout` (zero: now), added to `keys`; true
+    /// when the waker was among them.
+    fn look(&mut self, timeout: Duration, keys: &mut Vec<ConnKey>) -> std::io::Result<bool> {
+        self.poll.poll(&mut self.events, Some(timeout))?;
+        let mut woken = false;
+        for ev in &self.events {
+            if ev.token() == WAKER {
+                woken = true;
+            } else {
+                keys.push(ev.token().0);
+            }
+        }
+        Ok(woken)
+    }
 }
 
 impl IwDev {
     pub(crate) fn new(cfg: CepConfig, max_half_open: usize) -> crate::Result<Self> {
         let poll = Poll::new()?;
+        let epoll_fd = Arc::new(crate::sys::dup_of(&poll)?);
         let registry = poll.registry().try_clone()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
         Ok(IwDev {
@@ -216,25 +260,30 @@ impl IwDev {
             pending: Mutex::new(Pending::default()),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
-            poll: Mutex::new(Some(poll)),
+            looker: Arc::new(Mutex::new(Looker {
+                poll,
+                events: Events::with_capacity(256),
+            })),
+            epoll_fd,
+            rewake: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
         })
     }
 
     /// Starts the I/O thread (once the device is built); it polls for `spin` after it last
     /// had something to do before it sleeps (`FabricConfig::spin`).
     pub(crate) fn start(dev: &Arc<DeviceInner>, spin: Duration) -> crate::Result<()> {
-        let Some(iw) = dev.iw.as_ref() else {
+        let (Some(iw), Some(gate)) = (dev.iw.as_ref(), dev.gate.clone()) else {
             return Ok(());
         };
-        let Some(poll) = sync::lock(&iw.poll).take() else {
-            return Ok(());
-        };
+        let looker = iw.looker.clone();
+        let epoll_fd = iw.epoll_fd.clone();
         let weak = Arc::downgrade(dev);
         let h = std::thread::Builder::new()
             .name(format!("rcm-iw-{}", dev.ip))
             .spawn(move || {
                 crate::fabric::mark_own_thread();
-                io_loop(&weak, poll, spin);
+                io_loop(&weak, &looker, &epoll_fd, &gate, spin);
             })
             .map_err(|e| crate::Error::Io(e.to_string()))?;
         *sync::lock(&iw.thread) = Some(h);
@@ -247,6 +296,8 @@ impl IwDev {
         let _ = self.waker.wake();
         let h = sync::lock(&self.thread).take();
         if let Some(h) = h {
+            // It may be asleep standing aside for a waiter (see `io_loop`).
+            h.thread().unpark();
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
@@ -259,6 +310,13 @@ impl IwDev {
         e.events.clear();
         drop(e);
         sync::lock(&self.listens).clear();
+    }
+
+    /// Wakes the I/O thread if it is parked (standing aside for a waiter).
+    pub(crate) fn unpark(&self) {
+        if let Some(h) = sync::lock(&self.thread).as_ref() {
+            h.thread().unpark();
+        }
     }
 
     /// Streams still held (for leak checks).
@@ -444,6 +502,11 @@ impl DeviceInner {
         self: &Arc<Self>,
         f: impl FnOnce(&mut IwEngine, &IwDev, Instant) -> R,
     ) -> R {
+        if let Some(p) = &self.poller {
+            if !crate::fabric::own_thread() {
+                crate::device::set_busy_poll_hint(p);
+            }
+        }
         let iw = self.iw();
         let now = Instant::now();
         let r = {
@@ -826,55 +889,131 @@ impl DeviceInner {
     }
 }
 
-fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
-    let mut events = Events::with_capacity(256);
+/// Looks at the streams' readiness now, unless a waiter is looking (see `iw_poll_once`).
+fn look_now(looker: &Mutex<Looker>, keys: &mut Vec<ConnKey>, woken: &mut bool, failed: &mut bool) {
+    let mut l = match looker.try_lock() {
+        Ok(l) => l,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    match l.look(Duration::ZERO, keys) {
+        Ok(w) => *woken |= w,
+        Err(_) => *failed = true,
+    }
+}
+
+fn io_loop(
+    dev: &Weak<DeviceInner>,
+    looker: &Mutex<Looker>,
+    epoll_fd: &std::os::fd::OwnedFd,
+    gate: &RxGate,
+    spin: Duration,
+) {
+    let mut keys = Vec::new();
     let mut wait = Duration::from_millis(100);
     // Until when this thread polls rather than sleeps: `spin` after it last had something to
     // do. Each step of a connection's setup (the TCP connect, the MPA Request, the Reply)
     // makes the other end's thread ready; asleep in epoll, each would cost a wake-up.
     let mut poll_until = Instant::now();
+    let mut nap = Duration::ZERO;
     loop {
+        // A thread waiting for its event polls the streams (see `rxgate`): stand aside until
+        // its poll's deadline. The timers and the streams left unread stay this thread's: a
+        // pass without readiness runs them.
+        let aside = gate.polled_left();
+        if !aside.is_zero() {
+            nap = crate::rxgate::next_nap(nap, aside);
+            wait = {
+                let Some(d) = dev.upgrade() else { return };
+                if d.iw().stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let _here = d.inline_callbacks.then(crate::CallbacksHere::begin);
+                d.iw_pass(&mut keys, true)
+            };
+            std::thread::park_timeout(nap.min(wait.max(Duration::from_micros(1))));
+            // The waiter is busy with this device: what follows its event is likely soon.
+            poll_until = Instant::now() + spin;
+            continue;
+        }
+        nap = Duration::ZERO;
         let start = Instant::now();
+        let mut woken = false;
+        let mut failed = false;
         let polled = !wait.is_zero()
             && crate::spin::spin_until(
                 poll_until.saturating_duration_since(start).min(wait),
-                || poll.poll(&mut events, Some(Duration::ZERO)).is_ok() && !events.is_empty(),
+                || {
+                    if !gate.polled_left().is_zero() {
+                        return true;
+                    }
+                    look_now(looker, &mut keys, &mut woken, &mut failed);
+                    woken || failed || !keys.is_empty()
+                },
             );
+        if polled && keys.is_empty() && !woken && !failed {
+            continue;
+        }
         let mut slept = false;
         if !polled {
-            let left = wait.saturating_sub(start.elapsed());
+            let mut left = wait.saturating_sub(start.elapsed());
+            let Some(d) = dev.upgrade() else { return };
+            let iw = d.iw();
+            iw.asleep.store(true, Ordering::SeqCst);
+            // A waiter took a wake-up meant for this thread: the deadlines (and `stop`) are
+            // looked at again first.
+            if iw.rewake.swap(false, Ordering::SeqCst) {
+                left = Duration::ZERO;
+            }
+            drop(d);
             slept = !left.is_zero();
-            if poll.poll(&mut events, Some(left)).is_err() {
-                std::thread::sleep(Duration::from_millis(1));
+            // Asleep until the streams have readiness, without holding the looker: a waiter
+            // may take it meanwhile.
+            if slept {
+                crate::device::wait_readable(epoll_fd, left);
+            }
+            if let Some(d) = dev.upgrade() {
+                d.iw().asleep.store(false, Ordering::SeqCst);
+            }
+            // What woke this thread is a waiter's if one began polling meanwhile.
+            if gate.polled_left().is_zero() {
+                look_now(looker, &mut keys, &mut woken, &mut failed);
             }
         }
-        if !events.is_empty() {
+        if failed {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if woken || !keys.is_empty() {
             poll_until = Instant::now() + spin;
         }
         let Some(d) = dev.upgrade() else { return };
         if slept {
             d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
         }
-        let Some(iw) = d.iw.as_ref() else { return };
-        if iw.stop.load(Ordering::SeqCst) {
+        if d.iw().stop.load(Ordering::SeqCst) {
             return;
         }
-        let tokens: Vec<Token> = events.iter().map(mio::event::Event::token).collect();
         // `CallbackMode::Inline`: the callbacks of what this pass produced run here once the
         // device's state is let go (at the end of the pass), not on a callback thread that
         // must be woken: a serial connect's MPA Reply is written by the accepting callback
         // on this thread.
         let _here = d.inline_callbacks.then(crate::CallbacksHere::begin);
-        // Time is the Cep's to keep; this loop only sleeps until its next deadline, and not
-        // at all while a stream has more to read.
-        wait = d.with_iw(|e, iw, now| {
-            e.sleeping_until = None;
+        wait = d.iw_pass(&mut keys, true);
+    }
+}
+
+impl DeviceInner {
+    /// Hands the readiness in `keys` (emptied) to the engine, with the streams left unread
+    /// before, and runs the timers that are due: the I/O thread's pass, or (`io_thread`
+    /// false) a waiter's. Returns how long the I/O thread may wait before its next pass.
+    fn iw_pass(self: &Arc<Self>, keys: &mut Vec<ConnKey>, io_thread: bool) -> Duration {
+        // Time is the Cep's to keep; the I/O thread only sleeps until its next deadline, and
+        // not at all while a stream has more to read.
+        self.with_iw(|e, iw, now| {
+            if io_thread {
+                e.sleeping_until = None;
+            }
             let unread = std::mem::take(&mut e.unread);
-            let mut keys: Vec<ConnKey> = tokens
-                .into_iter()
-                .filter(|&t| t != WAKER)
-                .map(|t| t.0)
-                .collect();
             // Each stream gets one turn a pass, whether it is ready again, left unread, or
             // both (one poll reports a stream once).
             if !unread.is_empty() {
@@ -884,7 +1023,7 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
             // Streams before listeners: a Request already in a stream's socket is read
             // before new accepts could count that stream as silent.
             keys.sort_by_key(|k| e.listeners.contains_key(k));
-            for k in keys {
+            for k in keys.drain(..) {
                 DeviceInner::iw_ready(e, iw, Token(k), now);
             }
             let next = DeviceInner::iw_timers(e, iw, now);
@@ -899,9 +1038,53 @@ fn io_loop(dev: &Weak<DeviceInner>, mut poll: Poll, spin: Duration) {
             // What this sleep is for: the deadline itself when it comes within the shortest
             // sleep (the thread wakes just after it), so that only an earlier one wakes it
             // (not this thread's own, which would make it spin until the deadline).
-            e.sleeping_until = Some(next.map_or(now + wait, |t| t.min(now + wait)));
+            if io_thread {
+                e.sleeping_until = Some(next.map_or(now + wait, |t| t.min(now + wait)));
+            }
             wait
-        });
+        })
+    }
+
+    /// Busy polling (see `rxgate`): a thread waiting for an event looks at the streams'
+    /// readiness, as the I/O thread does, and hands what it took to the engine itself;
+    /// false when nothing was ready, or the I/O thread holds the looker (it is asleep on
+    /// it, and what wakes it is its to handle). The events' callbacks run where the
+    /// fabric's mode puts events from elsewhere, never on this thread.
+    pub(crate) fn iw_poll_once(self: &Arc<Self>) -> bool {
+        let Some(iw) = self.iw.as_ref() else {
+            return false;
+        };
+        if iw.stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut keys = Vec::new();
+        let woken = {
+            let mut l = match iw.looker.try_lock() {
+                Ok(l) => l,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            };
+            l.look(Duration::ZERO, &mut keys).unwrap_or(false)
+        };
+        if woken {
+            // The wake-up was the I/O thread's (a call armed an earlier timer, or the device
+            // stops): it looks at its deadlines and `stop` again before it sleeps, and one
+            // asleep already gets the wake-up back.
+            iw.rewake.store(true, Ordering::SeqCst);
+            if iw.asleep.load(Ordering::SeqCst) {
+                let _ = iw.waker.wake();
+            } else {
+                self.unpark_io();
+            }
+        }
+        if keys.is_empty() {
+            return false;
+        }
+        self.stats
+            .rx_polled
+            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        self.iw_pass(&mut keys, false);
+        true
     }
 }
 

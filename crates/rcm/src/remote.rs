@@ -153,7 +153,7 @@ pub trait RemoteId: Send + Sync + 'static {
 /// What a thread waiting for a channel's event polls besides the channel (busy polling, as
 /// `SO_BUSY_POLL` has an application poll the NIC): the receive side that will most likely
 /// bring its answer, so that the answer is received, handled and taken by this one thread
-/// instead of being handed over from a receiving thread. rcm's RoCEv2 devices implement it
+/// instead of being handed over from a receiving thread. rcm's devices implement it
 /// (see [`RxGate`]); a provider offers one through [`RemoteId::busy_poll`].
 ///
 /// Only threads of the application poll, never inside a callback or with a

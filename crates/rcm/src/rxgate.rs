@@ -9,7 +9,9 @@
 //! caller. Linux's answer is the same as this one: with `SO_BUSY_POLL` the waiting
 //! application polls the device queue itself. Here the waiter receives and handles the
 //! device's datagrams (the engine, routing, its own event) for as long as it polls, and the
-//! device's thread stands aside until that poll's deadline.
+//! device's thread stands aside until that poll's deadline. An iWARP device is polled the
+//! same way, its streams' readiness (one `epoll`) in place of a socket's datagrams
+//! (`iwarp.rs`, `DeviceInner::iw_poll_once`).
 //!
 //! The gate keeps two promises. Datagrams reach the engine in the order the socket gave
 //! them: one thread at a time receives and hands a batch to the engine (`enter`). And the
@@ -51,7 +53,7 @@ pub fn next_nap(prev: Duration, left: Duration) -> Duration {
 }
 
 /// Who receives from one socket: the thread that serves it, or a thread waiting for its own
-/// answer that polls it (see [`crate::remote::BusyPoll`]). Used by rcm's RoCEv2 devices; a
+/// answer that polls it (see [`crate::remote::BusyPoll`]). Used by rcm's devices; a
 /// provider whose ids offer busy polling can use it the same way: its receiving thread
 /// stands aside while [`RxGate::polled_left`] is not zero, and whoever receives holds the
 /// turn ([`RxGate::enter`]) from the receive until what it received has been handled, so

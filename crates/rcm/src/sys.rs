@@ -47,6 +47,16 @@ pub(crate) fn current_cpu() -> usize {
     usize::try_from(cpu).unwrap_or(0)
 }
 
+/// A descriptor of our own for what `of` refers to (mio's `Poll` gives its epoll instance
+/// only as a raw descriptor): a thread can then wait until the epoll instance has
+/// readiness (`poll(2)` on it) without holding the `Poll` itself.
+pub(crate) fn dup_of(of: &impl std::os::fd::AsRawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: `of` owns the descriptor and keeps it open for the whole call (it is borrowed
+    // for it); the borrow ends before we return, and the duplicate is a new descriptor.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(of.as_raw_fd()) };
+    fd.try_clone_to_owned()
+}
+
 /// `setsockopt` with an `int` value.
 fn set_int(
     sock: &impl std::os::fd::AsRawFd,

@@ -1,0 +1,255 @@
+//! Busy polling on iWARP devices: a thread waiting in `get_event` looks at the streams of
+//! the iWARP device it last called and handles their readiness itself, while the device's
+//! own thread stands aside; what comes when nobody waits, the device's timers, and its
+//! removal are still the device thread's. TCP ports 27961..=27966.
+#![cfg(not(loom))]
+
+mod common;
+
+use common::{eventually, ip, T};
+use rcm::{
+    AcceptOptions, CmId, ConnectOptions, Event, EventChannel, Fabric, FabricConfig, Flow, PortSpace,
+};
+use std::net::SocketAddr;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// iWARP devices on 127.0.0.1 (the server's) and 127.0.0.2 (the client's) whose own threads
+/// sleep at once when idle: a waiter that polls is not raced by a polling device thread,
+/// and must be able to look while that thread sleeps.
+fn fabric(cep: &rcm_proto::iw::CepConfig) -> Fabric {
+    let f = Fabric::new(FabricConfig {
+        spin: Duration::ZERO,
+        ..common::config(27991)
+    });
+    for l in [1, 2] {
+        f.add_iwarp_device_with(ip(l), cep.clone())
+            .expect("iWARP device");
+    }
+    f
+}
+
+fn addr(last: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(last), port)
+}
+
+fn next(ch: &EventChannel) -> Event {
+    let mut e = ch.get_event(Some(T)).expect("an event in time");
+    e.take().expect("the event")
+}
+
+/// A listener on 127.0.0.1:`port` that accepts each request once `go` says so, and keeps
+/// the children it saw established.
+fn server(f: &Fabric, port: u16, go: mpsc::Receiver<()>) -> (CmId, Arc<Mutex<Vec<CmId>>>) {
+    let go = Mutex::new(go);
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let seen = children.clone();
+    let id = f.create_id(PortSpace::Tcp, move |id, ev| {
+        match ev {
+            Event::ConnectRequest { .. } => {
+                let _ = go.lock().map(|g| g.recv_timeout(T));
+                id.accept(&AcceptOptions::default()).expect("accept");
+            }
+            Event::Established { .. } => seen.lock().expect("lock").push(id.clone()),
+            _ => {}
+        }
+        Flow::Continue
+    });
+    id.bind(addr(1, port)).expect("bind");
+    id.listen(0).expect("listen");
+    (id, children)
+}
+
+/// A client on `ch` from 127.0.0.2, resolved towards 127.0.0.1:`port` and connecting.
+fn connecting(f: &Fabric, ch: &EventChannel, port: u16) -> CmId {
+    let cli = f.create_id_on(PortSpace::Tcp, ch);
+    cli.bind(addr(2, 0)).expect("bind");
+    cli.resolve_addr(None, addr(1, port)).expect("resolve");
+    assert!(matches!(next(ch), Event::AddrResolved));
+    cli.resolve_route().expect("route");
+    assert!(matches!(next(ch), Event::RouteResolved));
+    cli.connect(&ConnectOptions::default()).expect("connect");
+    cli
+}
+
+/// Connects with the client's channel polling for `spin`, the server answering 200 ms after
+/// the client began to wait; returns the client device's readiness events that the waiting
+/// thread handled itself.
+fn connect_polling_for(port: u16, spin: Duration) -> u64 {
+    let f = fabric(&rcm_proto::iw::CepConfig::default());
+    let (go, went) = mpsc::channel();
+    let (_srv, _children) = server(&f, port, went);
+    let ch = EventChannel::new();
+    ch.set_spin(spin);
+    let cli = connecting(&f, &ch, port);
+    let answer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = go.send(());
+    });
+    let ev = next(&ch);
+    assert!(matches!(ev, Event::Established { .. }), "unexpected {ev:?}");
+    answer.join().expect("answer thread");
+    let polled = f.device(ip(2)).expect("client device").busy_polled();
+    drop(cli);
+    f.shutdown();
+    polled
+}
+
+/// The waiter looks at the client device's streams for as long as its channel polls, with
+/// the device's thread asleep: the MPA Reply (and the TCP connect's completion before it)
+/// reach the engine through it.
+#[test]
+fn a_waiter_handles_its_iwarp_connects_readiness_itself() {
+    let mut polled = 0;
+    // A waiter preempted past its poll's end (a busy host) leaves the Reply to the
+    // device's thread, rightly: a few tries, one of which must have polled.
+    for _ in 0..5 {
+        common::eventually(Duration::from_secs(4), rcm::spin_allowed);
+        polled = connect_polling_for(27961, Duration::from_secs(5));
+        if polled > 0 {
+            break;
+        }
+    }
+    assert!(
+        polled > 0,
+        "the waiter handled none of the connect's readiness"
+    );
+}
+
+/// A channel that does not poll (spin 0) sleeps at once: the device's thread handles all.
+#[test]
+fn a_waiter_that_does_not_poll_leaves_the_iwarp_device_alone() {
+    assert_eq!(connect_polling_for(27962, Duration::ZERO), 0);
+}
+
+/// What arrives once the waiter has its event and stopped waiting is the device thread's:
+/// the server's disconnect, made while nobody waits on the client's channel, becomes a
+/// DISCONNECTED event waiting there.
+#[test]
+fn what_arrives_after_the_waiter_left_is_handled_by_the_device_thread() {
+    let f = fabric(&rcm_proto::iw::CepConfig::default());
+    let (go, went) = mpsc::channel();
+    let (_srv, children) = server(&f, 27963, went);
+    go.send(()).expect("the server answers at once");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_millis(50));
+    let cli = connecting(&f, &ch, 27963);
+    assert!(matches!(next(&ch), Event::Established { .. }));
+    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
+    let child = children.lock().expect("lock")[0].clone();
+    let polled = f.device(ip(2)).expect("client device").busy_polled();
+    child.disconnect().expect("server disconnects");
+    assert!(
+        eventually(T, || ch.pending() > 0),
+        "the peer's disconnect was not handled while nobody waited"
+    );
+    assert_eq!(
+        f.device(ip(2)).expect("client device").busy_polled(),
+        polled,
+        "nobody waited, yet a waiter handled it"
+    );
+    assert!(matches!(next(&ch), Event::Disconnected));
+    drop((cli, child));
+    f.shutdown();
+}
+
+/// A waiter looks at the streams while the device's thread sleeps, and what then arrives is
+/// the waiter's: the thread sleeps on the poll's readiness without holding it, and leaves
+/// what woke it to a waiter polling. The peer's disconnect comes while the client's device
+/// thread is asleep (spin 0, nothing due for 500 ms) and its id's channel waits polling.
+#[test]
+fn a_waiter_looks_while_the_iwarp_device_thread_sleeps() {
+    let f = fabric(&rcm_proto::iw::CepConfig::default());
+    let (go, went) = mpsc::channel();
+    let (_srv, children) = server(&f, 27966, went);
+    go.send(()).expect("the server answers at once");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::ZERO);
+    let cli = connecting(&f, &ch, 27966);
+    assert!(matches!(next(&ch), Event::Established { .. }));
+    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
+    let child = children.lock().expect("lock")[0].clone();
+    let dev = f.device(ip(2)).expect("client device");
+    let polled = dev.busy_polled();
+    std::thread::sleep(Duration::from_millis(20));
+    let peer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        child.disconnect().expect("server disconnects");
+        child
+    });
+    ch.set_spin(Duration::from_secs(5));
+    assert!(matches!(next(&ch), Event::Disconnected));
+    assert!(
+        dev.busy_polled() > polled,
+        "the peer's disconnect was handled by the device's thread, not by the waiter"
+    );
+    drop((cli, peer.join().expect("peer")));
+    f.shutdown();
+}
+
+/// The device's timers run while a waiter polls its streams for a minute: a Reply that never
+/// comes (the peer is a bare TCP listener) ends the connect when `mpa_reply_timeout` says.
+#[test]
+fn timers_run_while_a_waiter_polls_the_iwarp_device() {
+    let f = fabric(&rcm_proto::iw::CepConfig {
+        mpa_reply_timeout: Duration::from_millis(300),
+        ..rcm_proto::iw::CepConfig::default()
+    });
+    let silent = std::net::TcpListener::bind(addr(1, 27964)).expect("silent peer");
+    let taker = std::thread::spawn(move || silent.accept().map(|(s, _)| s));
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(60));
+    let cli = connecting(&f, &ch, 27964);
+    let start = Instant::now();
+    let ev = next(&ch);
+    let took = start.elapsed();
+    assert!(
+        !matches!(
+            ev,
+            Event::ConnectResponse { .. } | Event::Established { .. }
+        ),
+        "unexpected {ev:?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "the timeout came after {took:?}"
+    );
+    let _stream = taker.join().expect("taker").expect("accepted");
+    drop(cli);
+    f.shutdown();
+}
+
+/// A device removed while a waiter polls it goes at once: its thread, standing aside, is
+/// woken for it, and the waiter's id hears of the removal.
+#[test]
+fn an_iwarp_device_removed_while_a_waiter_polls_it_goes_at_once() {
+    let f = fabric(&rcm_proto::iw::CepConfig::default());
+    // A listener that leaves its requests unanswered.
+    let srv = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    srv.bind(addr(1, 27965)).expect("bind");
+    srv.listen(0).expect("listen");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(60));
+    let cli = connecting(&f, &ch, 27965);
+    let waiter = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            let mut e = ch.get_event(Some(T)).expect("an event in time");
+            e.take().expect("the event")
+        })
+    };
+    // The waiter is polling (the connect waits for the server, which does not answer).
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    let removal = f.remove_device(ip(2)).expect("remove");
+    let ev = waiter.join().expect("waiter");
+    assert!(matches!(ev, Event::DeviceRemoval), "unexpected {ev:?}");
+    cli.destroy().expect("destroy");
+    removal.wait(T).expect("every id on the device destroyed");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "removal took {:?}",
+        start.elapsed()
+    );
+    f.shutdown();
+}
