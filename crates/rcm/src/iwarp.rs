@@ -1089,13 +1089,18 @@ impl DeviceInner {
 }
 
 /// Whether `ip` can carry an iWARP device (any local address; checked by binding).
+/// The bind takes no port (the port is left to a connect that never comes): a host whose
+/// ephemeral range is all held, as thousands of short iWARP connections on loopback leave
+/// it in TIME_WAIT for a minute, could otherwise open no iWARP device ("Address already in
+/// use" from a bind to port 0).
 pub(crate) fn check_addr(ip: IpAddr) -> crate::Result<()> {
-    let l = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| match e.kind() {
+    let at = SocketAddr::new(ip, 0);
+    let s = tcp_socket(at)?;
+    let _ = crate::sys::bind_address_no_port(&s);
+    s.bind(&at.into()).map_err(|e| match e.kind() {
         std::io::ErrorKind::AddrNotAvailable => crate::Error::AddrNotAvailable(ip),
         _ => e.into(),
-    })?;
-    drop(l);
-    Ok(())
+    })
 }
 
 /// Accepts every connection queued on an edge-triggered listener: until `WouldBlock`

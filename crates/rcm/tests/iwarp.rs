@@ -1,6 +1,7 @@
 //! iWARP devices under the rdma_cm API: connect, accept, reject, disconnect and messages over
 //! real TCP on loopback, and the iw_cm races Linux got wrong, made deterministic with gates in
-//! callbacks. TCP ports 27901..=27960 (one per test), RoCE UDP port 27990.
+//! callbacks. TCP ports 27901..=27960 (one per test, and 27961 in a network namespace of its
+//! own), RoCE UDP port 27990.
 #![cfg(not(loom))]
 
 mod common;
@@ -1398,5 +1399,71 @@ fn inline_callbacks_run_on_the_iwarp_device_thread_that_received_their_event() {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
     }
     assert_clean(&f);
+    f.shutdown();
+}
+
+/// An iWARP device opens on an address whose every ephemeral port is held, as thousands of
+/// short connections on loopback leave them in TIME_WAIT for a minute: opening one asks
+/// only whether the address is this host's, and takes no port ("Address already in use"
+/// before, from a bind to port 0). Runs [`zz_full_port_range`] in a network namespace of
+/// its own (`unshare --net`, root), where the ephemeral range can be narrowed to two ports.
+#[test]
+fn an_iwarp_device_opens_when_every_ephemeral_port_is_held() {
+    let can = std::process::Command::new("unshare")
+        .args(["--net", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can {
+        assert!(
+            std::env::var_os("RCM_REQUIRE_ROOT").is_none(),
+            "`unshare --net` failed: this test needs root"
+        );
+        eprintln!("skipped: `unshare --net` failed (this test needs root)");
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary");
+    let out = std::process::Command::new("unshare")
+        .arg("--net")
+        .arg(exe)
+        .args(["--exact", "zz_full_port_range", "--ignored", "--nocapture"])
+        .env("RCM_IW_FULL_RANGE", "1")
+        .output()
+        .expect("unshare runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "the helper did not run: {text}");
+}
+
+/// Not a test on its own: run by [`an_iwarp_device_opens_when_every_ephemeral_port_is_held`]
+/// inside a network namespace of its own.
+#[test]
+#[ignore = "helper: run by an_iwarp_device_opens_when_every_ephemeral_port_is_held in a network namespace"]
+fn zz_full_port_range() {
+    assert!(
+        std::env::var_os("RCM_IW_FULL_RANGE").is_some(),
+        "run by an_iwarp_device_opens_when_every_ephemeral_port_is_held inside `unshare --net`"
+    );
+    let up = std::process::Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .expect("ip (iproute2)");
+    assert!(up.success(), "lo up");
+    std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "40000 40001")
+        .expect("the namespace's ephemeral range");
+    let _held: Vec<std::net::TcpListener> = [40000, 40001]
+        .into_iter()
+        .map(|p| std::net::TcpListener::bind(addr(1, p)).expect("a port of the range held"))
+        .collect();
+    let e = std::net::TcpListener::bind(addr(1, 0)).expect_err("no ephemeral port is free");
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+    let f = iw_fabric(&[1]);
+    let l = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    l.bind(addr(1, 27961)).expect("bind");
+    l.listen(0).expect("the device listens");
+    assert_eq!(l.destroy(), Ok(DestroyOutcome::Done));
     f.shutdown();
 }
