@@ -597,6 +597,10 @@ struct StressArgs {
     /// Stress the `rcm daemon` at this socket (device removal is then not exercised).
     #[arg(long, value_name = "PATH")]
     daemon: Option<PathBuf>,
+    /// Transport of the in-process devices: roce (RoCEv2 CM over UDP) or iwarp (MPA over
+    /// TCP, one stream per connection). A daemon serves the transport it was started with.
+    #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"], conflicts_with = "daemon")]
+    transport: String,
     /// Where callbacks run: on callback threads (threads), there with their datagrams sent
     /// together (batched), or on the device thread that received their event (inline; with
     /// --daemon, on the session's reader thread); see rcm::CallbackMode. The stress
@@ -644,11 +648,14 @@ fn stress(a: &StressArgs) -> ExitCode {
         udp_port: a.udp_port,
         daemon: a.daemon.clone(),
         callbacks: callback_mode(&a.callbacks),
+        iwarp: a.transport == "iwarp",
     };
     if !a.json {
         println!(
-            "rcm stress: {} threads for {} s, seed {seed}",
-            a.threads, a.duration
+            "rcm stress: {} threads for {} s, seed {seed}{}",
+            a.threads,
+            a.duration,
+            if o.iwarp { ", iWARP devices" } else { "" }
         );
     }
     let r = match rcm_cli::stress::run(&o) {

@@ -37,11 +37,16 @@ pub struct StressOpts {
     /// Where the fabric's callbacks run (`rcm::CallbackMode`); the stress callbacks never
     /// block, so every mode applies.
     pub callbacks: rcm::CallbackMode,
+    /// iWARP devices (MPA over TCP) instead of RoCEv2 ones; not with `daemon`.
+    pub iwarp: bool,
 }
 
 /// Counts and verdicts.
 #[derive(Debug, Default, Serialize)]
 pub struct StressReport {
+    /// What the ids ran on: "roce" or "iwarp" (the in-process devices, as opened), or
+    /// "daemon".
+    pub transport: &'static str,
     /// Ids created.
     pub created: u64,
     /// Connections established (client side).
@@ -149,14 +154,23 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         let last = devs.iter().rev().find(|d| d.is_ipv4() == first.is_ipv4());
         (f, Some(c), first, *last.unwrap_or(&first))
     } else {
-        let f = Fabric::loopback_with(2, cfg)
-            .map_err(|e| crate::device_error("loopback devices", &e))?;
+        let f = if o.iwarp {
+            Fabric::loopback_iwarp(2, cfg)
+        } else {
+            Fabric::loopback_with(2, cfg)
+        }
+        .map_err(|e| crate::device_error("loopback devices", &e))?;
         let removable = IpAddr::from([127, 0, 0, 3]);
-        f.add_device(removable)
+        add_device(&f, removable, o.iwarp)
             .map_err(|e| crate::device_error(&format!("device {removable}"), &e))?;
         (f, None, IpAddr::from([127, 0, 0, 1]), removable)
     };
     let through_daemon = client.is_some();
+    let transport = match fabric.device(primary) {
+        _ if through_daemon => "daemon",
+        Some(d) if d.is_iwarp() => "iwarp",
+        _ => "roce",
+    };
     let shared = Arc::new(Shared {
         callbacks: AtomicU64::new(0),
         established: AtomicU64::new(0),
@@ -322,6 +336,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         })
         .collect();
     // Device removal racing everything: remove 127.0.0.3 now and then, wait, add it back.
+    let iwarp = o.iwarp;
     let remover = {
         let (fabric, stop, counts, shared) =
             (fabric.clone(), stop.clone(), counts.clone(), shared.clone());
@@ -338,7 +353,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                     }
                     counts.4.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(50));
-                    let _ = fabric.add_device(removable);
+                    let _ = add_device(&fabric, removable, iwarp);
                 }
             }
         })
@@ -405,6 +420,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     fabric.shutdown();
     let c = &*counts;
     let mut r = StressReport {
+        transport,
         created: c.0.load(Ordering::Relaxed),
         destroys: c.1.load(Ordering::Relaxed),
         deferred: c.2.load(Ordering::Relaxed) + shared.deferred.load(Ordering::Relaxed),
@@ -450,6 +466,15 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         ));
     }
     Ok(r)
+}
+
+/// Adds a device on `ip` to `f`: an iWARP one with `iwarp`, else a RoCEv2 one.
+fn add_device(f: &Fabric, ip: IpAddr, iwarp: bool) -> rcm::Result<rcm::Device> {
+    if iwarp {
+        f.add_iwarp_device(ip)
+    } else {
+        f.add_device(ip)
+    }
 }
 
 fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId, Arc<AtomicBool>) {

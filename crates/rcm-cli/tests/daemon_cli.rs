@@ -184,6 +184,7 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     // server asked every child's state at each request, one call each through a daemon,
     // it fell behind and about one in thirty did.)
     let v: serde_json::Value = serde_json::from_str(&out).expect("stress --json");
+    assert_eq!(v["transport"], "daemon", "{out}");
     let (made, up) = (
         v["created"].as_u64().unwrap_or(0),
         v["established"].as_u64().unwrap_or(0),

@@ -1023,6 +1023,7 @@ fn stress_in_every_callback_mode() {
         ]);
         assert_eq!(code, 0, "{mode}: {out}\n{err}");
         let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert_eq!(r["transport"], "roce", "{mode}: {out}");
         assert_eq!(
             r["violations"].as_array().map(Vec::len),
             Some(0),
@@ -1045,6 +1046,50 @@ fn stress_in_every_callback_mode() {
     let (code, _, err) = rcm(&["stress", "--callbacks", "sometimes"]);
     assert_eq!(code, 2);
     assert!(err.contains("--callbacks"), "{err}");
+}
+
+/// `rcm stress --transport iwarp`: the same races over iWARP devices (a TCP stream per
+/// connection; callbacks inline, so the device threads run them, and channel-mode clients
+/// whose consumers poll the iWARP devices), with device removal, no violation, and every
+/// context dropped; `--transport` with `--daemon` is a usage error (the daemon's devices
+/// are what it was started with).
+#[test]
+fn stress_on_iwarp_devices() {
+    let (code, out, err) = rcm(&[
+        "stress",
+        "-d",
+        "2s",
+        "--seed",
+        "12",
+        "--transport",
+        "iwarp",
+        "--callbacks",
+        "inline",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(r["transport"], "iwarp", "{out}");
+    assert_eq!(r["violations"].as_array().map(Vec::len), Some(0), "{out}");
+    for what in [
+        "established",
+        "rejected",
+        "removals",
+        "deferred",
+        "channel_events",
+    ] {
+        assert!(r[what].as_u64().unwrap_or(0) > 0, "{what}: {out}");
+    }
+    assert_eq!(r["contexts"][0], r["contexts"][1], "{out}");
+    let (code, _, err) = rcm(&[
+        "stress",
+        "--transport",
+        "iwarp",
+        "--daemon",
+        "/nonexistent/rcm.sock",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--daemon"), "{err}");
 }
 
 /// A connection the server accepted and that went down before its RTU came (lost, and the
