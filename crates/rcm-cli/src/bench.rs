@@ -706,6 +706,12 @@ pub fn run_client(
         init_attr += s.elapsed();
         // cm connect: REQ out, REP back (CONNECT_RESPONSE).
         let s = Instant::now();
+        // One at a time with mimicked QPs, the RTU that `establish` makes at the
+        // CONNECT_RESPONSE is held until the establish step has taken its ESTABLISHED, as a
+        // soft QP's RTU is held until its wait has (`issue_and_wait`): not part of the
+        // latency, which ends at the event. Its `sendto` came between the two before (test:
+        // `one_at_a_time_the_rtu_of_establish_waits_for_its_established_event`).
+        let rtu_held = (o.serial && o.send_batch && !o.attached_qp).then(rcm::SendBatch::begin);
         // The connection answered: connect ends, the QP goes to RTR and RTS (mimicked, as
         // cmtime -m), and establish starts. An attached QP rcm moved itself.
         // One reading of the clock where one step ends and the next starts.
@@ -824,6 +830,7 @@ pub fn run_client(
             },
         );
         t_est += est_start.elapsed();
+        drop(rtu_held);
         // The memory readings (and the trim) are not the connections' time.
         let mut reading = Duration::ZERO;
         if range.end == n {
@@ -2261,6 +2268,79 @@ mod tests {
             held,
             "in twenty connections the RTU never waited for the event"
         );
+        f.shutdown();
+    }
+
+    /// One at a time with a mimicked QP (no soft QP: the connect ends with
+    /// CONNECT_RESPONSE, and `establish` sends the RTU), the batch `run_client` opens
+    /// around the connect step and the establish step holds the RTU that `establish`
+    /// makes in the connect step's wait until the establish step has taken ESTABLISHED:
+    /// the inner batch of `issue_and_wait` does not send it when its wait ends, and the
+    /// RTU leaves when the outer one drops.
+    #[test]
+    fn one_at_a_time_the_rtu_of_establish_waits_for_its_established_event() {
+        use std::sync::atomic::AtomicU64;
+        let f = Fabric::new(FabricConfig {
+            udp_port: 28441,
+            ..FabricConfig::default()
+        });
+        let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
+        f.add_device(ip(1)).expect("device 1");
+        let d2 = f.add_device(ip(2)).expect("device 2");
+        let l = f.create_id(PortSpace::Tcp, |id, ev| {
+            if let Event::ConnectRequest { .. } = ev {
+                let _ = id.accept(&rcm::AcceptOptions::default());
+            }
+            rcm::Flow::Continue
+        });
+        let dst = SocketAddr::new(ip(1), 7471);
+        l.bind(dst).expect("bind");
+        l.listen(16).expect("listen");
+        let ch = EventChannel::new();
+        let next = || {
+            ch.get_event(Some(Duration::from_secs(5)))
+                .and_then(|mut e| e.take())
+        };
+        let how = Issue {
+            serial: true,
+            send_batch: true,
+            issuers: 1,
+        };
+        let id = f.create_id_on(PortSpace::Tcp, &ch);
+        id.resolve_addr(Some(ip(2)), dst).expect("resolve");
+        assert!(matches!(next(), Some(Event::AddrResolved)));
+        id.resolve_route().expect("route");
+        assert!(matches!(next(), Some(Event::RouteResolved)));
+        let tx0 = d2.traffic().1;
+        let sent = || d2.traffic().1 - tx0;
+        let at_response = AtomicU64::new(u64::MAX);
+        let rtu_held = rcm::SendBatch::begin();
+        let errs = issue_and_wait(
+            how,
+            std::slice::from_ref(&id),
+            |_, id| {
+                id.connect(&rcm::ConnectOptions::default())
+                    .err()
+                    .map(|e| e.to_string())
+            },
+            || {
+                let ev = next();
+                assert!(matches!(ev, Some(Event::ConnectResponse { .. })), "{ev:?}");
+                id.establish().expect("establish");
+                at_response.store(sent(), Ordering::SeqCst);
+            },
+        );
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(
+            at_response.load(Ordering::SeqCst),
+            1,
+            "the REQ alone had left"
+        );
+        assert_eq!(sent(), 1, "the RTU left when the connect step's wait ended");
+        assert!(matches!(next(), Some(Event::Established { .. })));
+        assert_eq!(sent(), 1, "the RTU left before ESTABLISHED was taken");
+        drop(rtu_held);
+        assert_eq!(sent(), 2, "the RTU left with the batch");
         f.shutdown();
     }
 
