@@ -197,8 +197,9 @@ pub(crate) struct IwDev {
     /// The epoll instance behind `looker`, which the I/O thread sleeps on without holding
     /// the looker: a waiter can poll the streams while the thread sleeps.
     epoll_fd: Arc<std::os::fd::OwnedFd>,
-    /// A waiter took the waker's readiness, which was the I/O thread's: it looks through its
-    /// deadlines (and at `stop`) again before it sleeps.
+    /// A waiter took the waker's readiness, which was the I/O thread's, or left a stream
+    /// unread: the thread looks through its deadlines, its unread streams and `stop` again
+    /// before it sleeps.
     rewake: AtomicBool,
     /// The I/O thread is (about to be) asleep on `epoll_fd`. With `rewake`, each side
     /// writes its own flag before it reads the other's, so a wake-up a waiter took is
@@ -952,6 +953,7 @@ fn io_loop(
                 },
             );
         if polled && keys.is_empty() && !woken && !failed {
+            // A waiter began polling: stand aside.
             continue;
         }
         let mut slept = false;
@@ -1047,9 +1049,9 @@ impl DeviceInner {
 
     /// Busy polling (see `rxgate`): a thread waiting for an event looks at the streams'
     /// readiness, as the I/O thread does, and hands what it took to the engine itself;
-    /// false when nothing was ready, or the I/O thread holds the looker (it is asleep on
-    /// it, and what wakes it is its to handle). The events' callbacks run where the
-    /// fabric's mode puts events from elsewhere, never on this thread.
+    /// false when nothing was ready, or the I/O thread was looking at that instant. The
+    /// events' callbacks run where the fabric's mode puts events from elsewhere, never on
+    /// this thread.
     pub(crate) fn iw_poll_once(self: &Arc<Self>) -> bool {
         let Some(iw) = self.iw.as_ref() else {
             return false;
@@ -1068,14 +1070,8 @@ impl DeviceInner {
         };
         if woken {
             // The wake-up was the I/O thread's (a call armed an earlier timer, or the device
-            // stops): it looks at its deadlines and `stop` again before it sleeps, and one
-            // asleep already gets the wake-up back.
-            iw.rewake.store(true, Ordering::SeqCst);
-            if iw.asleep.load(Ordering::SeqCst) {
-                let _ = iw.waker.wake();
-            } else {
-                self.unpark_io();
-            }
+            // stops).
+            self.iw_hand_back(iw);
         }
         if keys.is_empty() {
             return false;
@@ -1083,8 +1079,24 @@ impl DeviceInner {
         self.stats
             .rx_polled
             .fetch_add(keys.len() as u64, Ordering::Relaxed);
-        self.iw_pass(&mut keys, false);
+        if self.iw_pass(&mut keys, false).is_zero() {
+            // A stream had more to read than a turn takes: it raises no new edge, so the I/O
+            // thread must come back to it without sleeping, whether or not this waiter polls
+            // again.
+            self.iw_hand_back(iw);
+        }
         true
+    }
+
+    /// The I/O thread looks at its deadlines, its streams left unread and `stop` before it
+    /// sleeps again; one asleep, or parked standing aside, is woken for it.
+    fn iw_hand_back(&self, iw: &IwDev) {
+        iw.rewake.store(true, Ordering::SeqCst);
+        if iw.asleep.load(Ordering::SeqCst) {
+            let _ = iw.waker.wake();
+        } else {
+            self.unpark_io();
+        }
     }
 }
 
