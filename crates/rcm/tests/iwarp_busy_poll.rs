@@ -1,7 +1,7 @@
 //! Busy polling on iWARP devices: a thread waiting in `get_event` looks at the streams of
 //! the iWARP device it last called and handles their readiness itself, while the device's
 //! own thread stands aside; what comes when nobody waits, the device's timers, and its
-//! removal are still the device thread's. TCP ports 27961..=27966.
+//! removal are still the device thread's. TCP ports 27961..=27967.
 #![cfg(not(loom))]
 
 mod common;
@@ -204,6 +204,37 @@ fn disconnect_seen_by_a_polling_waiter() -> bool {
     drop((cli, peer.join().expect("peer")));
     f.shutdown();
     by_waiter
+}
+
+/// A message longer than a turn's read (256 KiB) comes whole while the waiter polls, and
+/// the disconnect behind it comes after it: the waiter's passes and the device thread's
+/// share the stream's reads, left unread between turns, in order.
+#[test]
+fn a_long_message_read_in_turns_while_a_waiter_polls_comes_whole() {
+    let f = fabric(&rcm_proto::iw::CepConfig::default());
+    let (go, went) = mpsc::channel();
+    let (_srv, children) = server(&f, 27967, went);
+    go.send(()).expect("the server answers at once");
+    let ch = EventChannel::new();
+    ch.set_spin(Duration::from_secs(5));
+    let cli = connecting(&f, &ch, 27967);
+    assert!(matches!(next(&ch), Event::Established { .. }));
+    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
+    let child = children.lock().expect("lock")[0].clone();
+    // Under the largest message received (1 MiB), four turns' worth.
+    let msg: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    child.send(&msg).expect("a long message");
+    child.disconnect().expect("server disconnects");
+    assert!(matches!(next(&ch), Event::Disconnected));
+    let got = cli.recv_message(T).expect("the message");
+    assert!(
+        got == msg,
+        "{} bytes came, not the {} sent",
+        got.len(),
+        msg.len()
+    );
+    drop((cli, child));
+    f.shutdown();
 }
 
 /// The device's timers run while a waiter polls its streams for a minute: a Reply that never
