@@ -104,8 +104,9 @@ pub(crate) struct DeviceInner {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set on iWARP devices: TCP instead of the UDP socket (the IB engine is then unused).
     pub iw: Option<crate::iwarp::IwDev>,
-    /// Who receives from the socket (see `rxgate`): on a device whose I/O thread reads it
-    /// (not one verifying ICRCs on a raw socket, not iWARP).
+    /// Who receives from the socket (see `rxgate`): on a RoCEv2 device whose I/O thread reads
+    /// it (not one verifying ICRCs on a raw socket), and on an iWARP device (its streams'
+    /// readiness).
     pub(crate) gate: Option<Arc<RxGate>>,
     /// What a thread waiting for an event polls when this device has a `gate` (the hint
     /// names it; see `busy_poll_hint`).

@@ -927,7 +927,7 @@ impl Device {
     /// the device's own thread: a waiter polls the device it last called for as long as
     /// the channel polls ([`EventChannel::set_spin`]), and handles what arrives itself, its
     /// own event included (busy polling). They are also in [`Device::traffic`]. On an iWARP
-    /// device: the streams' readiness events that waiters handled.
+    /// device it counts instead the streams' readiness events that waiters handled.
     ///
     /// [`EventChannel::get_event`]: crate::EventChannel::get_event
     /// [`EventChannel::set_spin`]: crate::EventChannel::set_spin
