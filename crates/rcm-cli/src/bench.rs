@@ -2191,15 +2191,12 @@ mod tests {
         f.shutdown();
     }
 
-    /// One at a time, a call's datagram leaves within the call (nothing could join it), while
-    /// what the wait's event handling makes (the RTU a soft QP's REP brings, here made by the
-    /// waiter's own poll) is held until the wait has taken its event: it is not part of the
-    /// connect latency the bench reports.
-    #[test]
-    fn one_at_a_time_the_request_leaves_within_its_call_and_the_rtu_after_the_wait() {
-        use std::sync::atomic::AtomicU64;
+    /// Devices on 127.0.0.1 and 127.0.0.2 (UDP port `port`) and a listener on
+    /// 127.0.0.1:7471 that accepts every request: the fabric, the client's device, the
+    /// listener and its address.
+    fn accepting_pair(port: u16) -> (Fabric, rcm::Device, CmId, SocketAddr) {
         let f = Fabric::new(FabricConfig {
-            udp_port: 28440,
+            udp_port: port,
             ..FabricConfig::default()
         });
         let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
@@ -2214,6 +2211,18 @@ mod tests {
         let dst = SocketAddr::new(ip(1), 7471);
         l.bind(dst).expect("bind");
         l.listen(16).expect("listen");
+        (f, d2, l, dst)
+    }
+
+    /// One at a time, a call's datagram leaves within the call (nothing could join it), while
+    /// what the wait's event handling makes (the RTU a soft QP's REP brings, here made by the
+    /// waiter's own poll) is held until the wait has taken its event: it is not part of the
+    /// connect latency the bench reports.
+    #[test]
+    fn one_at_a_time_the_request_leaves_within_its_call_and_the_rtu_after_the_wait() {
+        use std::sync::atomic::AtomicU64;
+        let (f, d2, _l, dst) = accepting_pair(28440);
+        let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
         let ch = EventChannel::new();
         ch.set_spin(Duration::from_secs(2));
         let next = || {
@@ -2280,22 +2289,8 @@ mod tests {
     #[test]
     fn one_at_a_time_the_rtu_of_establish_waits_for_its_established_event() {
         use std::sync::atomic::AtomicU64;
-        let f = Fabric::new(FabricConfig {
-            udp_port: 28441,
-            ..FabricConfig::default()
-        });
+        let (f, d2, _l, dst) = accepting_pair(28441);
         let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
-        f.add_device(ip(1)).expect("device 1");
-        let d2 = f.add_device(ip(2)).expect("device 2");
-        let l = f.create_id(PortSpace::Tcp, |id, ev| {
-            if let Event::ConnectRequest { .. } = ev {
-                let _ = id.accept(&rcm::AcceptOptions::default());
-            }
-            rcm::Flow::Continue
-        });
-        let dst = SocketAddr::new(ip(1), 7471);
-        l.bind(dst).expect("bind");
-        l.listen(16).expect("listen");
         let ch = EventChannel::new();
         let next = || {
             ch.get_event(Some(Duration::from_secs(5)))

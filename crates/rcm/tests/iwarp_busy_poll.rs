@@ -72,6 +72,21 @@ fn connecting(f: &Fabric, ch: &EventChannel, port: u16) -> CmId {
     cli
 }
 
+/// A connection established at once on 127.0.0.1:`port`, its client's events on a new
+/// channel that polls for `spin`: the client, the server's child, and the channel.
+fn established(f: &Fabric, port: u16, spin: Duration) -> (CmId, CmId, EventChannel, CmId) {
+    let (go, went) = mpsc::channel();
+    let (srv, children) = server(f, port, went);
+    go.send(()).expect("the server answers at once");
+    let ch = EventChannel::new();
+    ch.set_spin(spin);
+    let cli = connecting(f, &ch, port);
+    assert!(matches!(next(&ch), Event::Established { .. }));
+    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
+    let child = children.lock().expect("lock")[0].clone();
+    (cli, child, ch, srv)
+}
+
 /// Runs `attempt` (a scenario whose waiter polls; true when the waiter handled what it
 /// waited for itself) up to five times, until one is. Beside a CPU-bound process rcm holds
 /// a poller off by design (`rcm::spin`), and then the device's thread handles the waiter's
@@ -140,15 +155,7 @@ fn a_waiter_that_does_not_poll_leaves_the_iwarp_device_alone() {
 #[test]
 fn what_arrives_after_the_waiter_left_is_handled_by_the_device_thread() {
     let f = fabric(&rcm_proto::iw::CepConfig::default());
-    let (go, went) = mpsc::channel();
-    let (_srv, children) = server(&f, 27963, went);
-    go.send(()).expect("the server answers at once");
-    let ch = EventChannel::new();
-    ch.set_spin(Duration::from_millis(50));
-    let cli = connecting(&f, &ch, 27963);
-    assert!(matches!(next(&ch), Event::Established { .. }));
-    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
-    let child = children.lock().expect("lock")[0].clone();
+    let (cli, child, ch, _srv) = established(&f, 27963, Duration::from_millis(50));
     let polled = f.device(ip(2)).expect("client device").busy_polled();
     child.disconnect().expect("server disconnects");
     assert!(
@@ -181,15 +188,7 @@ fn a_waiter_looks_while_the_iwarp_device_thread_sleeps() {
 /// the peer's disconnect itself.
 fn disconnect_seen_by_a_polling_waiter() -> bool {
     let f = fabric(&rcm_proto::iw::CepConfig::default());
-    let (go, went) = mpsc::channel();
-    let (_srv, children) = server(&f, 27966, went);
-    go.send(()).expect("the server answers at once");
-    let ch = EventChannel::new();
-    ch.set_spin(Duration::ZERO);
-    let cli = connecting(&f, &ch, 27966);
-    assert!(matches!(next(&ch), Event::Established { .. }));
-    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
-    let child = children.lock().expect("lock")[0].clone();
+    let (cli, child, ch, _srv) = established(&f, 27966, Duration::ZERO);
     let dev = f.device(ip(2)).expect("client device");
     let polled = dev.busy_polled();
     std::thread::sleep(Duration::from_millis(20));
@@ -212,15 +211,7 @@ fn disconnect_seen_by_a_polling_waiter() -> bool {
 #[test]
 fn a_long_message_read_in_turns_while_a_waiter_polls_comes_whole() {
     let f = fabric(&rcm_proto::iw::CepConfig::default());
-    let (go, went) = mpsc::channel();
-    let (_srv, children) = server(&f, 27967, went);
-    go.send(()).expect("the server answers at once");
-    let ch = EventChannel::new();
-    ch.set_spin(Duration::from_secs(5));
-    let cli = connecting(&f, &ch, 27967);
-    assert!(matches!(next(&ch), Event::Established { .. }));
-    assert!(eventually(T, || !children.lock().expect("lock").is_empty()));
-    let child = children.lock().expect("lock")[0].clone();
+    let (cli, child, ch, _srv) = established(&f, 27967, Duration::from_secs(5));
     // Under the largest message received (1 MiB), four turns' worth.
     let msg: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
     child.send(&msg).expect("a long message");
