@@ -151,9 +151,13 @@ pub struct Report {
     /// What the memory figures cover: "both ends" (server and client in this process),
     /// "client ends" (`--server`), or "client handles" (`--daemon`: the ids live there).
     pub rss_scope: String,
-    /// Datagrams (in-process) or daemon frames (`--daemon`) the client's waiting thread
-    /// received itself while it polled for its events (busy polling; see
-    /// `rcm::EventChannel::set_spin`), not its device's or session's reader thread.
+    /// What the client's ids ran on: "roce" or "iwarp" (devices of this process), or
+    /// "daemon" (`--daemon`: the daemon's devices).
+    pub transport: &'static str,
+    /// Datagrams (RoCEv2), streams' readiness events (iWARP) or daemon frames (`--daemon`)
+    /// the client's waiting thread received itself while it polled for its events (busy
+    /// polling; see `rcm::EventChannel::set_spin`), not its device's or session's reader
+    /// thread.
     pub busy_polled: u64,
     /// How many times this process's polling threads were held off polling during the run
     /// (`rcm::process_hold_offs`): another process on their CPUs that did not yield back
@@ -959,6 +963,17 @@ pub fn run_client(
         steps,
         baseline_conn_per_s: None,
         failures,
+        transport: if o.daemon.is_some() {
+            "daemon"
+        } else if srcs
+            .first()
+            .and_then(|ip| fabric.device(*ip))
+            .is_some_and(|d| d.is_iwarp())
+        {
+            "iwarp"
+        } else {
+            "roce"
+        },
         busy_polled: fabric.busy_polled().saturating_sub(polled_before),
         hold_offs: rcm::process_hold_offs().saturating_sub(held_before),
         pinned_cpus: None,
@@ -1869,10 +1884,10 @@ pub fn print_table(r: &Report) {
         );
     }
     if r.busy_polled > 0 {
-        let what = if r.rss_scope == "client handles" {
-            "daemon frames"
-        } else {
-            "datagrams"
+        let what = match r.transport {
+            "daemon" => "daemon frames",
+            "iwarp" => "streams' readiness events",
+            _ => "datagrams",
         };
         println!(
             "busy polling: {} {what} received by the waiting thread itself",

@@ -121,6 +121,7 @@ fn daemon_serves_ping_bench_and_stress_then_stops_on_sigterm() {
     let (code, out, err) = rcm(&["bench", "--daemon", p, "-c", "300", "--json"]);
     assert_eq!(code, 0, "{out}\n{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["transport"], "daemon", "{out}");
     assert_eq!(v["established"], 300);
     assert_eq!(v["errors"], 0);
     // More calling threads than a session has channels (8), the server's callbacks on its

@@ -333,6 +333,12 @@ fn bench_with_attached_qps_leaves_the_qp_steps_to_rcm() {
         assert_eq!(v["established"], n, "{out}");
         assert_eq!(v["errors"], 0, "{out}");
         assert_eq!(v["qp"], "attached");
+        let iwarp = extra.contains(&"iwarp");
+        assert_eq!(
+            v["transport"],
+            if iwarp { "iwarp" } else { "roce" },
+            "{out}"
+        );
         for step in ["init qp attr", "rtr qp attr", "rts qp attr"] {
             assert!(row(&v, step) <= 0.0, "{step} in {args:?}: {out}");
         }
