@@ -1702,7 +1702,9 @@ fn too_few_fds(sockets: usize, limit: Option<u64>) -> Option<String> {
     (need > limit).then(|| {
         format!(
             "about {need} open files are needed and the limit is {limit}: connections past it \
-             fail with 'Too many open files' (raise the hard limit: ulimit -Hn)"
+             fail, with 'Too many open files' at connect, or unanswered until the MPA timeout \
+             (10 s, and the run lasts that long) where the server could not accept them; \
+             raise the hard limit (ulimit -Hn)"
         )
     })
 }
@@ -2113,7 +2115,9 @@ mod tests {
         assert_eq!(super::too_few_fds(1000, Some(1064)), None);
         let w = super::too_few_fds(1001, Some(1064)).expect("a warning");
         assert!(
-            w.contains("about 1065 open files") && w.contains("limit is 1064"),
+            w.contains("about 1065 open files")
+                && w.contains("limit is 1064")
+                && w.contains("MPA timeout"),
             "{w}"
         );
         assert_eq!(super::too_few_fds(usize::MAX / 2, None), None);
