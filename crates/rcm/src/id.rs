@@ -367,8 +367,9 @@ impl EventChannel {
     /// polling, as `SO_BUSY_POLL` has an application poll the NIC): the answer to its
     /// `connect`, say, is received, handled and taken by this one thread, and the device's
     /// own thread stands aside until the poll's deadline. On an iWARP device the thread
-    /// looks at the device's TCP streams (their readiness) and handles what they bring. Events for callback ids among
-    /// what it receives go to the fabric's callback threads, never to this one.
+    /// looks at the device's TCP streams (their readiness) and handles what they bring.
+    /// Events for callback ids among what it receives go to the fabric's callback threads,
+    /// never to this one.
     /// [`Device::busy_polled`](crate::Device::busy_polled) counts what waiters received.
     /// For ids a provider holds (a daemon's), the thread polls what the provider offers
     /// ([`crate::remote::RemoteId::busy_poll`]; the daemon client's session connection).

@@ -11,7 +11,9 @@
 //! device's datagrams (the engine, routing, its own event) for as long as it polls, and the
 //! device's thread stands aside until that poll's deadline. An iWARP device is polled the
 //! same way, its streams' readiness (one `epoll`) in place of a socket's datagrams
-//! (`iwarp.rs`, `DeviceInner::iw_poll_once`).
+//! (`iwarp.rs`, `DeviceInner::iw_poll_once`). It uses the gate's deadline, not its turn:
+//! each readiness event reaches one thread (edge-triggered), and a stream's bytes are read
+//! under the engine lock, which keeps them in order.
 //!
 //! The gate keeps two promises. Datagrams reach the engine in the order the socket gave
 //! them: one thread at a time receives and hands a batch to the engine (`enter`). And the
