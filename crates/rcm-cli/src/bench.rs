@@ -2210,6 +2210,19 @@ mod tests {
         f.shutdown();
     }
 
+    /// How `rcm bench --serial` issues (one issuer, its batch held around each wait).
+    const ONE_AT_A_TIME: Issue = Issue {
+        serial: true,
+        send_batch: true,
+        issuers: 1,
+    };
+
+    /// The next event of `ch`, waiting up to 5 s.
+    fn next_event(ch: &EventChannel) -> Option<Event> {
+        ch.get_event(Some(Duration::from_secs(5)))
+            .and_then(|mut e| e.take())
+    }
+
     /// Devices on 127.0.0.1 and 127.0.0.2 (UDP port `port`) and a listener on
     /// 127.0.0.1:7471 that accepts every request: the fabric, the client's device, the
     /// listener and its address.
@@ -2244,15 +2257,8 @@ mod tests {
         let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
         let ch = EventChannel::new();
         ch.set_spin(Duration::from_secs(2));
-        let next = || {
-            ch.get_event(Some(Duration::from_secs(5)))
-                .and_then(|mut e| e.take())
-        };
-        let how = Issue {
-            serial: true,
-            send_batch: true,
-            issuers: 1,
-        };
+        let next = || next_event(&ch);
+        let how = ONE_AT_A_TIME;
         // The REP's event can be routed by the device's own thread a little after the
         // waiter's poll (its timers): the waiter then waits on, sending what it holds first.
         // And the device's thread may take the REP, and send the RTU, before the caller
@@ -2311,15 +2317,8 @@ mod tests {
         let (f, d2, _l, dst) = accepting_pair(28441);
         let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
         let ch = EventChannel::new();
-        let next = || {
-            ch.get_event(Some(Duration::from_secs(5)))
-                .and_then(|mut e| e.take())
-        };
-        let how = Issue {
-            serial: true,
-            send_batch: true,
-            issuers: 1,
-        };
+        let next = || next_event(&ch);
+        let how = ONE_AT_A_TIME;
         let id = f.create_id_on(PortSpace::Tcp, &ch);
         id.resolve_addr(Some(ip(2)), dst).expect("resolve");
         assert!(matches!(next(), Some(Event::AddrResolved)));

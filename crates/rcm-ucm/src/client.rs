@@ -1430,9 +1430,8 @@ impl RemoteId for Handle {
         // On the reader, which cannot wait for an answer on the session's connection: a
         // channel, or (none attaches) written there without waiting, its answer settled by
         // the reader when it comes, in order with the session's other calls while they have
-        // no channel either. (When
-        // the refusal was one that passes, the daemon's connection limit or a socket error,
-        // a call made after a later attach can still overtake it.)
+        // no channel either. (When the refusal was one that passes, the daemon's connection
+        // limit or a socket error, a call made after a later attach can still overtake it.)
         if let Some(ch) = c.acquire(true) {
             let r = c.call_on(ch, &cmd);
             c.settle_release(self.wire, &r);

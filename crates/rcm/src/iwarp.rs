@@ -210,7 +210,7 @@ pub(crate) struct IwDev {
 /// The device's `mio` poll and the room its readiness lands in. Whoever holds it looks;
 /// readiness is edge-triggered, so what one looker takes the other never sees, and the
 /// taker hands it to the engine itself.
-pub(crate) struct Looker {
+struct Looker {
     poll: Poll,
     events: Events,
 }
@@ -890,7 +890,9 @@ impl DeviceInner {
     }
 }
 
-/// Looks at the streams' readiness now, unless a waiter is looking (see `iw_poll_once`).
+/// Looks at the streams' readiness now, adding what is ready to `keys`, unless another
+/// thread is looking at this instant (the I/O thread, or a waiter: see `iw_poll_once`);
+/// `woken` is set when the waker was among it, `failed` when the poll failed.
 fn look_now(looker: &Mutex<Looker>, keys: &mut Vec<ConnKey>, woken: &mut bool, failed: &mut bool) {
     let mut l = match looker.try_lock() {
         Ok(l) => l,
@@ -1060,14 +1062,8 @@ impl DeviceInner {
             return false;
         }
         let mut keys = Vec::new();
-        let woken = {
-            let mut l = match iw.looker.try_lock() {
-                Ok(l) => l,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return false,
-            };
-            l.look(Duration::ZERO, &mut keys).unwrap_or(false)
-        };
+        let (mut woken, mut failed) = (false, false);
+        look_now(&iw.looker, &mut keys, &mut woken, &mut failed);
         if woken {
             // The wake-up was the I/O thread's (a call armed an earlier timer, or the device
             // stops).
