@@ -68,6 +68,9 @@ pub struct BenchOpts {
     /// one thread, as cmtime; an application with several threads calling at once, which
     /// through a daemon overlap their round trips).
     pub issuers: usize,
+    /// One at a time in this process: stamp each connect's hops and report where its time
+    /// goes ([`crate::breakdown`]).
+    pub breakdown: bool,
 }
 
 /// One row of the table.
@@ -168,6 +171,9 @@ pub struct Report {
     /// With `--pin`: the CPU of the calling thread and the CPU of the fabric's threads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pinned_cpus: Option<[usize; 2]>,
+    /// With `--breakdown`: where a connect's time went, segment by segment.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breakdown: Option<crate::breakdown::Breakdown>,
     /// Connect latencies (for plots), microseconds.
     #[serde(skip)]
     pub latencies_us: Vec<f64>,
@@ -518,6 +524,11 @@ pub fn run_client(
     }
     // The run's own, not the warm-up's.
     let polled_before = fabric.busy_polled();
+    // After the warm-up: only the run's connects are traced.
+    let tracer = (o.breakdown && o.serial)
+        .then(|| srcs.first())
+        .flatten()
+        .and_then(|&src| crate::breakdown::Tracer::new(fabric, src, dst.ip()));
     let held_before = rcm::process_hold_offs();
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
     // RSS per connection is rcm's (ids, engine state, tables), not the timing arrays'.
@@ -748,6 +759,9 @@ pub fn run_client(
             let at = Instant::now();
             connect.begin_at(i, at);
             latency.begin_at(i, at);
+            if let Some(t) = &tracer {
+                t.begin();
+            }
             let r = id.connect(&opts).err().map(|e| format!("connect: {e}"));
             if o.serial {
                 // One at a time there is nothing to send with the REQ: out now, not when
@@ -770,6 +784,9 @@ pub fn run_client(
                 // response, so it also works through a daemon whose transport we don't know.
                 Event::Established { .. } if !responded[i] => {
                     let at = Instant::now();
+                    if let Some(t) = &tracer {
+                        t.end();
+                    }
                     qp_steps(i, id, at);
                     establish.end_at(i, at);
                     latency.end_at(i, at);
@@ -781,6 +798,9 @@ pub fn run_client(
                 // connections' responses: note it for the next step.
                 Event::Established { .. } => {
                     let at = Instant::now();
+                    if let Some(t) = &tracer {
+                        t.end();
+                    }
                     establish.end_at(i, at);
                     latency.end_at(i, at);
                     full_conn.end_at(i, at);
@@ -822,6 +842,9 @@ pub fn run_client(
             |i, ev, _| match ev {
                 Event::Established { .. } => {
                     let at = Instant::now();
+                    if let Some(t) = &tracer {
+                        t.end();
+                    }
                     establish.end_at(i, at);
                     latency.end_at(i, at);
                     full_conn.end_at(i, at);
@@ -977,6 +1000,7 @@ pub fn run_client(
         busy_polled: fabric.busy_polled().saturating_sub(polled_before),
         hold_offs: rcm::process_hold_offs().saturating_sub(held_before),
         pinned_cpus: None,
+        breakdown: tracer.map(|t| t.breakdown()),
         latencies_us: lat,
     }
 }
@@ -1220,6 +1244,39 @@ fn percentiles(lat: &[f64]) -> (f64, f64) {
     }
     let pct = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
     (pct(0.5), pct(0.99))
+}
+
+/// The `--breakdown` lines of the text report.
+fn print_breakdown(b: &crate::breakdown::Breakdown, rtt_poll_us: f64) {
+    if b.connections == 0 {
+        println!(
+            "breakdown: no connect had all its stamps ({} left out)",
+            b.left_out
+        );
+        return;
+    }
+    let left = if b.left_out > 0 {
+        format!(", {} left out", b.left_out)
+    } else {
+        String::new()
+    };
+    println!(
+        "where a connect's time goes (medians of {} connects{left}; µs):",
+        b.connections
+    );
+    for s in &b.segments {
+        println!("  {:>7.2}  {}", s.p50_us, s.segment);
+    }
+    let rtt = if rtt_poll_us > 0.0 {
+        format!(" (the polling round trip: {rtt_poll_us:.2})")
+    } else {
+        String::new()
+    };
+    println!(
+        "  the two trips {:.2}{rtt}; the rest, rcm's work at the ends, {:.2}",
+        b.trips_us(),
+        b.work_us()
+    );
 }
 
 /// `--pin` places the threads of the embedded default, whose server and client share a
@@ -1879,6 +1936,9 @@ pub fn print_table(r: &Report) {
             "  (UDP RTT p50 {:.1} us when both ends poll as rcm's threads do, {cpus}{when}, see --spin-us{ratio})",
             r.udp_rtt_poll_p50_us
         );
+    }
+    if let Some(b) = &r.breakdown {
+        print_breakdown(b, r.udp_rtt_poll_p50_us);
     }
     if let Some([a, b]) = r.pinned_cpus {
         println!(

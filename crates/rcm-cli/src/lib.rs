@@ -2,6 +2,7 @@
 //! The binary (`src/main.rs`) is a thin command-line layer over it.
 
 pub mod bench;
+pub mod breakdown;
 pub mod capture;
 pub mod decode;
 pub mod netbuild;

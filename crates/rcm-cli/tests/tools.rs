@@ -420,6 +420,116 @@ fn bench_serial_measures_the_polling_round_trip_between_its_connections() {
     assert!(v["udp_rtt_poll_p50_us"].as_f64().unwrap() > 0.0, "{out}");
 }
 
+/// `--breakdown` splits each one-at-a-time connect at its hops, in both QP modes: every
+/// connect's stamps are taken (none is left out on loopback), the segments come in the
+/// connect's order, and the text report prints them with the trips and rcm's share. It is
+/// refused where this process does not hold both devices, and without `--serial`.
+#[test]
+fn bench_breakdown_says_where_a_serial_connects_time_goes() {
+    let names = [
+        "client: connect() until its REQ goes to sendto",
+        "REQ: sendto until the server's device has received it",
+        "server: its engine takes the REQ",
+        "server: CONNECT_REQUEST until accept()",
+        "server: accept() until its REP goes to sendto",
+        "REP: sendto until the client's device has received it",
+        "client: its engine takes the REP",
+        "client: until the bench has the event that ends the connect",
+    ];
+    for qp in ["mimic", "attached"] {
+        let args = [
+            "bench",
+            "--serial",
+            "--breakdown",
+            "-c",
+            "40",
+            "--qp",
+            qp,
+            "--udp-port",
+            "26851",
+            "--json",
+        ];
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{args:?}\n{out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["established"], 40, "{out}");
+        let b = &v["breakdown"];
+        assert_eq!(b["connections"], 40, "{qp}: {out}");
+        assert_eq!(b["left_out"], 0, "{qp}: {out}");
+        let segs = b["segments"].as_array().expect("segments");
+        let got: Vec<&str> = segs
+            .iter()
+            .map(|s| s["segment"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, names, "{qp}");
+        for s in segs {
+            assert!(s["p50_us"].as_f64().unwrap() >= 0.0, "{qp}: {s}");
+        }
+        // Each datagram's trip is a system call and a receive: never nothing.
+        for trip in [1, 5] {
+            assert!(segs[trip]["p50_us"].as_f64().unwrap() > 0.0, "{qp}: {out}");
+        }
+    }
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--serial",
+        "--breakdown",
+        "-c",
+        "20",
+        "--udp-port",
+        "26851",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("where a connect's time goes (medians of 20 connects; µs):"),
+        "{out}"
+    );
+    assert!(
+        out.contains("server: CONNECT_REQUEST until accept()"),
+        "{out}"
+    );
+    assert!(out.contains("the two trips"), "{out}");
+    // Without it, no stamps and no breakdown.
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--serial",
+        "-c",
+        "20",
+        "--udp-port",
+        "26851",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v.get("breakdown").is_none(), "{out}");
+    for (args, what) in [
+        (vec!["bench", "--breakdown"], "--serial"),
+        (
+            vec![
+                "bench",
+                "--serial",
+                "--breakdown",
+                "--daemon",
+                "/tmp/x.sock",
+            ],
+            "--daemon",
+        ),
+        (
+            vec!["bench", "--serial", "--breakdown", "--server", "127.0.0.1"],
+            "--server",
+        ),
+        (
+            vec!["bench", "--serial", "--breakdown", "--transport", "iwarp"],
+            "RoCEv2",
+        ),
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(out.is_empty(), "{args:?} ran: {out}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
+}
+
 /// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
 /// the report, and is refused where the other side's threads are not this process's.
 #[test]

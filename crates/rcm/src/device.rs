@@ -66,6 +66,8 @@ pub struct DeviceStats {
     /// Times the device's own thread went to sleep until its socket (or one of its iWARP
     /// sockets) had something, its poll (`FabricConfig::spin`) over with nothing found.
     pub sleeps: AtomicU64,
+    /// Where a traced connect's time went on this device (`rcm::trace`; off by default).
+    pub trace: crate::trace::DeviceStamps,
 }
 
 pub(crate) struct DeviceInner {
@@ -275,6 +277,7 @@ impl DeviceInner {
             // by this call can make it (see `run_timers`).
             (r, ep.poll_armed())
         };
+        self.stats.trace.engine_done();
         let mut local = LOCAL_LIST
             .try_with(|l| std::mem::take(&mut *l.borrow_mut()))
             .unwrap_or_default();
@@ -433,6 +436,7 @@ impl DeviceInner {
                 self.send_one(&sock, &mut buf, t);
             }
         }
+        self.stats.trace.sent();
         let _ = TX_BUF.try_with(|b| *b.borrow_mut() = buf);
     }
 
@@ -460,6 +464,7 @@ impl DeviceInner {
         };
         let psn = self.psn.fetch_add(1, Ordering::Relaxed) & 0xFF_FFFF;
         let payload = roce::emit_gsi_into(buf, &ip, self.port, psn, &t.mad);
+        self.stats.trace.sending();
         match sock.send_to(payload, SocketAddr::new(t.dst, self.port)) {
             Ok(_) => self.stats.tx.fetch_add(1, Ordering::Relaxed),
             Err(_) => self.stats.tx_errors.fetch_add(1, Ordering::Relaxed),
@@ -493,6 +498,7 @@ impl DeviceInner {
         }
         let seg = roce::GSI_UDP_PAYLOAD_LEN as u16;
         let dst = SocketAddr::new(first.dst, self.port);
+        self.stats.trace.sending();
         match crate::sys::send_segments(sock, dst, batch, seg) {
             Ok(_) => {
                 self.stats
@@ -628,6 +634,7 @@ impl DeviceInner {
     /// Handles what a receive batch brought (see `handle_batch`), counting the coalesced
     /// receives among it.
     fn handle_rx(self: &Arc<Self>, batch: &RxBatch) -> usize {
+        self.stats.trace.received(batch.at);
         let coalesced = batch.coalesced();
         if coalesced > 0 {
             self.stats
@@ -793,6 +800,8 @@ struct RxBatch {
     many: bool,
     /// The last fill found something.
     took_last: bool,
+    /// When the first receive of the batch brought datagrams (`rcm::trace`, when on).
+    at: u64,
 }
 
 /// The receive area of a device. A receive needs room for the largest coalesced run
@@ -810,6 +819,7 @@ impl RxBatch {
             used: 0,
             many: false,
             took_last: false,
+            at: 0,
         }
     }
 
@@ -820,6 +830,7 @@ impl RxBatch {
     fn clear(&mut self) {
         self.got.clear();
         self.used = 0;
+        self.at = 0;
     }
 
     /// Takes what `sock` has queued, without waiting, until the batch is full. Each system
@@ -879,6 +890,9 @@ impl RxBatch {
                 self.many = false;
                 self.took_last = false;
                 return;
+            }
+            if self.at == 0 && crate::trace::on() {
+                self.at = crate::trace::now();
             }
             if !self.many {
                 // Something the fill before took too: the socket is busy, take more a call.

@@ -904,6 +904,11 @@ impl Device {
         self.0.ip
     }
 
+    /// Its stamps in the current trace (see [`crate::trace`]).
+    pub fn trace(&self) -> crate::trace::DeviceTrace {
+        self.0.stats.trace.read()
+    }
+
     /// Whether it is an iWARP device (TCP) rather than RoCEv2 (UDP).
     pub fn is_iwarp(&self) -> bool {
         self.0.is_iwarp()

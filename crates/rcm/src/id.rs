@@ -1375,6 +1375,7 @@ impl CmId {
     /// ([`CmId::recv_ud`]); a QPN another live UD id of the device receives on is refused
     /// ([`Error::QpBusy`]).
     pub fn accept(&self, opts: &AcceptOptions) -> Result<()> {
+        crate::trace::accept_called();
         if let Some(r) = self.forward(|| Op::Accept(opts.clone())) {
             return r.map(drop);
         }

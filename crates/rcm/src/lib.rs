@@ -69,6 +69,7 @@ mod slot;
 mod sync;
 #[cfg(not(loom))]
 mod sys;
+pub mod trace;
 #[cfg(not(loom))]
 mod waitq;
 

@@ -1,0 +1,231 @@
+//! `rcm bench --serial --breakdown`: where a one-at-a-time connect's time goes, hop by hop,
+//! from stamps taken in the run itself (`rcm::trace`) on the client's and the server's
+//! devices of the embedded run.
+//!
+//! A connect is the REQ's and the REP's trips through the kernel (each a `sendto` on
+//! loopback, as the polling round trip it is compared with) and rcm's work at each end.
+//! The segments split it at the moments the stamps mark, so per connection they add up
+//! to its latency exactly; their medians need not add up to the median latency.
+
+use rcm::{trace, Device, Fabric};
+use serde::Serialize;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// The segments, in the order the connect goes through them.
+pub const SEGMENTS: [&str; 8] = [
+    "client: connect() until its REQ goes to sendto",
+    "REQ: sendto until the server's device has received it",
+    "server: its engine takes the REQ",
+    "server: CONNECT_REQUEST until accept()",
+    "server: accept() until its REP goes to sendto",
+    "REP: sendto until the client's device has received it",
+    "client: its engine takes the REP",
+    "client: until the bench has the event that ends the connect",
+];
+
+/// The two segments that are the datagrams' trips (in [`SEGMENTS`]); the others are
+/// rcm's work (and the bench's, in the last).
+pub const TRIPS: [usize; 2] = [1, 5];
+
+/// One segment's median.
+#[derive(Debug, Clone, Serialize)]
+pub struct Segment {
+    /// What it spans.
+    pub segment: &'static str,
+    /// Its median over the traced connections, microseconds.
+    pub p50_us: f64,
+}
+
+/// The breakdown of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Breakdown {
+    /// Connections whose every stamp was taken, in order (the medians are theirs).
+    pub connections: usize,
+    /// Connections left out: a stamp missing or out of order (a datagram that was not
+    /// theirs came first, say).
+    pub left_out: usize,
+    /// The segments' medians, in [`SEGMENTS`] order.
+    pub segments: Vec<Segment>,
+}
+
+impl Breakdown {
+    /// The medians of the datagrams' trips, added.
+    pub fn trips_us(&self) -> f64 {
+        TRIPS
+            .iter()
+            .filter_map(|&i| self.segments.get(i))
+            .map(|s| s.p50_us)
+            .sum()
+    }
+
+    /// The medians of the other segments (rcm's work, and the bench's), added.
+    pub fn work_us(&self) -> f64 {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !TRIPS.contains(i))
+            .map(|(_, s)| s.p50_us)
+            .sum()
+    }
+}
+
+/// Takes the stamps of each connect of a one-at-a-time run. Turns `rcm::trace` on while
+/// it lives.
+pub struct Tracer {
+    client: Device,
+    server: Device,
+    start: AtomicU64,
+    rows: Mutex<Vec<[u64; 8]>>,
+    left_out: AtomicU64,
+}
+
+impl Tracer {
+    /// A tracer of the connects from `client`'s device to `server`'s, both devices of
+    /// `fabric`; `None` if either is not (a daemon's, another host's).
+    pub fn new(fabric: &Fabric, client: IpAddr, server: IpAddr) -> Option<Tracer> {
+        let (client, server) = (fabric.device(client)?, fabric.device(server)?);
+        if client.is_iwarp() || server.is_iwarp() {
+            return None;
+        }
+        trace::enable(true);
+        Some(Tracer {
+            client,
+            server,
+            start: AtomicU64::new(0),
+            rows: Mutex::new(Vec::new()),
+            left_out: AtomicU64::new(0),
+        })
+    }
+
+    /// A connect is about to be called.
+    pub fn begin(&self) {
+        self.start.store(trace::begin(), Ordering::Relaxed);
+    }
+
+    /// The connect ended (its event is in hand): its stamps make a row.
+    pub fn end(&self) {
+        let end = trace::now();
+        let (c, s) = (self.client.trace(), self.server.trace());
+        let points = [
+            c.send,
+            s.received,
+            s.handled,
+            trace::accept_time(),
+            s.send,
+            c.received,
+            c.handled,
+        ];
+        let start = self.start.load(Ordering::Relaxed);
+        match segments(start, points, end) {
+            Some(row) => self
+                .rows
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(row),
+            None => {
+                self.left_out.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The medians of the rows so far.
+    pub fn breakdown(&self) -> Breakdown {
+        let rows = self
+            .rows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let segments = SEGMENTS
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let mut v: Vec<u64> = rows.iter().map(|r| r[i]).collect();
+                v.sort_unstable();
+                Segment {
+                    segment: name,
+                    p50_us: v.get(v.len() / 2).map_or(0.0, |&ns| ns as f64 / 1e3),
+                }
+            })
+            .collect();
+        Breakdown {
+            connections: rows.len(),
+            left_out: usize::try_from(self.left_out.load(Ordering::Relaxed)).unwrap_or(usize::MAX),
+            segments,
+        }
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        trace::enable(false);
+    }
+}
+
+/// The segments' lengths (ns) of one connect that started at `start` and ended at `end`
+/// with the stamps `points` between, in [`SEGMENTS`] order; `None` when a stamp is missing
+/// or out of order. They add up to `end - start`.
+fn segments(start: u64, points: [Option<u64>; 7], end: u64) -> Option<[u64; 8]> {
+    let mut at = [0u64; 9];
+    at[0] = start;
+    for (slot, p) in at[1..8].iter_mut().zip(points) {
+        *slot = p?;
+    }
+    at[8] = end;
+    if at.windows(2).any(|w| w[1] < w[0]) {
+        return None;
+    }
+    let mut row = [0u64; 8];
+    for (i, seg) in row.iter_mut().enumerate() {
+        *seg = at[i + 1] - at[i];
+    }
+    Some(row)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_segments_of_a_connect_add_up_to_its_latency() {
+        let pts = [
+            Some(110),
+            Some(150),
+            Some(160),
+            Some(200),
+            Some(230),
+            Some(300),
+            Some(320),
+        ];
+        let row = segments(100, pts, 400).expect("complete and in order");
+        assert_eq!(row, [10, 40, 10, 40, 30, 70, 20, 80]);
+        assert_eq!(row.iter().sum::<u64>(), 300);
+    }
+
+    #[test]
+    fn a_connect_with_a_stamp_missing_or_out_of_order_is_left_out() {
+        let mut pts = [
+            Some(110),
+            Some(150),
+            Some(160),
+            Some(200),
+            Some(230),
+            Some(300),
+            Some(320),
+        ];
+        pts[3] = None;
+        assert_eq!(segments(100, pts, 400), None);
+        pts[3] = Some(140);
+        assert_eq!(
+            segments(100, pts, 400),
+            None,
+            "accept before the REQ was handled"
+        );
+        pts[3] = Some(200);
+        assert_eq!(
+            segments(100, pts, 310),
+            None,
+            "ended before the REP was handled"
+        );
+    }
+}
