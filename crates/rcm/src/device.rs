@@ -436,7 +436,6 @@ impl DeviceInner {
                 self.send_one(&sock, &mut buf, t);
             }
         }
-        self.stats.trace.sent();
         let _ = TX_BUF.try_with(|b| *b.borrow_mut() = buf);
     }
 

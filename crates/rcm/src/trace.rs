@@ -4,9 +4,9 @@
 //! mostly its polling; neither says which of a connect's hops the microseconds are in).
 //!
 //! A trace starts with [`begin`], just before the `connect` it follows. From then on each
-//! device keeps the first time it handed datagrams to `sendto`, the first time `sendto`
-//! returned, the first receive that brought datagrams and the first time its engine was done
-//! with them; [`accept_called`] keeps the first `accept`. So in a one-at-a-time run the
+//! device keeps the first time it handed datagrams to `sendto`, the first receive that
+//! brought datagrams and the first time its engine was done with them; the first `accept`
+//! is kept too ([`accept_time`]). So in a one-at-a-time run the
 //! client's device holds its REQ and the REP, the server's its REQ and REP: the RTU goes out
 //! after the event (a `SendBatch` holds it, and the bench's serial run holds one), and the
 //! disconnect comes after the trace is read.
@@ -81,7 +81,6 @@ pub fn accept_time() -> Option<u64> {
 #[derive(Debug, Default)]
 pub struct DeviceStamps {
     send: AtomicU64,
-    sent: AtomicU64,
     received: AtomicU64,
     handled: AtomicU64,
 }
@@ -89,10 +88,8 @@ pub struct DeviceStamps {
 /// The stamps of one device in the current trace (`None`: not reached).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceTrace {
-    /// Datagrams first handed to `sendto`.
+    /// Datagrams first handed to `sendto` (the system call, their packets built).
     pub send: Option<u64>,
-    /// The first `sendto` returned.
-    pub sent: Option<u64>,
     /// The first receive that brought datagrams returned.
     pub received: Option<u64>,
     /// The engine was first done with what was received.
@@ -104,13 +101,6 @@ impl DeviceStamps {
     pub(crate) fn sending(&self) {
         if on() {
             first(&self.send);
-        }
-    }
-
-    #[inline]
-    pub(crate) fn sent(&self) {
-        if on() {
-            first(&self.sent);
         }
     }
 
@@ -138,7 +128,6 @@ impl DeviceStamps {
     pub fn read(&self) -> DeviceTrace {
         DeviceTrace {
             send: this_trace(&self.send),
-            sent: this_trace(&self.sent),
             received: this_trace(&self.received),
             handled: this_trace(&self.handled),
         }
@@ -168,7 +157,6 @@ mod tests {
         assert!(send >= t0);
         d.sending();
         assert_eq!(d.read().send, Some(send), "a later send replaced the first");
-        d.sent();
         let at = now();
         d.received(at);
         d.engine_done();
