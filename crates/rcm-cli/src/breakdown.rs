@@ -186,33 +186,27 @@ fn segments(start: u64, points: [Option<u64>; 7], end: u64) -> Option<[u64; 8]> 
 mod tests {
     use super::*;
 
+    /// The stamps of a connect from 100 to 400 ns, every one taken and in order.
+    const POINTS: [Option<u64>; 7] = [
+        Some(110),
+        Some(150),
+        Some(160),
+        Some(200),
+        Some(230),
+        Some(300),
+        Some(320),
+    ];
+
     #[test]
     fn the_segments_of_a_connect_add_up_to_its_latency() {
-        let pts = [
-            Some(110),
-            Some(150),
-            Some(160),
-            Some(200),
-            Some(230),
-            Some(300),
-            Some(320),
-        ];
-        let row = segments(100, pts, 400).expect("complete and in order");
+        let row = segments(100, POINTS, 400).expect("complete and in order");
         assert_eq!(row, [10, 40, 10, 40, 30, 70, 20, 80]);
         assert_eq!(row.iter().sum::<u64>(), 300);
     }
 
     #[test]
     fn a_connect_with_a_stamp_missing_or_out_of_order_is_left_out() {
-        let mut pts = [
-            Some(110),
-            Some(150),
-            Some(160),
-            Some(200),
-            Some(230),
-            Some(300),
-            Some(320),
-        ];
+        let mut pts = POINTS;
         pts[3] = None;
         assert_eq!(segments(100, pts, 400), None);
         pts[3] = Some(140);

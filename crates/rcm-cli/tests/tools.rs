@@ -426,16 +426,7 @@ fn bench_serial_measures_the_polling_round_trip_between_its_connections() {
 /// refused where this process does not hold both devices, and without `--serial`.
 #[test]
 fn bench_breakdown_says_where_a_serial_connects_time_goes() {
-    let names = [
-        "client: connect() until its REQ goes to sendto",
-        "REQ: sendto until the server's device has received it",
-        "server: its engine takes the REQ",
-        "server: CONNECT_REQUEST until accept()",
-        "server: accept() until its REP goes to sendto",
-        "REP: sendto until the client's device has received it",
-        "client: its engine takes the REP",
-        "client: until the bench has the event that ends the connect",
-    ];
+    let names = rcm_cli::breakdown::SEGMENTS;
     for qp in ["mimic", "attached"] {
         let args = [
             "bench",
@@ -466,7 +457,7 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
             assert!(s["p50_us"].as_f64().unwrap() >= 0.0, "{qp}: {s}");
         }
         // Each datagram's trip is a system call and a receive: never nothing.
-        for trip in [1, 5] {
+        for trip in rcm_cli::breakdown::TRIPS {
             assert!(segs[trip]["p50_us"].as_f64().unwrap() > 0.0, "{qp}: {out}");
         }
     }
