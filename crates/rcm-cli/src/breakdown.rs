@@ -5,7 +5,8 @@
 //! A connect is the REQ's and the REP's trips through the kernel (each a `sendto` on
 //! loopback, as the polling round trip it is compared with) and rcm's work at each end.
 //! The segments split it at the moments the stamps mark, so per connection they add up
-//! to its latency exactly; their medians need not add up to the median latency.
+//! to the time from just before `connect` to the event in hand (its latency, give or take
+//! the two clock readings around it); their medians need not add up to the median latency.
 
 use rcm::{trace, Device, Fabric};
 use serde::Serialize;

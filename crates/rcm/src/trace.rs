@@ -5,11 +5,11 @@
 //!
 //! A trace starts with [`begin`], just before the `connect` it follows. From then on each
 //! device keeps the first time it handed datagrams to `sendto`, the first receive that
-//! brought datagrams and the first time its engine was done with them; the first `accept`
-//! is kept too ([`accept_time`]). So in a one-at-a-time run the
-//! client's device holds its REQ and the REP, the server's its REQ and REP: the RTU goes out
-//! after the event (a `SendBatch` holds it, and the bench's serial run holds one), and the
-//! disconnect comes after the trace is read.
+//! brought datagrams and the first time its engine was done with them, and the first
+//! `accept` is kept too ([`accept_time`]). Only the first of each: in a one-at-a-time run
+//! the client's device holds the sending of its REQ and the receipt of the REP, the
+//! server's the receipt of the REQ and the sending of its REP, whatever follows (the RTU,
+//! the disconnect).
 //!
 //! Off by default, when each point costs one relaxed load. On, a point costs a clock read
 //! (~25 ns), about 0.15 µs a connect.
