@@ -1261,8 +1261,8 @@ fn print_breakdown(b: &crate::breakdown::Breakdown, rtt_poll_us: f64) {
         String::new()
     };
     println!(
-        "where a connect's time goes (medians of {} connects{left}; µs):",
-        b.connections
+        "where a connect's time goes ({}; medians of {} connects{left}; µs):",
+        b.ends, b.connections
     );
     for s in &b.segments {
         println!("  {:>7.2}  {}", s.p50_us, s.segment);
@@ -1272,11 +1272,19 @@ fn print_breakdown(b: &crate::breakdown::Breakdown, rtt_poll_us: f64) {
     } else {
         String::new()
     };
-    println!(
-        "  the two trips {:.2}{rtt}; the rest, rcm's work at the ends, {:.2}",
-        b.trips_us(),
-        b.work_us()
-    );
+    if b.both_ends() {
+        println!(
+            "  the two trips {:.2}{rtt}; the rest, rcm's work at the ends, {:.2}",
+            b.away_us(),
+            b.work_us()
+        );
+    } else {
+        println!(
+            "  from the REQ to the REP {:.2}{rtt}; the rest, the client's work, {:.2}",
+            b.away_us(),
+            b.work_us()
+        );
+    }
 }
 
 /// `--pin` places the threads of the embedded default, whose server and client share a

@@ -180,11 +180,12 @@ struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 1, conflicts_with_all = ["listen", "serial"],
           value_parser = clap::value_parser!(u32).range(1..=64))]
     issuers: u32,
-    /// With --serial, on the embedded default's RoCEv2 devices: also print where a connect's
-    /// time goes, hop by hop (the medians of the REQ's and the REP's trips through the
-    /// kernel and of rcm's work at each end), from stamps taken in the run. The stamps read
-    /// the clock about six times a connect, which adds ~0.15 µs to it.
-    #[arg(long, requires = "serial", conflicts_with_all = ["daemon", "listen", "server"])]
+    /// With --serial, on RoCEv2 devices of this process: also print where a connect's time
+    /// goes, hop by hop, from stamps taken in the run: with the embedded default the medians
+    /// of the REQ's and the REP's trips through the kernel and of rcm's work at each end;
+    /// with --server (the server elsewhere) the client's own segments and the time from its
+    /// REQ to the REP. The stamps read the clock about six times a connect (~0.15 µs).
+    #[arg(long, requires = "serial", conflicts_with_all = ["daemon", "listen"])]
     breakdown: bool,
 }
 

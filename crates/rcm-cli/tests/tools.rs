@@ -445,6 +445,7 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert_eq!(v["established"], 40, "{out}");
         let b = &v["breakdown"];
+        assert_eq!(b["ends"], "both ends", "{qp}: {out}");
         assert_eq!(b["connections"], 40, "{qp}: {out}");
         assert_eq!(b["left_out"], 0, "{qp}: {out}");
         let segs = b["segments"].as_array().expect("segments");
@@ -472,7 +473,7 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(
-        out.contains("where a connect's time goes (medians of 20 connects; µs):"),
+        out.contains("where a connect's time goes (both ends; medians of 20 connects; µs):"),
         "{out}"
     );
     assert!(
@@ -506,8 +507,8 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
             "--daemon",
         ),
         (
-            vec!["bench", "--serial", "--breakdown", "--server", "127.0.0.1"],
-            "--server",
+            vec!["bench", "--serial", "--breakdown", "--listen"],
+            "--listen",
         ),
         (
             vec!["bench", "--serial", "--breakdown", "--transport", "iwarp"],
@@ -519,6 +520,52 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
         assert!(out.is_empty(), "{args:?} ran: {out}");
         assert!(err.contains(what), "{args:?}: {err}");
     }
+}
+
+/// With the server in another process (`--server`), `--breakdown` splits the client's
+/// end: its own segments, and the time from its REQ to the REP.
+#[test]
+fn bench_breakdown_of_the_client_end_against_a_server_elsewhere() {
+    let server = start_server(&[
+        "bench",
+        "--listen",
+        "-c",
+        "20",
+        "--udp-port",
+        "26852",
+        "--json",
+    ]);
+    let (code, out, err) = rcm(&[
+        "bench",
+        "--server",
+        "127.0.0.1",
+        "--serial",
+        "--breakdown",
+        "-c",
+        "20",
+        "--udp-port",
+        "26852",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["established"], 20, "{out}");
+    let b = &v["breakdown"];
+    assert_eq!(b["ends"], "client end", "{out}");
+    assert_eq!(b["connections"], 20, "{out}");
+    let segs = b["segments"].as_array().expect("segments");
+    let got: Vec<&str> = segs
+        .iter()
+        .map(|s| s["segment"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, rcm_cli::breakdown::CLIENT_SEGMENTS);
+    // The REQ to the REP holds a round trip and the server's work: never nothing.
+    assert!(
+        segs[rcm_cli::breakdown::AWAY]["p50_us"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
+    let s = server.wait_with_output().unwrap();
+    assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stderr));
 }
 
 /// `--pin` puts the client's thread and the fabric's threads on two CPUs, says which in
