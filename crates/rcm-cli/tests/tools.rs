@@ -420,6 +420,24 @@ fn bench_serial_measures_the_polling_round_trip_between_its_connections() {
     assert!(v["udp_rtt_poll_p50_us"].as_f64().unwrap() > 0.0, "{out}");
 }
 
+/// The breakdown of a `rcm bench --json` report `out` of `n` connections, each traced
+/// (none left out), covering `ends`, with the segments `names` in that order.
+fn breakdown_of(out: &str, n: u64, ends: &str, names: &[&str]) -> Vec<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(out).unwrap();
+    assert_eq!(v["established"], n, "{out}");
+    let b = &v["breakdown"];
+    assert_eq!(b["ends"], ends, "{out}");
+    assert_eq!(b["connections"], n, "{out}");
+    assert_eq!(b["left_out"], 0, "{out}");
+    let segs = b["segments"].as_array().expect("segments").clone();
+    let got: Vec<&str> = segs
+        .iter()
+        .map(|s| s["segment"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, names, "the segments in the connect's order");
+    segs
+}
+
 /// `--breakdown` splits each one-at-a-time connect at its hops, in both QP modes: every
 /// connect's stamps are taken (none is left out on loopback), the segments come in the
 /// connect's order, and the text report prints them with the trips and rcm's share. It is
@@ -442,19 +460,8 @@ fn bench_breakdown_says_where_a_serial_connects_time_goes() {
         ];
         let (code, out, err) = rcm(&args);
         assert_eq!(code, 0, "{args:?}\n{out}\n{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["established"], 40, "{out}");
-        let b = &v["breakdown"];
-        assert_eq!(b["ends"], "both ends", "{qp}: {out}");
-        assert_eq!(b["connections"], 40, "{qp}: {out}");
-        assert_eq!(b["left_out"], 0, "{qp}: {out}");
-        let segs = b["segments"].as_array().expect("segments");
-        let got: Vec<&str> = segs
-            .iter()
-            .map(|s| s["segment"].as_str().unwrap())
-            .collect();
-        assert_eq!(got, names, "{qp}");
-        for s in segs {
+        let segs = breakdown_of(&out, 40, "both ends", &names);
+        for s in &segs {
             assert!(s["p50_us"].as_f64().unwrap() >= 0.0, "{qp}: {s}");
         }
         // Each datagram's trip is a system call and a receive: never nothing.
@@ -548,17 +555,7 @@ fn bench_breakdown_of_the_client_end_against_a_server_elsewhere() {
         "--json",
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["established"], 20, "{out}");
-    let b = &v["breakdown"];
-    assert_eq!(b["ends"], "client end", "{out}");
-    assert_eq!(b["connections"], 20, "{out}");
-    let segs = b["segments"].as_array().expect("segments");
-    let got: Vec<&str> = segs
-        .iter()
-        .map(|s| s["segment"].as_str().unwrap())
-        .collect();
-    assert_eq!(got, rcm_cli::breakdown::CLIENT_SEGMENTS);
+    let segs = breakdown_of(&out, 20, "client end", &rcm_cli::breakdown::CLIENT_SEGMENTS);
     // The REQ to the REP holds a round trip and the server's work: never nothing.
     assert!(
         segs[rcm_cli::breakdown::AWAY]["p50_us"].as_f64().unwrap() > 0.0,
