@@ -525,9 +525,9 @@ pub fn run_client(
     // The run's own, not the warm-up's.
     let polled_before = fabric.busy_polled();
     // After the warm-up: only the run's connects are traced.
-    let tracer = (o.breakdown && o.serial)
-        .then(|| srcs.first())
-        .flatten()
+    let tracer = srcs
+        .first()
+        .filter(|_| o.breakdown && o.serial)
         .and_then(|&src| crate::breakdown::Tracer::new(fabric, src, dst.ip()));
     let held_before = rcm::process_hold_offs();
     // The tool's own per-connection bookkeeping is made before the memory baseline, so the
@@ -1354,7 +1354,7 @@ pub fn udp_rtt(
 }
 
 /// The median of `v` (sorted in place); 0 for none.
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
@@ -1594,13 +1594,9 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
     }
     let f = Fabric::new(cfg);
     for &bind in binds {
-        if o.iwarp {
-            f.add_iwarp_device(bind)
-                .map_err(|e| crate::device_error(&format!("iWARP device on {bind}"), &e))?;
-        } else {
-            f.add_device(bind)
-                .map_err(|e| crate::device_error(&format!("device on {bind}"), &e))?;
-        }
+        let what = if o.iwarp { "iWARP device" } else { "device" };
+        crate::add_device(&f, bind, o.iwarp)
+            .map_err(|e| crate::device_error(&format!("{what} on {bind}"), &e))?;
     }
     Ok((f, binds.to_vec()))
 }

@@ -43,6 +43,11 @@ pub const CLIENT_SEGMENTS: [&str; 4] = [
 /// The segment of [`CLIENT_SEGMENTS`] that is not the client's work.
 pub const AWAY: usize = 1;
 
+/// [`Breakdown::ends`] with both ends in this process.
+pub const BOTH_ENDS: &str = "both ends";
+/// [`Breakdown::ends`] with the server in another process.
+pub const CLIENT_END: &str = "client end";
+
 /// One segment's median.
 #[derive(Debug, Clone, Serialize)]
 pub struct Segment {
@@ -70,7 +75,7 @@ pub struct Breakdown {
 impl Breakdown {
     /// Whether the server's segments are in (both ends in this process).
     pub fn both_ends(&self) -> bool {
-        self.segments.len() == SEGMENTS.len()
+        self.ends == BOTH_ENDS
     }
 
     /// The segments that are not this process's work: the datagrams' trips, or with the
@@ -110,7 +115,6 @@ pub struct Tracer {
     client: Device,
     /// The server's device when it is this process's.
     server: Option<Device>,
-    start: AtomicU64,
     rows: Mutex<Vec<Vec<u64>>>,
     left_out: AtomicU64,
 }
@@ -126,7 +130,6 @@ impl Tracer {
         Some(Tracer {
             client,
             server,
-            start: AtomicU64::new(0),
             rows: Mutex::new(Vec::new()),
             left_out: AtomicU64::new(0),
         })
@@ -134,7 +137,7 @@ impl Tracer {
 
     /// A connect is about to be called.
     pub fn begin(&self) {
-        self.start.store(trace::begin(), Ordering::Relaxed);
+        trace::begin();
     }
 
     /// The connect ended (its event is in hand): its stamps make a row.
@@ -156,7 +159,10 @@ impl Tracer {
             }
             None => vec![c.send, c.received, c.handled],
         };
-        let start = self.start.load(Ordering::Relaxed);
+        let Some(start) = trace::started() else {
+            self.left_out.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
         match segments(start, &points, end) {
             Some(row) => self
                 .rows
@@ -176,19 +182,22 @@ impl Tracer {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (ends, names): (&'static str, &[&'static str]) = if self.server.is_some() {
-            ("both ends", &SEGMENTS)
+            (BOTH_ENDS, &SEGMENTS)
         } else {
-            ("client end", &CLIENT_SEGMENTS)
+            (CLIENT_END, &CLIENT_SEGMENTS)
         };
         let segments = names
             .iter()
             .enumerate()
             .map(|(i, name)| {
-                let mut v: Vec<u64> = rows.iter().filter_map(|r| r.get(i).copied()).collect();
-                v.sort_unstable();
+                let mut us: Vec<f64> = rows
+                    .iter()
+                    .filter_map(|r| r.get(i))
+                    .map(|&ns| ns as f64 / 1e3)
+                    .collect();
                 Segment {
                     segment: name,
-                    p50_us: v.get(v.len() / 2).map_or(0.0, |&ns| ns as f64 / 1e3),
+                    p50_us: crate::bench::median(&mut us),
                 }
             })
             .collect();
@@ -250,7 +259,7 @@ mod tests {
         let row = segments(100, &[Some(110), Some(300), Some(320)], 400).expect("in order");
         assert_eq!(row, [10, 190, 20, 80]);
         let b = Breakdown {
-            ends: "client end",
+            ends: CLIENT_END,
             connections: 1,
             left_out: 0,
             segments: CLIENT_SEGMENTS

@@ -32,6 +32,15 @@ pub fn raise_fd_limit() -> Option<u64> {
     getrlimit(Resource::Nofile).current
 }
 
+/// Adds a device on `ip` to `f`: an iWARP one with `iwarp`, else a RoCEv2 one.
+pub fn add_device(f: &rcm::Fabric, ip: std::net::IpAddr, iwarp: bool) -> rcm::Result<rcm::Device> {
+    if iwarp {
+        f.add_iwarp_device(ip)
+    } else {
+        f.add_device(ip)
+    }
+}
+
 /// What a tool says when it cannot open the device `what` (RoCEv2 or iWARP): the error, and
 /// for a RoCEv2 device's UDP port another socket holds (one process owns a device's port, as
 /// the kernel owns QP1) what usually holds it and the ways past it; for an address this host

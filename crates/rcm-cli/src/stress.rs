@@ -161,7 +161,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         }
         .map_err(|e| crate::device_error("loopback devices", &e))?;
         let removable = IpAddr::from([127, 0, 0, 3]);
-        add_device(&f, removable, o.iwarp)
+        crate::add_device(&f, removable, o.iwarp)
             .map_err(|e| crate::device_error(&format!("device {removable}"), &e))?;
         (f, None, IpAddr::from([127, 0, 0, 1]), removable)
     };
@@ -353,7 +353,7 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
                     }
                     counts.4.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(50));
-                    let _ = add_device(&fabric, removable, iwarp);
+                    let _ = crate::add_device(&fabric, removable, iwarp);
                 }
             }
         })
@@ -466,15 +466,6 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
         ));
     }
     Ok(r)
-}
-
-/// Adds a device on `ip` to `f`: an iWARP one with `iwarp`, else a RoCEv2 one.
-fn add_device(f: &Fabric, ip: IpAddr, iwarp: bool) -> rcm::Result<rcm::Device> {
-    if iwarp {
-        f.add_iwarp_device(ip)
-    } else {
-        f.add_device(ip)
-    }
 }
 
 fn new_client(fabric: &Fabric, shared: &Arc<Shared>, rng: &mut StdRng) -> (CmId, Arc<AtomicBool>) {

@@ -51,6 +51,12 @@ pub fn begin() -> u64 {
     t
 }
 
+/// When the current trace began ([`begin`]), if one did.
+pub fn started() -> Option<u64> {
+    let t = EPOCH.load(Relaxed);
+    (t != u64::MAX).then_some(t)
+}
+
 /// Stores now into `a` unless it holds a time of this trace already.
 fn first(a: &AtomicU64) {
     if a.load(Relaxed) < EPOCH.load(Relaxed) {
@@ -152,6 +158,7 @@ mod tests {
         d.engine_done();
         assert_eq!(d.read().handled, None, "handled with nothing received");
         let t0 = begin();
+        assert_eq!(started(), Some(t0));
         d.sending();
         let send = d.read().send.expect("send");
         assert!(send >= t0);
