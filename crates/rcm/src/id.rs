@@ -2240,6 +2240,13 @@ pub(crate) fn on_engine_event(
             }
             return;
         }
+        if g.state == State::Destroying {
+            // The teardown ends this endpoint (a DREQ is answered by the engine's destroy),
+            // or, when it began while `connect` was putting the endpoint in place, `connect`
+            // does, seeing `Destroying`: a REJ or DREQ routed meanwhile must not hide that
+            // state, or the endpoint outlives its id (and a context set then is kept).
+            return;
+        }
         match ev {
             CmEvent::RepReceived(info) => {
                 if g.state == State::Connect {

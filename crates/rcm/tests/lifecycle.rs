@@ -1710,3 +1710,58 @@ fn callbacks_here_run_on_the_calling_thread_when_the_guard_drops() {
     assert!(eventually(T, || f.live_ids() == 0));
     f.shutdown();
 }
+
+/// A destroy racing a `connect` whose REQ is rejected at once (same device, nobody listens:
+/// the engine's REJ is routed while `connect` still holds its endpoint's handle): the
+/// teardown did not see that endpoint, so `connect` must end it, which it does when it finds
+/// the id `Destroying`. The REJ routed meanwhile used to overwrite that state with
+/// `Disconnect`, and the endpoint outlived its id.
+#[test]
+fn a_destroy_racing_a_rejected_connect_leaves_no_endpoint() {
+    let f = fabric(25107);
+    let ch = EventChannel::new();
+    let dst = addr(1, 7999);
+    let go = Arc::new(Barrier::new(2));
+    let (to_connector, connector_rx) = mpsc::channel::<Option<CmId>>();
+    let connector = thread::spawn({
+        let go = go.clone();
+        move || {
+            let mut refused = 0usize;
+            while let Ok(Some(id)) = connector_rx.recv() {
+                go.wait();
+                refused += usize::from(id.connect(&ConnectOptions::default()).is_err());
+            }
+            refused
+        }
+    });
+    for _ in 0..3000 {
+        let id = f.create_id_on(PortSpace::Tcp, &ch);
+        id.resolve_addr(Some(ip(1)), dst).unwrap();
+        expect_ev(&ch, &id, "ADDR_RESOLVED");
+        id.resolve_route().unwrap();
+        expect_ev(&ch, &id, "ROUTE_RESOLVED");
+        to_connector.send(Some(id.clone())).unwrap();
+        go.wait();
+        // Held events (a REJECTED taken below) must not refuse the destroy.
+        let _ = id.destroy();
+        while let Some(mut e) = ch.get_event(Some(Duration::ZERO)) {
+            drop(e.take());
+        }
+    }
+    to_connector.send(None).unwrap();
+    let refused = connector.join().unwrap();
+    let end = Instant::now() + T;
+    while (f.engine_ceps() > 0 || f.live_ids() > 0) && Instant::now() < end {
+        while let Some(mut e) = ch.get_event(Some(Duration::ZERO)) {
+            drop(e.take());
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        (f.engine_ceps(), f.live_ids()),
+        (0, 0),
+        "engine endpoints and ids left after 3,000 connects raced by destroys \
+         ({refused} connects refused as destroyed)"
+    );
+    f.shutdown();
+}
