@@ -23,6 +23,7 @@ use rcm_wire::Gid;
 use std::any::Any;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 /// rdma_cm id states (`enum rdma_cm_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -868,11 +869,14 @@ impl CmId {
     }
 
     /// Runs `f` on the context, if it is a `T`. No lock of the id is held while `f` runs:
-    /// it may call the id (even `set_context`, `with_context` or `destroy`). A destroy on
-    /// another thread drops the context only once `f` returned, and before it returns
-    /// itself. A destroy from inside `f` does not wait for that (it would wait for itself):
-    /// it returns `Done` when it could tear the id down at once, `Deferred` otherwise, and
-    /// the context is dropped when `f` returns.
+    /// it may call the id (even `set_context`, `with_context` or `destroy`). A destroy
+    /// elsewhere does not drop the context under `f`: the last of the closures borrowing it
+    /// drops it when it returns. A blocking destroy made where it may wait (not inside a
+    /// callback, a context borrow or a teardown, nor on one of rcm's threads) returns only
+    /// after that; any other destroy does not wait for `f` (waiting there could wait for
+    /// itself, or for a thread that waits for it), nor does the future of
+    /// [`begin_destroy`](Self::begin_destroy). A destroy from inside `f` returns `Done` when
+    /// it could tear the id down at once, `Deferred` otherwise.
     pub fn with_context<T: 'static, R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
         let ctx = sync::lock(&self.0.st).context.clone()?;
         let reading = ContextRead {
@@ -1693,32 +1697,82 @@ impl CmId {
     /// running callback returns. With channel events of this id still held it fails with
     /// [`Error::EventsOutstanding`], changing nothing.
     pub fn destroy(&self) -> Result<DestroyOutcome> {
-        self.0.slot.destroy(true).map_err(Error::EventsOutstanding)
+        let ctx = self.context_watch();
+        let r = self.0.slot.destroy(true).map_err(Error::EventsOutstanding);
+        if matches!(r, Ok(DestroyOutcome::Done)) && may_wait_for_borrows() {
+            context_gone(ctx.as_ref(), None);
+        }
+        r
     }
 
     /// Destroys without blocking: returns at once with a handle that completes under the same
     /// guarantee as [`CmId::destroy`]. Held channel events delay the completion until acked.
     pub fn begin_destroy(&self) -> DestroyHandle {
+        let ctx = self.context_watch();
         let _ = self.0.slot.destroy(false);
-        DestroyHandle(self.0.slot.clone())
+        DestroyHandle(self.0.slot.clone(), ctx)
+    }
+
+    /// What tells when the context this id holds now is gone (dropped by the teardown, or
+    /// by the last `with_context` closure borrowing it).
+    fn context_watch(&self) -> Option<Weak<dyn Any + Send + Sync>> {
+        sync::lock(&self.0.st).context.as_ref().map(Arc::downgrade)
     }
 }
 
+/// Whether the calling thread may wait for `with_context` closures on other threads to
+/// return: not from a callback, a context borrow, a teardown or one of rcm's threads. Each
+/// of those may be what such a closure waits for (a closure that destroys another id whose
+/// callback runs here, or whose own closure destroys this id: each borrow waits for the
+/// other), so the wait there could never end.
+fn may_wait_for_borrows() -> bool {
+    !crate::fabric::own_thread()
+        && !crate::slot::in_callback()
+        && !crate::slot::in_teardown()
+        && crate::slot::borrows(|_, _| true) == 0
+}
+
+/// Waits until the context `ctx` watches is dropped (the closures borrowing it returned), up
+/// to `until`; whether it is. Polled, backing off to 1 ms: it only waits when a destroy meets
+/// a closure running, and a waker would cost every id memory for that rare case.
+fn context_gone(ctx: Option<&Weak<dyn Any + Send + Sync>>, until: Option<Instant>) -> bool {
+    let Some(ctx) = ctx else { return true };
+    let mut nap = std::time::Duration::from_micros(10);
+    while ctx.strong_count() > 0 {
+        if until.is_some_and(|u| Instant::now() >= u) {
+            return false;
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(std::time::Duration::from_millis(1));
+    }
+    true
+}
+
 /// Completion of a non-blocking destroy: wait on it, or `.await` it.
-pub struct DestroyHandle(Arc<Slot<Event>>);
+pub struct DestroyHandle(Arc<Slot<Event>>, Option<Weak<dyn Any + Send + Sync>>);
 
 impl DestroyHandle {
-    /// Blocks until the id is destroyed. Inside the id's own callback, or in the drop of its
-    /// context or handler, it returns at once: the destruction can only end after them.
+    /// Blocks until the id is destroyed and its context dropped (a `with_context` closure
+    /// running elsewhere drops it when it returns; see [`CmId::with_context`] for where this
+    /// does not wait for that). Inside the id's own callback, or in the drop of its context
+    /// or handler, it returns at once: the destruction can only end after them.
     pub fn wait(&self) {
         crate::fabric::before_wait();
         self.0.wait_destroyed();
+        if self.0.phase() == crate::slot::Phase::Destroyed && may_wait_for_borrows() {
+            context_gone(self.1.as_ref(), None);
+        }
     }
 
-    /// Blocks up to `d`; returns whether the id is destroyed.
+    /// Blocks up to `d`; returns whether the id is destroyed (and, as [`Self::wait`] waits
+    /// for it, its context dropped).
     pub fn wait_for(&self, d: std::time::Duration) -> bool {
         crate::fabric::before_wait();
-        self.0.wait_destroyed_for(d)
+        let until = Instant::now() + d;
+        if !self.0.wait_destroyed_for(d) {
+            return false;
+        }
+        !may_wait_for_borrows() || context_gone(self.1.as_ref(), Some(until))
     }
 
     /// Whether the id is destroyed.
@@ -1847,24 +1901,6 @@ fn ctx_addr(c: &Arc<dyn Any + Send + Sync>) -> usize {
     Arc::as_ptr(c).cast::<()>() as usize
 }
 
-/// Drops the context a teardown took, once no other thread borrows it (the clones of
-/// running `with_context` calls are gone): "dropped before destroy returns" holds for a
-/// `with_context` running elsewhere. This thread's own borrows (a destroy from inside
-/// `with_context`) are not waited for: the last of them drops it. The wait polls, backing
-/// off to 1 ms: it only happens when a destroy meets a closure running, and a waker would
-/// cost every id memory for that rare case.
-fn drop_context(ctx: Option<Arc<dyn Any + Send + Sync>>) {
-    let Some(ctx) = ctx else { return };
-    let me = ctx_addr(&ctx);
-    let own = crate::slot::borrows(|_, c| c == me);
-    let mut nap = std::time::Duration::from_micros(10);
-    while Arc::strong_count(&ctx) > 1 + own {
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(std::time::Duration::from_millis(1));
-    }
-    drop(ctx);
-}
-
 /// Runs once, when the slot tears down: unpublish, drive the protocol to its end, release
 /// port, QP and context.
 fn teardown(inner: &Arc<IdInner>) {
@@ -1944,7 +1980,8 @@ fn teardown(inner: &Arc<IdInner>) {
         r.release();
     }
     sync::lock(&inner.fabric.ids).remove(&inner.key);
-    drop_context(ctx);
+    // A `with_context` closure running elsewhere holds a clone: the last one drops it.
+    drop(ctx);
 }
 
 /// An event a provider delivered for an id it owns.

@@ -27,7 +27,8 @@
 //! 1. Callbacks for one id never run concurrently and arrive in order.
 //! 2. `destroy` returns `Done` only when no callback for the id is running and none will ever
 //!    start; queued events are discarded; the context is dropped exactly once, after the last
-//!    callback.
+//!    callback (a [`CmId::with_context`] closure running elsewhere keeps it until it returns,
+//!    and only a destroy that may wait for that does).
 //! 3. A callback returning [`Flow::Destroy`] destroys its id after it returns; no further
 //!    callback, device removal included, is made for it.
 //! 4. `destroy` from inside a callback never deadlocks: it returns `Deferred`, no new

@@ -210,9 +210,9 @@ loom::thread_local! {
 }
 
 // The context borrows the calling thread is inside (`CmId::with_context` runs its closure),
-// innermost last: the slot's address and the context's. A teardown running elsewhere waits
-// for those borrows to end before it drops the context, so a destroy from inside one must
-// not wait for the teardown.
+// innermost last: the slot's address and the context's. A blocking destroy elsewhere may
+// wait for those borrows to end, so a destroy from inside one must wait neither for the
+// teardown nor for other threads' borrows.
 #[cfg(not(loom))]
 std::thread_local! {
     static BORROWS: std::cell::RefCell<Vec<(usize, usize)>> =

@@ -567,3 +567,153 @@ fn waiting_for_the_listener_from_a_connect_request_callback_returns() {
          (a callback of that listener) never returned"
     );
 }
+
+/// Two threads, each inside `with_context` of one id, destroy each other's id. A teardown
+/// that waited for the other thread's borrow to end would wait for a thread that waits for
+/// it: each destroy made inside a borrow goes without that wait, and each context is dropped
+/// once, when the closure borrowing it returns.
+#[test]
+fn destroys_crossed_between_two_context_borrows_do_not_deadlock() {
+    let f = fabric(29424);
+    let x = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let y = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let (dx, dy) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    x.set_context(Counted(dx.clone()));
+    y.set_context(Counted(dy.clone()));
+    let both_inside = Arc::new(std::sync::Barrier::new(2));
+    let cross = |mine: CmId, theirs: CmId, both: Arc<std::sync::Barrier>| {
+        within(Duration::from_secs(3), move || {
+            mine.with_context(|_: &Counted| {
+                both.wait();
+                theirs.destroy()
+            })
+        })
+    };
+    let a = thread::spawn({
+        let (x, y, b) = (x.clone(), y.clone(), both_inside.clone());
+        move || cross(x, y, b)
+    });
+    let b = thread::spawn({
+        let (x, y, b) = (x.clone(), y.clone(), both_inside.clone());
+        move || cross(y, x, b)
+    });
+    let (a, b) = (a.join().unwrap(), b.join().unwrap());
+    assert_eq!(
+        (a, b),
+        (
+            Some(Some(Ok(DestroyOutcome::Done))),
+            Some(Some(Ok(DestroyOutcome::Done)))
+        ),
+        "each destroy returns (None: it hung)"
+    );
+    assert_eq!(
+        (dx.load(Ordering::SeqCst), dy.load(Ordering::SeqCst)),
+        (1, 1)
+    );
+    f.shutdown();
+}
+
+/// A callback destroys id X while another thread, inside X's `with_context`, waits in a
+/// blocking destroy for that very callback's id. A destroy inside a callback must not wait:
+/// X's teardown runs there without waiting for the borrow, the callback returns, the other
+/// thread's destroy completes, and X's context is dropped when its closure returns.
+#[test]
+fn a_callback_destroying_an_id_borrowed_by_a_thread_waiting_for_it_does_not_deadlock() {
+    let f = fabric(29425);
+    let x = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let dx = Arc::new(AtomicUsize::new(0));
+    x.set_context(Counted(dx.clone()));
+    let (in_cb_tx, in_cb_rx) = mpsc::channel();
+    let borrowing = Gate::new();
+    let outcome = Arc::new(Mutex::new(None));
+    let y = f.create_id(PortSpace::Tcp, {
+        let (x, borrowing, outcome) = (x.clone(), borrowing.clone(), outcome.clone());
+        let in_cb_tx = Mutex::new(in_cb_tx);
+        move |_, ev| {
+            if matches!(ev, Event::AddrResolved) {
+                let _ = in_cb_tx.lock().unwrap().send(());
+                borrowing.wait();
+                // Let the other thread get into its blocking destroy of this id.
+                thread::sleep(Duration::from_millis(50));
+                *outcome.lock().unwrap() = Some(x.destroy());
+            }
+            Flow::Continue
+        }
+    });
+    y.resolve_addr(None, addr(1, 7000)).unwrap();
+    in_cb_rx.recv_timeout(T).unwrap();
+    let r = within(Duration::from_secs(3), {
+        let (x, y, borrowing, dx) = (x.clone(), y.clone(), borrowing.clone(), dx.clone());
+        move || {
+            x.with_context(|_: &Counted| {
+                borrowing.open();
+                let r = y.destroy();
+                (r, dx.load(Ordering::SeqCst))
+            })
+        }
+    });
+    assert_eq!(
+        r,
+        Some(Some((Ok(DestroyOutcome::Done), 0))),
+        "the destroy inside the borrow returns (None: it hung), X's context still alive"
+    );
+    assert_eq!(
+        *outcome.lock().unwrap(),
+        Some(Ok(DestroyOutcome::Done)),
+        "the callback's destroy of the idle X tears it down at once"
+    );
+    assert_eq!(
+        dx.load(Ordering::SeqCst),
+        1,
+        "dropped when the closure returned"
+    );
+    f.shutdown();
+}
+
+/// `begin_destroy` never blocks: not even on a `with_context` closure running on another
+/// thread. Its handle's waits then wait for that closure, and the context is dropped once,
+/// when the closure returns.
+#[test]
+fn begin_destroy_does_not_wait_for_a_closure_borrowing_the_context() {
+    let f = fabric(29426);
+    let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    id.set_context(Counted(dropped.clone()));
+    let gate = Gate::new();
+    let (inside_tx, inside_rx) = mpsc::channel();
+    let reader = thread::spawn({
+        let (id, gate, dropped) = (id.clone(), gate.clone(), dropped.clone());
+        move || {
+            id.with_context(|_: &Counted| {
+                inside_tx.send(()).unwrap();
+                gate.wait();
+                dropped.load(Ordering::SeqCst)
+            })
+        }
+    });
+    inside_rx.recv_timeout(T).unwrap();
+    let handle = within(Duration::from_secs(2), {
+        let id = id.clone();
+        move || id.begin_destroy()
+    })
+    .expect("begin_destroy returned while a closure borrowed the context");
+    assert!(handle.is_done(), "an idle id is torn down at once");
+    assert!(
+        !handle.wait_for(Duration::from_millis(100)),
+        "wait_for waits for the borrowing closure"
+    );
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        0,
+        "not dropped under the closure"
+    );
+    gate.open();
+    handle.wait();
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "dropped once the closure returned"
+    );
+    assert_eq!(reader.join().unwrap(), Some(0));
+    f.shutdown();
+}
