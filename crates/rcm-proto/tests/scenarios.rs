@@ -1632,6 +1632,24 @@ fn stale_rep_is_rejected_again_for_each_copy_and_never_taken() {
     assert_eq!(t.ep.stats().stale_rejects, 3);
 }
 
+/// A REP naming the QPN and CA GUID of a connection we hold with another host is stale and
+/// refused, but that connection is not ended: as for a stale REQ, only its own peer may end it
+/// so. Both values travel in the clear, and any host we connect to could otherwise end our
+/// connection to any other (Linux's `cm_rep_handler` sends the DREQ regardless).
+#[test]
+fn a_stale_rep_ends_the_connection_it_names_only_from_that_connections_peer() {
+    let mut t = T::new();
+    let (old, _) = t.established_active(); // with PEER, holding its QPN 0x99
+    let (h, req, tid) = t.connect_with(|p| p.dst = ip(OTHER));
+    let mut rep = peer_rep(req.local_comm_id);
+    rep.local_comm_id = 0x6666_0000; // OTHER claims PEER's QPN and CA GUID
+    t.recv_from(OTHER, tid, CmMessage::Rep(rep));
+    assert_eq!(t.names(), ["REJ"], "refused, and no DREQ to PEER");
+    assert_eq!(t.ep.state(old), Some(State::Established));
+    assert_eq!(t.ep.state(h), Some(State::ReqSent));
+    assert_eq!(t.ep.stats().stale_rejects, 1);
+}
+
 /// A stale REP is rejected without an RTU even when the endpoint answers REPs itself
 /// (`establish_on_rep`): the RTU goes out only for a REP that passed every check.
 #[test]

@@ -1513,7 +1513,10 @@ impl Endpoint {
         }
         if let Some(other) = self.remote_qps.get(rqp) {
             if other != h {
-                // Stale: reject this REP, tear the old connection down, keep waiting.
+                // Stale: reject this REP, tear the old connection down, keep waiting. As
+                // for a stale REQ, the old connection is ended only when the REP comes from
+                // its peer: the QPN and CA GUID travel in the clear, and a host we connect
+                // to could otherwise end our connection to any other.
                 let rej = stale_rep_rej(&rep);
                 self.send(from, tid, CmMessage::Rej(rej));
                 self.stats.stale_rejects += 1;
@@ -1523,7 +1526,7 @@ impl Endpoint {
                 if self
                     .ceps
                     .get(&other)
-                    .is_some_and(|c| c.state == State::Established)
+                    .is_some_and(|c| c.state == State::Established && !c.orphan && c.peer == from)
                 {
                     let _ = self.disconnect(now, other, &[]);
                 }
