@@ -866,6 +866,7 @@ fn take_batch(out: &mut Out, buf: &mut Vec<u8>) {
 /// the queue only under the wire lock, so they go out in queue order whoever writes them.
 fn writer_loop(s: &Session) {
     let mut buf = Vec::with_capacity(64 * 1024);
+    let mut full_wait = RING_FULL_RETRY;
     loop {
         {
             let mut out = lock(&s.out);
@@ -892,7 +893,10 @@ fn writer_loop(s: &Session) {
             }
             if lock(&s.out).ring_full {
                 // The client reads slowly: it does not ring for room, so look again soon.
-                std::thread::sleep(RING_FULL_RETRY);
+                std::thread::sleep(full_wait);
+                full_wait = (full_wait * 2).min(RING_FULL_MAX_RETRY);
+            } else {
+                full_wait = RING_FULL_RETRY;
             }
             continue;
         }
@@ -1020,6 +1024,11 @@ fn flush_round() {
 /// How long a writer waits before it looks again at an events ring that had no room.
 const RING_FULL_RETRY: Duration = Duration::from_millis(1);
 
+/// The longest such wait: each look that still finds no room doubles it (from
+/// `RING_FULL_RETRY / 10` for a reply, `RING_FULL_RETRY` for events), so a client that
+/// stops reading costs its session's thread ~100 wake-ups a second, not thousands.
+const RING_FULL_MAX_RETRY: Duration = Duration::from_millis(10);
+
 /// Writes one whole frame into the session's events ring, ringing the doorbell if the
 /// client sleeps: false when the ring has no room now; an error when the session cannot be
 /// written to (the client hung up, or a frame longer than the ring).
@@ -1108,11 +1117,15 @@ fn push_reply(s: &Session, frame: &[u8]) {
     // read its replies blocks here, stalling only its own session.
     let mut w = lock(&s.wire);
     if w.ring.is_some() {
+        let mut wait = RING_FULL_RETRY / 10;
         loop {
             match ring_push(&mut w, frame) {
                 Ok(true) => return,
                 Ok(false) if lock(&s.out).closed || hung_up(&w.stream) => return,
-                Ok(false) => std::thread::sleep(RING_FULL_RETRY / 10),
+                Ok(false) => {
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(RING_FULL_MAX_RETRY);
+                }
                 Err(()) => {
                     drop(w);
                     fail(s);
@@ -1527,8 +1540,15 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
         }
         devices.sleep();
         // Asleep in every ring before the last look at them, so no command is missed: a
-        // client that pushes after our mark rings the doorbell.
-        if !live.iter().all(|m| m.end.prepare_sleep()) {
+        // client that pushes after our mark rings the doorbell. A channel whose answer waits
+        // for room takes no command before that answer is out (tried again each
+        // PENDING_RETRY, below): the commands behind it are no reason to stay up, and
+        // counting them kept this thread spinning for as long as its client did not read.
+        if !live
+            .iter()
+            .filter(|m| m.pending.is_none())
+            .all(|m| m.end.prepare_sleep())
+        {
             for m in &live {
                 m.end.awake();
             }
@@ -1551,15 +1571,20 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
         };
         let timeout = Timespec::try_from(timeout).ok();
         rcm::look_here();
-        let _ = poll(&mut fds, timeout.as_ref());
+        let woken = poll(&mut fds, timeout.as_ref()).is_ok_and(|n| n > 0);
         drop(fds);
         for m in &live {
             m.end.awake();
         }
         let _ = crate::shmchan::drain_doorbells(&rings.wake_rx);
         live.retain(|m| crate::shmchan::drain_doorbells(&m.end.stream));
-        last_work = Instant::now();
-        last_check = last_work;
+        // Woken by the clock (a pending answer's retry, the hang-up check), not by a
+        // client: one round, then asleep again, not a spin's worth of polling each time.
+        let now = Instant::now();
+        if woken {
+            last_work = now;
+        }
+        last_check = now;
     }
 }
 
