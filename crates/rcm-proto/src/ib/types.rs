@@ -17,15 +17,37 @@ pub fn ibta_time_ms(t: u8) -> u64 {
 
 /// Linux `cm_ack_timeout(ca_ack_delay, packet_life_time)`: the local ACK timeout a REQ carries.
 pub fn cm_ack_timeout(ca_ack_delay: u8, packet_life_time: u8) -> u8 {
+    // Linux computes in int; the inputs here are whole u8s (a configured ACK delay is not a
+    // 5-bit wire field), so each step saturates instead of wrapping, or panicking in debug.
     let mut ack = packet_life_time.saturating_add(1);
     if ack >= ca_ack_delay {
         if ca_ack_delay >= ack.saturating_sub(1) {
-            ack += 1;
+            ack = ack.saturating_add(1);
         }
     } else {
-        ack = ca_ack_delay + u8::from(ack >= ca_ack_delay.saturating_sub(1));
+        ack = ca_ack_delay.saturating_add(u8::from(ack >= ca_ack_delay.saturating_sub(1)));
     }
     ack.min(31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cm_ack_timeout;
+
+    /// Linux's values (`cm_ack_timeout` in cm.c) for wire-sized inputs, and no overflow for
+    /// any pair of bytes (a configured `ca_ack_delay` of 254 overflowed).
+    #[test]
+    fn cm_ack_timeout_matches_linux_and_takes_any_bytes() {
+        assert_eq!(cm_ack_timeout(15, 18), 19);
+        assert_eq!(cm_ack_timeout(15, 13), 16);
+        assert_eq!(cm_ack_timeout(20, 13), 20);
+        assert_eq!(cm_ack_timeout(0, 0), 2);
+        for d in 0..=255u8 {
+            for plt in 0..=255u8 {
+                assert!(cm_ack_timeout(d, plt) <= 31);
+            }
+        }
+    }
 }
 
 /// How a message that expects an answer is retransmitted. Under either policy, once the
