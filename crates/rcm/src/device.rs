@@ -1763,6 +1763,29 @@ mod tests {
         assert_eq!((b.count(), b.coalesced()), (4, 1));
     }
 
+    /// A run coalesced while `UDP_GRO` was on and still queued when it is turned off (as a
+    /// UD id's registration does) comes without its segment size: a busy batch cuts it as a
+    /// quiet one does, by the GSI datagram's size, instead of taking it for one bad datagram.
+    #[test]
+    fn a_busy_batch_cuts_a_run_coalesced_before_gro_was_turned_off() {
+        use rcm_wire::roce::{emit_gsi, IpForIcrc, GSI_UDP_PAYLOAD_LEN as GSI, MAD_LEN};
+        let rx = UdpSocket::bind("127.0.0.1:0").expect("receiver");
+        crate::sys::enable_gro(&rx).expect("UDP_GRO");
+        let to = rx.local_addr().expect("addr");
+        let tx = UdpSocket::bind("127.0.0.8:0").expect("sender");
+        let ip = IpForIcrc::v4([127, 0, 0, 8].into(), [127, 0, 0, 1].into());
+        let gsi: Vec<Vec<u8>> = (0..4u8)
+            .map(|k| emit_gsi(&ip, 4791, k.into(), &[k; MAD_LEN]))
+            .collect();
+        crate::sys::send_segments(&tx, to, &gsi.concat(), GSI as u16).expect("segmented send");
+        crate::sys::disable_gro(&rx).expect("UDP_GRO off");
+        let mut b = RxBatch::new();
+        b.many = true;
+        b.fill(&rx);
+        let got: Vec<Vec<u8>> = b.datagrams().map(|(_, d)| d.to_vec()).collect();
+        assert_eq!(got, gsi);
+    }
+
     /// One receive call may bring two datagrams (the second is moved down beside the
     /// first) and a coalesced run comes whole with its segment size; a batch stops at
     /// `BATCH` receives; nothing is lost, cut or reordered.

@@ -213,9 +213,10 @@ pub(crate) fn recv_many(
     let mut cmsg = [[0u64; 4]; RECV_MANY];
     // SAFETY: `sockaddr_storage` is plain old data, valid all zeroes.
     let mut names: [libc::sockaddr_storage; RECV_MANY] = unsafe { std::mem::zeroed() };
-    let mut iovs = bufs.map(|b| libc::iovec {
-        iov_base: b.as_mut_ptr().cast(),
-        iov_len: b.len(),
+    let mut bufs = bufs;
+    let mut iovs: [libc::iovec; RECV_MANY] = std::array::from_fn(|i| libc::iovec {
+        iov_base: bufs[i].as_mut_ptr().cast(),
+        iov_len: bufs[i].len(),
     });
     // SAFETY: `mmsghdr` is plain old data, valid all zeroes (null pointers, zero lengths).
     let mut hdrs: [libc::mmsghdr; RECV_MANY] = unsafe { std::mem::zeroed() };
@@ -249,7 +250,13 @@ pub(crate) fn recv_many(
         let from = unsafe { socket2::SockAddr::new(*name, h.msg_hdr.msg_namelen) }.as_socket();
         // `None` for a sender that is not IP (cannot happen on a UDP socket): nothing to
         // answer. Kept in its place: `out[i]` is what `bufs[i]` holds.
-        out[i] = from.map(|from| (from, len, gro_size(&h.msg_hdr).unwrap_or(len)));
+        // Without the control message (the kernel adds it only while `UDP_GRO` is on, and a
+        // run coalesced before it was turned off stays coalesced), the stride is guessed as
+        // a quiet receive guesses it: else that run would be one bad datagram, every MAD in
+        // it lost.
+        let stride = gro_size(&h.msg_hdr)
+            .unwrap_or_else(|| gsi_run_stride(bufs[i].get(..len).unwrap_or_default()));
+        out[i] = from.map(|from| (from, len, stride));
     }
     n
 }
