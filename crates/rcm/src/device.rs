@@ -91,6 +91,10 @@ pub(crate) struct DeviceInner {
     pub late_holders: Mutex<Vec<(u64, Arc<crate::slot::Slot<crate::Event>>)>>,
     stop: AtomicBool,
     wake_at: Mutex<Option<Instant>>,
+    /// Ends the I/O thread's sleep in poll(2): an eventfd only that thread reads (see
+    /// `wake_io_thread`). `None` on a device verifying ICRCs, whose thread sleeps in a read
+    /// of its raw socket and is woken by a one-byte datagram to itself.
+    wake: Option<Arc<std::os::fd::OwnedFd>>,
     /// Engine events in engine order, waiting to be routed by one thread at a time.
     pending: Mutex<Pending>,
     psn: AtomicU32,
@@ -152,8 +156,20 @@ impl DeviceInner {
         let io_sock = sock.clone();
         let gate = raw.is_none().then(|| Arc::new(RxGate::new()));
         let io_gate = gate.clone();
+        let wake = match raw {
+            Some(_) => None,
+            None => Some(Arc::new(
+                rustix::event::eventfd(
+                    0,
+                    rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+                )
+                .map_err(|e| crate::Error::Io(format!("eventfd: {e}")))?,
+            )),
+        };
+        let io_wake = wake.clone();
         let dev = Arc::new_cyclic(|me| DeviceInner {
             port,
+            wake,
             sock: Mutex::new(Some(sock)),
             gso: AtomicBool::new(gso),
             inline_callbacks,
@@ -169,9 +185,11 @@ impl DeviceInner {
             .name(format!("rcm-dev-{ip}"))
             .spawn(move || {
                 crate::fabric::mark_own_thread();
-                match (raw, rx, io_gate) {
-                    (Some(raw), _, _) => raw_io_loop(&weak, &io_sock, &raw),
-                    (None, Some(rx), Some(gate)) => io_loop(&weak, &io_sock, &gate, spin, rx),
+                match (raw, rx, io_gate, io_wake) {
+                    (Some(raw), _, _, _) => raw_io_loop(&weak, &io_sock, &raw),
+                    (None, Some(rx), Some(gate), Some(wake)) => {
+                        io_loop(&weak, &io_sock, &wake, &gate, spin, rx);
+                    }
                     _ => {}
                 }
             })
@@ -217,6 +235,7 @@ impl DeviceInner {
             late_holders: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             wake_at: Mutex::new(None),
+            wake: None,
             pending: Mutex::new(Pending::default()),
             psn: AtomicU32::new(0),
             gso: AtomicBool::new(false),
@@ -535,14 +554,23 @@ impl DeviceInner {
         }
     }
 
-    /// Ends the I/O thread's sleep, whichever it is: in poll(2) on the socket (a one-byte
-    /// datagram to itself) or in `park`, where it stands aside for a waiter's poll and no
-    /// datagram reaches it (without the unpark a timer would wait for the end of the poll,
-    /// as long as the channel's spin). An unpark that finds it awake only makes its next
-    /// park return at once.
+    /// Ends the I/O thread's sleep, whichever it is: in poll(2) on the socket and its
+    /// eventfd, or in `park`, where it stands aside for a waiter's poll (without the unpark
+    /// a timer would wait for the end of the poll, as long as the channel's spin). An unpark
+    /// that finds it awake only makes its next park return at once. Not a datagram to its
+    /// own socket, as before: a waiter polling the socket could take it first, and the
+    /// thread then slept on to its old deadline (up to 500 ms) past the new timer. A raw
+    /// (ICRC-verifying) device's thread is still woken so: no waiter polls it.
     fn wake_io_thread(&self) {
-        if let Some(sock) = self.socket() {
-            let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+        match &self.wake {
+            Some(w) => {
+                let _ = rustix::io::write(&**w, &1u64.to_ne_bytes());
+            }
+            None => {
+                if let Some(sock) = self.socket() {
+                    let _ = sock.send_to(&[0], SocketAddr::new(self.ip, self.port));
+                }
+            }
         }
         if let Some(h) = sync::lock(&self.thread).as_ref() {
             h.thread().unpark();
@@ -592,15 +620,13 @@ impl DeviceInner {
     }
 
     /// Feeds a batch of received datagrams to the engine under one lock; then queues the UD
-    /// SENDs among them to their ids (outside the engine lock). Returns how many were
-    /// traffic (not the device's own wake-ups).
+    /// SENDs among them to their ids (outside the engine lock). Returns how many there were.
     fn handle_batch<'a>(
         self: &Arc<Self>,
         n: usize,
         batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
     ) -> usize {
         let mut bad = 0;
-        let mut wakeups = 0;
         let mut ud = Vec::new();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
@@ -608,10 +634,6 @@ impl DeviceInner {
                 // the scheduler hands the CPU back to in its middle must not take the wait
                 // for a stolen yield (see `crate::spin`).
                 crate::spin::look_here();
-                if buf.len() == 1 && from.ip() == self.ip {
-                    wakeups += 1; // our own wake-up: not traffic
-                    continue;
-                }
                 // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
                 match classify(buf) {
                     Rx::Gsi(g) => ep.handle_datagram(now, from.ip(), g.mad),
@@ -620,14 +642,12 @@ impl DeviceInner {
                 }
             }
         });
-        self.stats
-            .rx
-            .fetch_add((n - wakeups) as u64, Ordering::Relaxed);
+        self.stats.rx.fetch_add(n as u64, Ordering::Relaxed);
         self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
         for (src, d) in ud {
             self.deliver_ud(src, d);
         }
-        n - wakeups
+        n
     }
 
     /// Handles what a receive batch brought (see `handle_batch`), counting the coalesced
@@ -784,6 +804,21 @@ pub(crate) fn wait_readable(sock: &impl std::os::fd::AsFd, d: Duration) {
     let _ = poll(&mut fds, t.as_ref());
 }
 
+/// Sleeps until `sock` is readable, `wake` is written to (then drained) or `d` has passed.
+fn wait_readable_or_woken(sock: &UdpSocket, wake: &std::os::fd::OwnedFd, d: Duration) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [
+        PollFd::new(sock, PollFlags::IN),
+        PollFd::new(wake, PollFlags::IN),
+    ];
+    let t = Timespec::try_from(d).ok();
+    let _ = poll(&mut fds, t.as_ref());
+    if !fds[1].revents().is_empty() {
+        let mut n = [0u8; 8];
+        let _ = rustix::io::read(wake, &mut n);
+    }
+}
+
 /// Received datagrams, in one buffer kept from batch to batch: the receive loop allocates
 /// nothing per datagram (a fresh buffer per datagram was the first allocation of every
 /// packet, and what the connect burst's leftovers in the heap were made of). With `UDP_GRO`
@@ -935,6 +970,7 @@ impl RxBatch {
 fn io_loop(
     dev: &Weak<DeviceInner>,
     sock: &UdpSocket,
+    wake: &std::os::fd::OwnedFd,
     gate: &RxGate,
     spin: Duration,
     mut batch: RxBatch,
@@ -975,7 +1011,7 @@ fn io_loop(
                     if let Some(d) = dev.upgrade() {
                         d.stats.sleeps.fetch_add(1, Ordering::Relaxed);
                     }
-                    wait_readable(sock, left);
+                    wait_readable_or_woken(sock, wake, left);
                     if gate.polled_left().is_zero() {
                         turn = take_batch(gate, &mut batch, sock);
                     }
@@ -1645,6 +1681,28 @@ mod tests {
             "{sent} REQ(s) in 300 ms: the retransmission timer waited"
         );
         dev.shutdown();
+    }
+
+    /// A waiter that polls the socket at once after a command armed a timer (as `get_event`
+    /// does after `connect`) must not take the I/O thread's wake-up: the thread, asleep in
+    /// poll(2) up to 500 ms, then slept on and the REQ's retries waited. Several tries, as
+    /// which thread looks first is the scheduler's to decide.
+    #[test]
+    fn a_waiters_poll_does_not_take_the_io_threads_wake_up() {
+        let me = IpAddr::from([127, 0, 0, 1]);
+        for port in 28430..28435 {
+            let dev = retrying_device(me, port);
+            std::thread::sleep(Duration::from_millis(20));
+            let p =
+                rcm_proto::ib::ConnectParams::new(IpAddr::from([127, 0, 0, 9]), 0x1_0000_1f4f, 7);
+            dev.with_engine(|ep, now| ep.connect(now, &p))
+                .expect("connect");
+            let _ = dev.poll_once();
+            std::thread::sleep(Duration::from_millis(300));
+            let sent = dev.stats.tx.load(Ordering::Relaxed);
+            assert!(sent >= 3, "{sent} REQ(s) in 300 ms: the thread slept on");
+            dev.shutdown();
+        }
     }
 
     /// A device whose REQs retry every 20-40 ms, its thread asleep (no timer yet).
