@@ -220,6 +220,29 @@ enum Look {
     Ended,
 }
 
+/// Looks (`look`: one batch of the events ring each) until the ring is empty: what a
+/// consumed doorbell announced is all taken. The frames handled, or how it ended.
+fn drain_after_doorbell(mut look: impl FnMut() -> Look) -> Look {
+    let mut frames = 0;
+    loop {
+        match look() {
+            Look::Got(n) => {
+                frames += n;
+                if n < RING_BATCH {
+                    break;
+                }
+            }
+            Look::Nothing => break,
+            Look::Ended => return Look::Ended,
+        }
+    }
+    if frames > 0 {
+        Look::Got(frames)
+    } else {
+        Look::Nothing
+    }
+}
+
 /// Bytes the session's receive buffer starts with (grown for a longer frame).
 const RX_BUF: usize = 16 * 1024;
 /// Frames taken from the events ring in one look, as one socket receive brings a batch.
@@ -1667,10 +1690,12 @@ impl Inner {
         *idle_looks = 0;
         match crate::shmchan::take_doorbells(&self.stream) {
             // The doorbell may have been rung for the reader asleep on the socket, and a
-            // waiter that reads it here takes the wake-up the reader would have had: the
-            // frame it announced (published before the doorbell) is looked for now, or it
-            // would wait in the ring for the next doorbell.
-            Some(true) => self.receive_ring(rx, by_waiter),
+            // waiter that reads it here takes the wake-up the reader would have had: every
+            // frame it announced (published before it) is taken now, the whole ring, not one
+            // batch (a waiter whose event was in the first batch stops polling, and the
+            // rest waited in the ring, nobody rung for, until the daemon's next frame). A
+            // frame published after the ring was found empty rings anew.
+            Some(true) => drain_after_doorbell(|| self.receive_ring(rx, by_waiter)),
             Some(false) => Look::Nothing,
             None => Look::Ended,
         }
@@ -1948,6 +1973,47 @@ mod tests {
         c.store(u32::MAX, Ordering::Relaxed);
         assert_eq!(client_handle(&c, |_| false), u32::MAX);
         assert_eq!(client_handle(&c, |_| false), proto::CLIENT_HANDLES);
+    }
+
+    /// A doorbell a waiter takes announced frames that may be more than one look's batch:
+    /// the looks go on until one finds fewer than a batch (the ring empty), each counted;
+    /// a session that ends meanwhile ends the drain.
+    #[test]
+    fn a_consumed_doorbell_drains_the_whole_ring() {
+        let mut queued = 600usize;
+        let mut looks = 0;
+        let got = drain_after_doorbell(|| {
+            looks += 1;
+            let n = queued.min(RING_BATCH);
+            queued -= n;
+            if n == 0 {
+                Look::Nothing
+            } else {
+                Look::Got(n)
+            }
+        });
+        assert!(matches!(got, Look::Got(600)), "{got:?}");
+        assert_eq!((queued, looks), (0, 3));
+        // A batch exactly full looks once more, and an empty ring is Nothing.
+        let mut sizes = vec![0, RING_BATCH].into_iter().rev();
+        let got = drain_after_doorbell(|| match sizes.next() {
+            Some(0) | None => Look::Nothing,
+            Some(n) => Look::Got(n),
+        });
+        assert!(matches!(got, Look::Got(n) if n == RING_BATCH), "{got:?}");
+        assert!(matches!(
+            drain_after_doorbell(|| Look::Nothing),
+            Look::Nothing
+        ));
+        let mut first = true;
+        let got = drain_after_doorbell(|| {
+            if std::mem::take(&mut first) {
+                Look::Got(RING_BATCH)
+            } else {
+                Look::Ended
+            }
+        });
+        assert!(matches!(got, Look::Ended), "{got:?}");
     }
 
     #[test]
