@@ -454,6 +454,71 @@ fn a_pipelining_writer_on_a_full_ring_fails_once_its_daemon_dies() {
     drop(ids);
 }
 
+/// A pipelining thread whose command ring stays full for the full-for limit (its daemon
+/// stopped with SIGSTOP) gives the channel up with calls unanswered. What the daemon made of
+/// them is not known (created ids, connects whose refusal was to come as an event), so the
+/// session ends: once the daemon runs again every id hears DEVICE_REMOVAL, as when the
+/// daemon is lost. They heard nothing before, the session still open.
+#[test]
+fn a_channel_given_up_with_pipelined_calls_unanswered_ends_the_session() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let path = sock("owed-lost");
+    let _removed = RemovedAtEnd(path.clone());
+    let mut d = start(&path, 27810, &["127.0.0.1"]);
+    let f = rcm_ucm::fabric(&path).expect("a session");
+    let removed = Arc::new(AtomicUsize::new(0));
+    let create = || {
+        let r = removed.clone();
+        f.try_create_id(rcm::PortSpace::Tcp, move |_, ev| {
+            if matches!(ev, rcm::Event::DeviceRemoval) {
+                r.fetch_add(1, Ordering::SeqCst);
+            }
+            rcm::Flow::Continue
+        })
+    };
+    let pipeline = rcm::Pipeline::begin();
+    let mut ids = vec![create().expect("a pipelined create")];
+    let pid = rustix::process::Pid::from_child(&d);
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+    let started = Instant::now();
+    let failed = loop {
+        match create() {
+            Ok(id) => ids.push(id),
+            Err(e) => break e,
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no create failed"
+        );
+    };
+    assert!(
+        matches!(failed, rcm::Error::DeviceRemoved),
+        "the create on the full ring: {failed:?}"
+    );
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).expect("SIGCONT");
+    drop(pipeline);
+    let end = Instant::now() + Duration::from_secs(10);
+    while removed.load(Ordering::SeqCst) < ids.len() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        removed.load(Ordering::SeqCst),
+        ids.len(),
+        "ids that heard DEVICE_REMOVAL, of those created"
+    );
+    // The daemon serves on: a new session works.
+    let g = rcm_ucm::fabric(&path).expect("a new session");
+    let id = g
+        .try_create_id(rcm::PortSpace::Tcp, |_, _| rcm::Flow::Continue)
+        .expect("a create");
+    id.destroy().expect("destroy");
+    g.shutdown();
+    f.shutdown();
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+}
+
 /// A ping server that serves forever (`-c 0`) through a daemon that dies (kill -9) stops,
 /// with an error, instead of waiting for requests that cannot come.
 #[test]

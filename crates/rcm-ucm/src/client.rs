@@ -688,11 +688,24 @@ impl Inner {
         if !std::mem::replace(&mut ch.alive, false) {
             return;
         }
+        let owed = !ch.owed.is_empty();
         ch.owed.clear();
         self.channels.fetch_sub(1, Ordering::SeqCst);
         self.attached.fetch_sub(1, Ordering::SeqCst);
         // Each waiter looks again: with no channel left, each gives up.
         self.wake_idle_waiters(true);
+        if owed && self.alive.load(Ordering::SeqCst) {
+            // Pipelined calls went without their answers: which of them the daemon carried
+            // out (the rest went with the channel's ring) is not known, so neither is what it
+            // holds for this session (ids created, ids not destroyed, connects made whose
+            // refusal was to come as an event). The session ends, as when the daemon is
+            // lost: the daemon destroys all it held for it, and every id hears
+            // DEVICE_REMOVAL.
+            tracing::warn!(
+                "a command channel failed with pipelined calls unanswered: ending the session"
+            );
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// One call through a mapped channel: the command into the ring, then the answers out
