@@ -1225,16 +1225,23 @@ impl Client {
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Some(Err(Error::DeviceRemoved));
             }
-            let h = self.0.choose_handle(&mut sinks);
-            // Filed before the command goes: nothing comes for it before its first call,
-            // but a refusal of the create itself needs the sink.
-            sinks.live.insert(h, (sink.clone(), known.clone()));
-            h
+            self.0.choose_handle(&mut sinks)
         };
         let written = self
             .0
             .write_owed(&Command::CreateIdAs(ps, h), h, OwedKind::Create);
         if let Some(Ok(())) = written {
+            // Filed once the command went, not before: a write that fails may end the session
+            // (`chan_failed`), whose end gives every filed sink its DEVICE_REMOVAL, and an id
+            // whose create failed must hear nothing. Nothing comes for it before its first
+            // call, and a refusal of the create is an owed answer only this thread reads,
+            // after this. A session that ended meanwhile (its sinks already given their
+            // removals) is this create's failure.
+            let mut sinks = lock(&self.0.sinks);
+            if !self.0.alive.load(Ordering::SeqCst) {
+                return Some(Err(Error::DeviceRemoved));
+            }
+            sinks.live.insert(h, (sink.clone(), known.clone()));
             return Some(Ok(Arc::new(Handle {
                 client: Arc::downgrade(&self.0),
                 wire: h,
@@ -1242,7 +1249,6 @@ impl Client {
                 released: AtomicBool::new(false),
             })));
         }
-        lock(&self.0.sinks).live.remove(&h);
         match written {
             Some(Err(e)) => Some(Err(e)),
             _ => None,
