@@ -1601,6 +1601,19 @@ fn side_fabric(o: &BenchOpts, binds: &[IpAddr]) -> Result<(Fabric, Vec<IpAddr>),
     Ok((f, binds.to_vec()))
 }
 
+/// What a bench run made: the client's report, or, for a `--listen` server (whose report
+/// it printed itself), whether every connection it served went down (none still open when
+/// it stopped waiting).
+pub enum Ran {
+    /// The client's measurements.
+    Client(Box<Report>),
+    /// A server's end.
+    Served {
+        /// No connection was still open at the end.
+        clean: bool,
+    },
+}
+
 /// What a `--listen` server that served its `-c` connections reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct ServeReport {
@@ -1620,7 +1633,7 @@ pub struct ServeReport {
 /// Runs one side for a benchmark across hosts: `--listen` serves on `--bind` until
 /// interrupted, or with `serve` until that many were served (then prints its own report and
 /// returns `None`); `--server` runs the client from `--bind`.
-pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
+pub fn run_remote(o: &BenchOpts) -> Result<Ran, String> {
     refuse_pin(o)?;
     if o.listen && o.bind.len() > 1 {
         return Err("--listen serves on one --bind address".into());
@@ -1697,7 +1710,16 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
                 r.connections, r.accepted, r.established, r.open_at_end
             );
         }
-        return Ok(None);
+        if r.open_at_end > 0 {
+            eprintln!(
+                "rcm bench: {} connection(s) still open 10 s after the last was accepted: \
+                 their clients did not disconnect",
+                r.open_at_end
+            );
+        }
+        return Ok(Ran::Served {
+            clean: r.open_at_end == 0,
+        });
     }
     let server = o.server.ok_or("--server is required")?;
     if let Some(w) = too_few_ports(o.connections, &binds) {
@@ -1705,13 +1727,13 @@ pub fn run_remote(o: &BenchOpts) -> Result<Option<Report>, String> {
     }
     let r = run_client(&fabric, &binds, SocketAddr::new(server, o.port), o, None);
     fabric.shutdown();
-    Ok(Some(r))
+    Ok(Ran::Client(Box::new(r)))
 }
 
 /// The default benchmark through a daemon: the server and the client are two sessions of
 /// it (as two processes would be); the server listens on the daemon's first device and the
 /// client connects from the others (or the same one, when it has only one).
-pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
+pub fn run_daemon(o: &BenchOpts) -> Result<Ran, String> {
     refuse_pin(o)?;
     let (sf, server_ips) = side_fabric(o, &o.bind)?;
     let server_ip = *server_ips.first().ok_or("the daemon has no devices")?;
@@ -1752,7 +1774,7 @@ pub fn run_daemon(o: &BenchOpts) -> Result<Option<Report>, String> {
     }
     // The baseline is this host's loopback TCP, whatever the daemon serves.
     add_baseline(&mut r, o);
-    Ok(Some(r))
+    Ok(Ran::Client(Box::new(r)))
 }
 
 /// A warning when `sockets` sockets (with a margin for the process's own) may not fit in
@@ -1799,7 +1821,7 @@ fn add_baseline(r: &mut Report, o: &BenchOpts) {
 }
 
 /// Runs the default benchmark: server and client in this process on two loopback devices.
-pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
+pub fn run_local(o: &BenchOpts) -> Result<Ran, String> {
     let cfg = FabricConfig {
         udp_port: o.udp_port,
         dispatcher_threads: o.threads,
@@ -1870,7 +1892,7 @@ pub fn run_local(o: &BenchOpts) -> Result<Option<Report>, String> {
     r.pinned_cpus = cpus.map(|(a, b)| [a, b]);
     measure_rtt(&mut r, client_ip, server_ip, o.spin, windows);
     add_baseline(&mut r, o);
-    Ok(Some(r))
+    Ok(Ran::Client(Box::new(r)))
 }
 
 /// Prints the cmtime-style table and the summary.

@@ -99,10 +99,10 @@ struct BenchArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
     /// rdma_cm port (TCP port space).
-    #[arg(short = 'p', long, default_value_t = 7471)]
+    #[arg(short = 'p', long, default_value_t = 7471, value_parser = clap::value_parser!(u16).range(1..))]
     port: u16,
     /// UDP port of the RoCEv2 devices (4791 is the standard; change it to run beside another rcm).
-    #[arg(long, default_value_t = 4791)]
+    #[arg(long, default_value_t = 4791, value_parser = clap::value_parser!(u16).range(1..))]
     udp_port: u16,
     /// Also time the TCP baseline: the same N connections as TCP connect + 56-byte exchange + close, over loopback (with the embedded default or --daemon; refused with --server/--listen).
     #[arg(long, value_parser = ["tcp"])]
@@ -201,7 +201,7 @@ struct DaemonArgs {
     #[arg(long, default_value = "roce", value_parser = ["roce", "iwarp"])]
     transport: String,
     /// UDP port of the RoCEv2 devices.
-    #[arg(long, default_value_t = 4791)]
+    #[arg(long, default_value_t = 4791, value_parser = clap::value_parser!(u16).range(1..))]
     udp_port: u16,
     /// Callback threads (the daemon's callbacks only queue events for its clients and never
     /// wait on one: one thread is enough, and fewer threads mean fewer wake-ups).
@@ -436,7 +436,7 @@ struct PingArgs {
     #[arg(long, value_name = "IP")]
     bind: Option<std::net::IpAddr>,
     /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
-    #[arg(short = 'p', long)]
+    #[arg(short = 'p', long, value_parser = clap::value_parser!(u16).range(1..))]
     port: Option<u16>,
     /// Connections (server: 0 = serve forever; a client needs at least 1).
     #[arg(short = 'c', long, default_value_t = 1)]
@@ -474,7 +474,7 @@ struct PingArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     mpa_version: u8,
     /// UDP port of the RoCEv2 devices.
-    #[arg(long, default_value_t = 4791)]
+    #[arg(long, default_value_t = 4791, value_parser = clap::value_parser!(u16).range(1..))]
     udp_port: u16,
     /// Give up after this long: seconds, or a number with a unit (90s, 5m, 1h; at most a
     /// day).
@@ -596,7 +596,7 @@ struct StressArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// UDP port of the loopback devices.
-    #[arg(long, default_value_t = 4791)]
+    #[arg(long, default_value_t = 4791, value_parser = clap::value_parser!(u16).range(1..))]
     udp_port: u16,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -823,8 +823,10 @@ fn bench(a: &BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let Some(r) = r else {
-        return ExitCode::SUCCESS;
+    let r = match r {
+        bench::Ran::Client(r) => *r,
+        bench::Ran::Served { clean: true } => return ExitCode::SUCCESS,
+        bench::Ran::Served { clean: false } => return ExitCode::FAILURE,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
