@@ -759,6 +759,10 @@ fn client_loop(
     }
 }
 
+/// The most connections one run makes or serves (as `rcm bench -c`): each is an id made
+/// before the first connects, and one address has ~28k ephemeral ports anyway.
+pub const MAX_COUNT: usize = 1_000_000;
+
 /// A server's listen backlog: every connection asked for, and never less than the default
 /// (1,024; also for a count of 0, serving forever). A client makes its connects at once, and
 /// past the backlog a request is refused (iWARP) or dropped and retried a second later
@@ -777,9 +781,26 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
                 .into(),
         );
     }
+    if o.count > MAX_COUNT {
+        return Err(format!(
+            "--count {}: at most {MAX_COUNT} connections",
+            o.count
+        ));
+    }
     if o.iwarp {
         if ud(o.ps) {
             return Err("iWARP carries only the TCP port space (--ps tcp)".into());
+        }
+        // Each side sends all its messages before it reads any, and a message that finds the
+        // peer's receive queue full ends the stream (a Terminate, as a Send with no receive
+        // posted does): more than the queue holds failed with a message about the state.
+        let queue = rcm_proto::iw::CepConfig::default().recv_queue;
+        if o.messages > queue {
+            return Err(format!(
+                "--messages {}: over iWARP each side sends all its messages before it reads, \
+                 and the peer's receive queue holds {queue}: at most {queue}",
+                o.messages
+            ));
         }
         if o.daemon.is_some() && o.messages > 0 {
             return Err(
@@ -835,6 +856,16 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
                 "--size {}: a UD datagram carries 1 to {} bytes",
                 o.size,
                 rcm::UD_MAX_PAYLOAD
+            ));
+        }
+        // Shorter, a message loses the "ping <n> " that numbers it, and is neither matched
+        // nor checked byte for byte.
+        let need = format!("ping {} ", o.messages - 1).len();
+        if o.size < need {
+            return Err(format!(
+                "--size {}: each message starts with \"ping <n> \" ({need} bytes with --messages \
+                 {}), which it would cut: at least {need}",
+                o.size, o.messages
             ));
         }
     }

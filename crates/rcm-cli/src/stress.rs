@@ -47,6 +47,12 @@ pub struct StressReport {
     /// What the ids ran on: "roce" or "iwarp" (the in-process devices, as opened), or
     /// "daemon".
     pub transport: &'static str,
+    /// The seed of the random choices (`--seed` repeats the run's choices).
+    pub seed: u64,
+    /// Worker threads.
+    pub threads: usize,
+    /// How long it ran, in seconds (as asked).
+    pub duration_s: u64,
     /// Ids created.
     pub created: u64,
     /// Connections established (client side).
@@ -421,6 +427,9 @@ pub fn run(o: &StressOpts) -> Result<StressReport, String> {
     let c = &*counts;
     let mut r = StressReport {
         transport,
+        seed: o.seed,
+        threads: o.threads,
+        duration_s: o.duration.as_secs(),
         created: c.0.load(Ordering::Relaxed),
         destroys: c.1.load(Ordering::Relaxed),
         deferred: c.2.load(Ordering::Relaxed) + shared.deferred.load(Ordering::Relaxed),

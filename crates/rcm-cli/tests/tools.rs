@@ -222,6 +222,38 @@ fn bench_usage_errors_are_clear() {
         assert_eq!(code, 2, "{args:?}");
         assert!(err.contains(what), "{args:?}: {err}");
     }
+    // Counts a run cannot carry, refused before it starts.
+    for (args, what) in [
+        (vec!["ping", "-c", "100000000"], "--count"),
+        (
+            vec!["ping", "--transport", "iwarp", "-C", "2000"],
+            "at most 1024",
+        ),
+        (vec!["ping", "--ps", "udp", "-S", "6"], "at least 7"),
+        (
+            vec!["ping", "--ps", "udp", "-C", "100", "-S", "7"],
+            "at least 8",
+        ),
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
+    // Port 0 is no port to serve or reach (a server's would be an ephemeral one it does not
+    // print, and its client would connect to port 0).
+    for (args, what) in [
+        (vec!["ping", "--port", "0"], "--port"),
+        (vec!["ping", "--listen", "-p", "0"], "--port"),
+        (vec!["bench", "-p", "0"], "--port"),
+        (vec!["bench", "--udp-port", "0"], "--udp-port"),
+        (vec!["ping", "--udp-port", "0"], "--udp-port"),
+        (vec!["stress", "--udp-port", "0"], "--udp-port"),
+        (vec!["daemon", "--udp-port", "0"], "--udp-port"),
+    ] {
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
     // Lengths of time: seconds or a unit, a second to a day; anything else names its option.
     for (args, what) in [
         (vec!["bench", "--timeout", "0"], "--timeout"),
@@ -1175,6 +1207,16 @@ fn stress_in_every_callback_mode() {
         assert_eq!(code, 0, "{mode}: {out}\n{err}");
         let r: serde_json::Value = serde_json::from_str(&out).expect("JSON");
         assert_eq!(r["transport"], "roce", "{mode}: {out}");
+        // What repeats the run (the text output prints them on its first line).
+        assert_eq!(
+            (&r["seed"], &r["threads"], &r["duration_s"]),
+            (
+                &serde_json::json!(11),
+                &serde_json::json!(4),
+                &serde_json::json!(2)
+            ),
+            "{mode}: {out}"
+        );
         assert_eq!(
             r["violations"].as_array().map(Vec::len),
             Some(0),
@@ -1308,6 +1350,79 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
         ),
         "{sout}"
     );
+}
+
+/// A `--listen -c` server whose client established its connection and never disconnected:
+/// after its 10 s wait it reports the connection still open and exits 1 ("0 when every
+/// connection was established and disconnected"). It exited 0.
+#[test]
+fn bench_listen_fails_when_a_connection_is_still_open_at_its_end() {
+    use rcm_wire::cm::{CmMad, CmMessage, Rtu};
+    use rcm_wire::roce::{emit_gsi, GsiDatagram, IpForIcrc};
+    use std::net::{Ipv4Addr, UdpSocket};
+    let udp = 26815u16;
+    let mut server = start_server(&[
+        "bench",
+        "--listen",
+        "-c",
+        "1",
+        "--udp-port",
+        &udp.to_string(),
+        "--json",
+    ]);
+    // A raw client on 127.0.0.2: REQ, REP back, RTU; then nothing.
+    let sock = UdpSocket::bind(("127.0.0.2", udp)).expect("bind 127.0.0.2");
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    let (me, srv) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
+    let send = |mad: [u8; 256]| {
+        sock.send_to(&emit_gsi(&IpForIcrc::v4(me, srv), udp, 0, &mad), (srv, udp))
+            .expect("send");
+    };
+    send(common::req_mad(me, srv, 7471, 0x5252, 1, 0x98));
+    let rep = loop {
+        let mut buf = [0u8; 4096];
+        let (n, _) = sock.recv_from(&mut buf).expect("the REP within 10 s");
+        let d = GsiDatagram::parse(&buf[..n]).expect("GSI");
+        if let CmMessage::Rep(rep) = CmMad::parse(d.mad).expect("CM MAD").msg {
+            break rep;
+        }
+    };
+    let rtu = Rtu {
+        local_comm_id: 0x5252,
+        remote_comm_id: rep.local_comm_id,
+        ..Rtu::default()
+    };
+    send(
+        CmMad::send(0x5252, CmMessage::Rtu(rtu))
+            .emit()
+            .expect("RTU encodes"),
+    );
+    let t0 = std::time::Instant::now();
+    while server.try_wait().expect("try_wait").is_none() {
+        if t0.elapsed() > std::time::Duration::from_secs(30) {
+            let _ = server.kill();
+            panic!("the server did not stop");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = server.wait_with_output().expect("output");
+    let (sout, serr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{sout}\n{serr}");
+    let v: serde_json::Value = serde_json::from_str(&sout).expect("server JSON");
+    assert_eq!(
+        (&v["accepted"], &v["established"], &v["open_at_end"]),
+        (
+            &serde_json::json!(1),
+            &serde_json::json!(1),
+            &serde_json::json!(1)
+        ),
+        "{sout}"
+    );
+    assert!(serr.contains("still open"), "{serr}");
 }
 
 /// A server that accepts and then never disconnects: after its grace the client ends the
