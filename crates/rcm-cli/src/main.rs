@@ -438,7 +438,7 @@ struct PingArgs {
     /// rdma_cm port (default 7471 for tcp, 7174 for udp, as the kernel tools).
     #[arg(short = 'p', long, value_parser = clap::value_parser!(u16).range(1..))]
     port: Option<u16>,
-    /// Connections (server: 0 = serve forever; a client needs at least 1).
+    /// Connections (server: 0 = serve forever; a client needs at least 1; at most 1,000,000).
     #[arg(short = 'c', long, default_value_t = 1)]
     count: usize,
     /// Transport.
@@ -457,7 +457,8 @@ struct PingArgs {
     /// Private data to send and expect back.
     #[arg(long, default_value = "rcm ping")]
     private_data: String,
-    /// Messages per connection: iWARP, exchanged each way over the stream (default 1);
+    /// Messages per connection: iWARP, exchanged each way over the stream (default 1, at
+    /// most 1,024: each side sends all before it reads, and the peer queues that many);
     /// `--ps udp`, UD datagrams the client sends and the server answers, as udaddy's `-C`
     /// (default 10; through a daemon 0). 0 = the CM only (for `ucmatose -C 0`,
     /// `udaddy -C 0`).
