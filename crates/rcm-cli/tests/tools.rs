@@ -1285,46 +1285,50 @@ fn stress_on_iwarp_devices() {
     assert!(err.contains("--daemon"), "{err}");
 }
 
-/// A connection the server accepted and that went down before its RTU came (lost, and the
-/// client disconnected before a REP retry): DISCONNECTED without ESTABLISHED on the server,
-/// as in Linux. `--listen -c` counts it served; it waited for good when it counted only
-/// ESTABLISHED (seen in a 100,000-connection run, 97,280 of 100,000 "served").
-#[test]
-fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
-    use rcm_wire::cm::{CmMad, CmMessage};
-    use rcm_wire::roce::{emit_gsi, GsiDatagram, IpForIcrc};
-    use std::net::{Ipv4Addr, UdpSocket};
-    let udp = 26807u16;
-    let server = start_server(&[
-        "bench",
-        "--listen",
-        "-c",
-        "1",
-        "--udp-port",
-        &udp.to_string(),
-        "--json",
-    ]);
-    // A raw client on 127.0.0.2: REQ, REP back, then DREQ with no RTU.
-    let sock = UdpSocket::bind(("127.0.0.2", udp)).expect("bind 127.0.0.2");
-    sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .expect("timeout");
-    let (me, srv) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
-    let send = |mad: [u8; 256]| {
-        sock.send_to(&emit_gsi(&IpForIcrc::v4(me, srv), udp, 0, &mad), (srv, udp))
-            .expect("send");
-    };
-    send(common::req_mad(me, srv, 7471, 0x5151, 1, 0x99));
-    let rep = loop {
-        let mut buf = [0u8; 4096];
-        let (n, _) = sock.recv_from(&mut buf).expect("the REP within 10 s");
-        let d = GsiDatagram::parse(&buf[..n]).expect("GSI");
-        if let CmMessage::Rep(rep) = CmMad::parse(d.mad).expect("CM MAD").msg {
-            break rep;
+/// A raw RoCEv2 CM client on 127.0.0.2 facing a `--listen` server on 127.0.0.1 (UDP port
+/// `udp`): it sends what a test scripts, and reads the server's REP.
+struct RawClient {
+    sock: std::net::UdpSocket,
+    udp: u16,
+}
+
+impl RawClient {
+    const ME: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
+
+    fn new(udp: u16) -> Self {
+        let sock = std::net::UdpSocket::bind((Self::ME, udp)).expect("bind 127.0.0.2");
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .expect("timeout");
+        RawClient { sock, udp }
+    }
+
+    fn send(&self, mad: [u8; 256]) {
+        use rcm_wire::roce::{emit_gsi, IpForIcrc};
+        let srv = std::net::Ipv4Addr::LOCALHOST;
+        let d = emit_gsi(&IpForIcrc::v4(Self::ME, srv), self.udp, 0, &mad);
+        self.sock.send_to(&d, (srv, self.udp)).expect("send");
+    }
+
+    /// A REQ from comm ID `id` and QPN `qpn` to port 7471; the REP it gets back.
+    fn request(&self, id: u32, qpn: u32) -> rcm_wire::cm::Rep {
+        use rcm_wire::cm::{CmMad, CmMessage};
+        use rcm_wire::roce::GsiDatagram;
+        let srv = std::net::Ipv4Addr::LOCALHOST;
+        self.send(common::req_mad(Self::ME, srv, 7471, id, 1, qpn));
+        loop {
+            let mut buf = [0u8; 4096];
+            let (n, _) = self.sock.recv_from(&mut buf).expect("the REP within 10 s");
+            let d = GsiDatagram::parse(&buf[..n]).expect("GSI");
+            if let CmMessage::Rep(rep) = CmMad::parse(d.mad).expect("CM MAD").msg {
+                return rep;
+            }
         }
-    };
-    send(common::dreq_mad(0x5151, rep.local_comm_id, rep.local_qpn));
-    // It exits by itself once its one connection is down; killed (ours) if it does not.
-    let mut server = server;
+    }
+}
+
+/// Waits up to 30 s for a server (ours) to exit by itself, killing it if it does not; its
+/// output.
+fn server_output(mut server: std::process::Child) -> std::process::Output {
     let t0 = std::time::Instant::now();
     while server.try_wait().expect("try_wait").is_none() {
         if t0.elapsed() > std::time::Duration::from_secs(30) {
@@ -1337,7 +1341,31 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let out = server.wait_with_output().expect("output");
+    server.wait_with_output().expect("output")
+}
+
+/// A connection the server accepted and that went down before its RTU came (lost, and the
+/// client disconnected before a REP retry): DISCONNECTED without ESTABLISHED on the server,
+/// as in Linux. `--listen -c` counts it served; it waited for good when it counted only
+/// ESTABLISHED (seen in a 100,000-connection run, 97,280 of 100,000 "served").
+#[test]
+fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
+    let udp = 26807u16;
+    let server = start_server(&[
+        "bench",
+        "--listen",
+        "-c",
+        "1",
+        "--udp-port",
+        &udp.to_string(),
+        "--json",
+    ]);
+    // REQ, REP back, then DREQ with no RTU.
+    let c = RawClient::new(udp);
+    let rep = c.request(0x5151, 0x99);
+    c.send(common::dreq_mad(0x5151, rep.local_comm_id, rep.local_qpn));
+    // It exits by itself once its one connection is down.
+    let out = server_output(server);
     let sout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{sout}");
     let v: serde_json::Value = serde_json::from_str(&sout).expect("server JSON");
@@ -1358,10 +1386,8 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
 #[test]
 fn bench_listen_fails_when_a_connection_is_still_open_at_its_end() {
     use rcm_wire::cm::{CmMad, CmMessage, Rtu};
-    use rcm_wire::roce::{emit_gsi, GsiDatagram, IpForIcrc};
-    use std::net::{Ipv4Addr, UdpSocket};
     let udp = 26815u16;
-    let mut server = start_server(&[
+    let server = start_server(&[
         "bench",
         "--listen",
         "-c",
@@ -1370,43 +1396,20 @@ fn bench_listen_fails_when_a_connection_is_still_open_at_its_end() {
         &udp.to_string(),
         "--json",
     ]);
-    // A raw client on 127.0.0.2: REQ, REP back, RTU; then nothing.
-    let sock = UdpSocket::bind(("127.0.0.2", udp)).expect("bind 127.0.0.2");
-    sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .expect("timeout");
-    let (me, srv) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::LOCALHOST);
-    let send = |mad: [u8; 256]| {
-        sock.send_to(&emit_gsi(&IpForIcrc::v4(me, srv), udp, 0, &mad), (srv, udp))
-            .expect("send");
-    };
-    send(common::req_mad(me, srv, 7471, 0x5252, 1, 0x98));
-    let rep = loop {
-        let mut buf = [0u8; 4096];
-        let (n, _) = sock.recv_from(&mut buf).expect("the REP within 10 s");
-        let d = GsiDatagram::parse(&buf[..n]).expect("GSI");
-        if let CmMessage::Rep(rep) = CmMad::parse(d.mad).expect("CM MAD").msg {
-            break rep;
-        }
-    };
+    // REQ, REP back, RTU; then nothing.
+    let c = RawClient::new(udp);
+    let rep = c.request(0x5252, 0x98);
     let rtu = Rtu {
         local_comm_id: 0x5252,
         remote_comm_id: rep.local_comm_id,
         ..Rtu::default()
     };
-    send(
+    c.send(
         CmMad::send(0x5252, CmMessage::Rtu(rtu))
             .emit()
             .expect("RTU encodes"),
     );
-    let t0 = std::time::Instant::now();
-    while server.try_wait().expect("try_wait").is_none() {
-        if t0.elapsed() > std::time::Duration::from_secs(30) {
-            let _ = server.kill();
-            panic!("the server did not stop");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let out = server.wait_with_output().expect("output");
+    let out = server_output(server);
     let (sout, serr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),

@@ -421,15 +421,7 @@ fn a_client_that_does_not_read_its_answers_holds_up_no_one_else() {
     // Each answer takes 32 bytes of the 64 KiB ring (a header word, then its 20 bytes in
     // whole words): 2,500 of them do not fit (checked below); the commands (24 bytes each) do.
     let n = 2500u32;
-    for seq in 1..=n {
-        if tx
-            .push(&Command::Devices.encode(seq))
-            .expect("push")
-            .expect("the commands fit")
-        {
-            c.send_bytes(&[1]).expect("doorbell");
-        }
-    }
+    push_unanswered(&mut tx, &mut c, n);
     wait_until(|| rx.has_data(), || "no answer came".into());
     // Others are served meanwhile, on channels of the same ring thread.
     round_trip(&d, sa(1, 7309));

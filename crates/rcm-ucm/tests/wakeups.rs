@@ -134,17 +134,7 @@ fn a_client_that_does_not_read_its_answers_keeps_no_ring_thread_busy() {
     let region = std::sync::Arc::new(region.expect("the memory came with the answer"));
     let mut tx = Producer::new(region.clone(), COMMANDS).expect("producer");
     let rx = Consumer::new(region, ANSWERS).expect("consumer");
-    // 2,500 answers (32 bytes each) do not fit in the 64 KiB answer ring; the commands (24
-    // bytes each) fit in theirs.
-    for seq in 1..=2500u32 {
-        if tx
-            .push(&Command::Devices.encode(seq))
-            .expect("push")
-            .expect("the commands fit")
-        {
-            c.send_bytes(&[1]).expect("doorbell");
-        }
-    }
+    push_unanswered(&mut tx, &mut c, 2500);
     wait_until(|| rx.has_data(), || "no answer came".into());
     let ring = threads_named("rcm-ucm-rings0");
     assert_eq!(ring.len(), 1, "one ring thread: {ring:?}");

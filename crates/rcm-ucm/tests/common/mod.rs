@@ -465,3 +465,19 @@ pub fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static
         Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => unreachable!("sent before"),
     }
 }
+
+/// Pushes `DEVICES` commands 1..=`n` into a mapped channel's commands ring `tx`, ringing its
+/// doorbell `c` whenever the daemon sleeps, without reading any answer: 2,500 answers (32
+/// bytes each) overflow the 64 KiB answer ring, while their commands (24 bytes each) fit in
+/// theirs.
+pub fn push_unanswered(tx: &mut rcm_shm::Producer, c: &mut RawSession, n: u32) {
+    for seq in 1..=n {
+        if tx
+            .push(&Command::Devices.encode(seq))
+            .expect("push")
+            .expect("the commands fit")
+        {
+            c.send_bytes(&[1]).expect("doorbell");
+        }
+    }
+}
