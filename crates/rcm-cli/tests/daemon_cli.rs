@@ -519,6 +519,48 @@ fn a_channel_given_up_with_pipelined_calls_unanswered_ends_the_session() {
     assert_eq!(wait_exit(&mut d), 0);
 }
 
+/// A create waiting for its answer when its daemon dies (kill -9, after a SIGSTOP held the
+/// answer back) fails, and the id it did not make hears nothing: the session's end gives
+/// DEVICE_REMOVAL to the ids it holds, and the failed create's callback got one too when its
+/// sink was filed before the answer came. Five daemons, as which thread sees the end first
+/// is the scheduler's to decide.
+#[test]
+fn a_create_that_fails_with_its_daemon_calls_no_callback() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for k in 0..5u16 {
+        let path = sock(&format!("create-dies-{k}"));
+        let _removed = RemovedAtEnd(path.clone());
+        let mut d = start(&path, 27820 + k, &["127.0.0.1"]);
+        let f = rcm_ucm::fabric(&path).expect("a session");
+        let pid = rustix::process::Pid::from_child(&d);
+        rustix::process::kill_process(pid, rustix::process::Signal::STOP).expect("SIGSTOP");
+        let heard = Arc::new(AtomicUsize::new(0));
+        let creator = std::thread::spawn({
+            let (f, heard) = (f.clone(), heard.clone());
+            move || {
+                f.try_create_id(rcm::PortSpace::Tcp, move |_, _| {
+                    heard.fetch_add(1, Ordering::SeqCst);
+                    rcm::Flow::Continue
+                })
+                .map(|_| ())
+            }
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill -9");
+        let _ = d.wait();
+        let r = creator.join().expect("creator");
+        assert!(matches!(r, Err(rcm::Error::DeviceRemoved)), "{k}: {r:?}");
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            heard.load(Ordering::SeqCst),
+            0,
+            "{k}: a callback ran for the id whose create failed"
+        );
+        f.shutdown();
+    }
+}
+
 /// A ping server that serves forever (`-c 0`) through a daemon that dies (kill -9) stops,
 /// with an error, instead of waiting for requests that cannot come.
 #[test]

@@ -1273,21 +1273,25 @@ impl Provider for Client {
             if !self.0.alive.load(Ordering::SeqCst) {
                 return Err(Error::DeviceRemoved);
             }
-            let h = self.0.choose_handle(&mut sinks);
-            // No event can come for `h` before its first operation, which follows this;
-            // filed now so that the handle is held while the answer is on its way.
-            sinks.live.insert(h, (sink, known.clone()));
-            h
+            self.0.choose_handle(&mut sinks)
         };
         match self.0.request(&Command::CreateIdAs(ps, h)) {
             Ok(Answer::Handle(got)) if got == h => {}
-            r => {
-                lock(&self.0.sinks).live.remove(&h);
-                return Err(match r {
-                    Err(e) => e,
-                    Ok(_) => Error::Remote("unexpected answer to CreateId".into()),
-                });
+            Err(e) => return Err(e),
+            Ok(_) => return Err(Error::Remote("unexpected answer to CreateId".into())),
+        }
+        // Filed once the daemon answered, not before: a session that ends while the answer
+        // is awaited gives every filed sink its DEVICE_REMOVAL, and an id whose create then
+        // fails must hear nothing. No event can come for `h` before its first operation,
+        // which follows this; the counter keeps `h` from any other create meanwhile. A
+        // session that ended after the answer (its sinks already given their removals) is
+        // this create's failure.
+        {
+            let mut sinks = lock(&self.0.sinks);
+            if !self.0.alive.load(Ordering::SeqCst) {
+                return Err(Error::DeviceRemoved);
             }
+            sinks.live.insert(h, (sink, known.clone()));
         }
         Ok(Arc::new(Handle {
             client: Arc::downgrade(&self.0),
