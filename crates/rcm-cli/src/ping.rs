@@ -401,6 +401,13 @@ fn server_loop(
     // the client disconnects first (see IWARP_GRACE).
     let mut later: Vec<(Instant, CmId)> = Vec::new();
     while o.count == 0 || finished < o.count {
+        if o.count == 0 {
+            // Serving forever, it never reaches the report that prints its errors: each is
+            // printed (on standard error, in either output mode) as it comes, and let go.
+            for e in r.errors.drain(..) {
+                eprintln!("rcm ping: error: {e}");
+            }
+        }
         let now = Instant::now();
         let left = deadline.saturating_duration_since(now);
         if left.is_zero() && o.count != 0 {

@@ -1007,6 +1007,63 @@ fn ping_server(args: &[&str]) -> std::process::Child {
     server
 }
 
+/// A server that serves forever (`-c 0`) never reaches its report: each error is printed
+/// on standard error as it comes (here a request whose private data differs). It kept
+/// them to print at its end, which only a signal brought, and they were never seen.
+#[test]
+fn a_ping_server_serving_forever_prints_each_error_as_it_comes() {
+    use std::io::BufRead;
+    let mut server = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "ping",
+            "--listen",
+            "--bind",
+            "127.0.0.1",
+            "-c",
+            "0",
+            "--udp-port",
+            "26816",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = server.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(out).lines();
+    assert!(
+        lines.any(|l| l.is_ok_and(|l| l.contains("listening on"))),
+        "the server never listened"
+    );
+    std::thread::spawn(move || lines.for_each(drop));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = server.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let (code, cout, cerr) = rcm(&[
+        "ping",
+        "--connect",
+        "127.0.0.1",
+        "--bind",
+        "127.0.0.2",
+        "--udp-port",
+        "26816",
+        "--private-data",
+        "other",
+    ]);
+    assert_ne!(code, 0, "{cout}\n{cerr}");
+    let said = rx.recv_timeout(std::time::Duration::from_secs(10));
+    server.kill().expect("kill our server");
+    let _ = server.wait();
+    let said = said.expect("the server printed nothing on standard error");
+    assert!(
+        said.contains("error: server: request private data differs"),
+        "{said}"
+    );
+}
+
 /// `--reject` on the client is a claim the client checks: a reject whose private data is not
 /// `--reject-data`, or no reject at all (the server accepted), fails the run with the reason.
 #[test]
