@@ -935,8 +935,9 @@ impl CmId {
 
     /// Picks the device that reaches `dst` (`rdma_resolve_addr`): the bound device, or `src`'s,
     /// or one of the same family (another device first, then `dst`'s own). Binds an
-    /// ephemeral port if unbound. Reports `AddrResolved` or `AddrError`; a failure changes
-    /// nothing.
+    /// ephemeral port if unbound; on a bound id `src` is ignored, as Linux ignores it (a
+    /// wildcard binding takes the device the route picks). Reports `AddrResolved` or
+    /// `AddrError`; a failure changes nothing.
     ///
     /// As in Linux, what the call can judge at once fails the call with no event: a
     /// destination of another family than the bound address (`InvalidArgument`: Linux's
@@ -954,8 +955,11 @@ impl CmId {
         if !matches!(g.state, State::Idle | State::AddrBound) {
             return Err(Error::InvalidState(g.state));
         }
-        // An unspecified source is no source (cma_bind_addr binds the wildcard then).
-        let src = src.filter(|s| !s.is_unspecified());
+        // An unspecified source is no source (cma_bind_addr binds the wildcard then). On a
+        // bound id none is: Linux's `resolve_prepare_src` binds only an idle id ("a
+        // previously bound ID will not be re-bound and src_addr is ignored"), and the route
+        // to the destination picks the device of a wildcard binding.
+        let src = src.filter(|s| !s.is_unspecified() && !g.bound);
         let family = |ip: IpAddr| ip.is_ipv4();
         let fab = &self.0.fabric;
         if let Some(b) = g.src.filter(|_| g.bound) {

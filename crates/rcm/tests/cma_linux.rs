@@ -317,6 +317,32 @@ fn resolve_addr_with_a_family_other_than_the_bound_one_fails_at_once() {
     f.shutdown();
 }
 
+/// Linux's `resolve_prepare_src` binds only an idle id: on one already bound (here to the
+/// wildcard) the source `rdma_resolve_addr` is given is ignored, and the route to the
+/// destination picks the device. rcm used it: a source no device had was an ADDR_ERROR, and
+/// another device's address rebound the id to it.
+#[test]
+fn resolve_addr_on_a_bound_id_ignores_its_source() {
+    let f = fabric(26630);
+    let ch = EventChannel::new();
+    let dst = addr(1, 7630);
+    let resolved_from = |src: Option<IpAddr>| {
+        let c = f.create_id_on(PortSpace::Tcp, &ch);
+        c.bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0))
+            .unwrap();
+        c.resolve_addr(src, dst).unwrap();
+        let (_, ev) = next(&ch);
+        assert!(matches!(ev, Event::AddrResolved), "{src:?}: {ev:?}");
+        c.local_addr().map(|a| a.ip())
+    };
+    let routed = resolved_from(None);
+    assert!(routed.is_some());
+    assert_eq!(resolved_from(Some(IpAddr::from([127, 0, 0, 77]))), routed);
+    assert_eq!(resolved_from(Some(ip(1))), routed);
+    assert_eq!(resolved_from(Some(ip(2))), routed);
+    f.shutdown();
+}
+
 /// Linux `rdma_resolve_addr` with a source address binds it first (`cma_bind_addr` ->
 /// `rdma_bind_addr_dst` -> `cma_translate_addr`/`cma_acquire_dev_by_src_ip`): a source
 /// no RDMA device has fails at once (-EADDRNOTAVAIL or -ENODEV), as `rdma_bind_addr` to it
