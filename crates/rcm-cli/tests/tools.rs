@@ -1383,6 +1383,26 @@ impl RawClient {
     }
 }
 
+/// `rcm bench --listen -c 1 --json` on UDP port `udp`, started.
+fn listen_for_one(udp: u16) -> std::process::Child {
+    start_server(&[
+        "bench",
+        "--listen",
+        "-c",
+        "1",
+        "--udp-port",
+        &udp.to_string(),
+        "--json",
+    ])
+}
+
+/// A `--listen` server's JSON report: (accepted, established, open at its end).
+fn served(sout: &str) -> (u64, u64, u64) {
+    let v: serde_json::Value = serde_json::from_str(sout).expect("server JSON");
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {sout}"));
+    (n("accepted"), n("established"), n("open_at_end"))
+}
+
 /// Waits up to 30 s for a server (ours) to exit by itself, killing it if it does not; its
 /// output.
 fn server_output(mut server: std::process::Child) -> std::process::Output {
@@ -1408,15 +1428,7 @@ fn server_output(mut server: std::process::Child) -> std::process::Output {
 #[test]
 fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
     let udp = 26807u16;
-    let server = start_server(&[
-        "bench",
-        "--listen",
-        "-c",
-        "1",
-        "--udp-port",
-        &udp.to_string(),
-        "--json",
-    ]);
+    let server = listen_for_one(udp);
     // REQ, REP back, then DREQ with no RTU.
     let c = RawClient::new(udp);
     let rep = c.request(0x5151, 0x99);
@@ -1425,16 +1437,7 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
     let out = server_output(server);
     let sout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{sout}");
-    let v: serde_json::Value = serde_json::from_str(&sout).expect("server JSON");
-    assert_eq!(
-        (&v["accepted"], &v["established"], &v["open_at_end"]),
-        (
-            &serde_json::json!(1),
-            &serde_json::json!(0),
-            &serde_json::json!(0)
-        ),
-        "{sout}"
-    );
+    assert_eq!(served(&sout), (1, 0, 0), "{sout}");
 }
 
 /// A `--listen -c` server whose client established its connection and never disconnected:
@@ -1444,15 +1447,7 @@ fn bench_listen_counts_a_connection_that_never_saw_its_rtu() {
 fn bench_listen_fails_when_a_connection_is_still_open_at_its_end() {
     use rcm_wire::cm::{CmMad, CmMessage, Rtu};
     let udp = 26815u16;
-    let server = start_server(&[
-        "bench",
-        "--listen",
-        "-c",
-        "1",
-        "--udp-port",
-        &udp.to_string(),
-        "--json",
-    ]);
+    let server = listen_for_one(udp);
     // REQ, REP back, RTU; then nothing.
     let c = RawClient::new(udp);
     let rep = c.request(0x5252, 0x98);
@@ -1472,16 +1467,7 @@ fn bench_listen_fails_when_a_connection_is_still_open_at_its_end() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert_eq!(out.status.code(), Some(1), "{sout}\n{serr}");
-    let v: serde_json::Value = serde_json::from_str(&sout).expect("server JSON");
-    assert_eq!(
-        (&v["accepted"], &v["established"], &v["open_at_end"]),
-        (
-            &serde_json::json!(1),
-            &serde_json::json!(1),
-            &serde_json::json!(1)
-        ),
-        "{sout}"
-    );
+    assert_eq!(served(&sout), (1, 1, 1), "{sout}");
     assert!(serr.contains("still open"), "{serr}");
 }
 

@@ -620,12 +620,12 @@ impl DeviceInner {
     }
 
     /// Feeds a batch of received datagrams to the engine under one lock; then queues the UD
-    /// SENDs among them to their ids (outside the engine lock). Returns how many there were.
+    /// SENDs among them to their ids (outside the engine lock).
     fn handle_batch<'a>(
         self: &Arc<Self>,
         n: usize,
         batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
-    ) -> usize {
+    ) {
         let mut bad = 0;
         let mut ud = Vec::new();
         self.with_engine(|ep, now| {
@@ -647,12 +647,11 @@ impl DeviceInner {
         for (src, d) in ud {
             self.deliver_ud(src, d);
         }
-        n
     }
 
     /// Handles what a receive batch brought (see `handle_batch`), counting the coalesced
     /// receives among it.
-    fn handle_rx(self: &Arc<Self>, batch: &RxBatch) -> usize {
+    fn handle_rx(self: &Arc<Self>, batch: &RxBatch) {
         self.stats.trace.received(batch.at);
         let coalesced = batch.coalesced();
         if coalesced > 0 {
@@ -660,7 +659,7 @@ impl DeviceInner {
                 .rx_coalesced
                 .fetch_add(coalesced, Ordering::Relaxed);
         }
-        self.handle_batch(batch.count(), batch.datagrams())
+        self.handle_batch(batch.count(), batch.datagrams());
     }
 
     /// Queues one UD SEND to the id receiving on its destination QPN, or counts why not.
@@ -1166,8 +1165,10 @@ impl DeviceInner {
                 let Some(turn) = take_batch(gate, batch, &sock) else {
                     return false;
                 };
-                let n = self.handle_rx(batch);
-                self.stats.rx_polled.fetch_add(n as u64, Ordering::Relaxed);
+                self.handle_rx(batch);
+                self.stats
+                    .rx_polled
+                    .fetch_add(batch.count() as u64, Ordering::Relaxed);
                 batch.clear();
                 drop(turn);
                 true
