@@ -539,6 +539,10 @@ pub(crate) struct FabricInner {
     pub shut: std::sync::atomic::AtomicBool,
     next_key: AtomicU64,
     next_qpn: AtomicU32,
+    /// Devices ever added: each one's CA GUID and engine seed take the next number, so a
+    /// device added again after its removal does not replay the comm IDs (and GUID) its
+    /// predecessor used, which peers still hold in timewait.
+    next_device: AtomicU64,
     seed: u64,
     /// Who owns the devices when they are in another process.
     pub provider: Option<Arc<dyn crate::remote::Provider>>,
@@ -670,6 +674,7 @@ impl Fabric {
             shut: std::sync::atomic::AtomicBool::new(false),
             next_key: AtomicU64::new(1),
             next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
+            next_device: AtomicU64::new(0),
             seed,
             provider,
         });
@@ -748,10 +753,12 @@ impl Fabric {
         if self.0.device(ip).is_some() {
             return Err(crate::Error::DeviceExists(ip));
         }
-        let n = sync::lock(&self.0.devices).len() as u64;
+        let n = self.0.next_device.fetch_add(1, Ordering::Relaxed);
+        // The GUID's low byte repeats after 256 additions; the comm IDs, drawn from the
+        // whole number's seed, do not.
         let mut cfg = EndpointConfig::new(
             ip,
-            0x0200_00FF_FE00_0000 | (self.0.seed & 0xFFFF) << 8 | n,
+            0x0200_00FF_FE00_0000 | (self.0.seed & 0xFFFF) << 8 | (n & 0xFF),
             self.0.seed ^ n,
         );
         cfg.retry = self.0.cfg.retry;
@@ -799,7 +806,16 @@ impl Fabric {
             .0
             .device(ip)
             .ok_or(crate::Error::AddrNotAvailable(ip))?;
-        dev.removed.store(true, Ordering::SeqCst);
+        // One removal per device: a second one racing this would walk the ids too, and the
+        // two would share the holders between them, the first to finish stopping the device
+        // under the other's.
+        if dev
+            .removed
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(crate::Error::AddrNotAvailable(ip));
+        }
         let holders = crate::id::on_device_removed(&self.0, &dev);
         Ok(Removal {
             fabric: Arc::downgrade(&self.0),

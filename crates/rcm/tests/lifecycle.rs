@@ -8,8 +8,8 @@
 #![cfg(not(loom))]
 
 use rcm::{
-    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric, Flow,
-    PortSpace, State,
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
+    FabricConfig, Flow, PortSpace, State,
 };
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -737,6 +737,46 @@ fn device_can_be_added_again_after_its_removal() {
     let p = channel_pair(&f, 7000);
     assert_eq!(p.client.device_addr(), Some(ip(2)));
     for id in [p.client, p.child, p.listener] {
+        id.destroy().unwrap();
+    }
+    f.shutdown();
+}
+
+/// A device added again after its removal does not replay the comm IDs and CA GUID of
+/// another device: a peer knows a connection by that pair, and takes a REQ repeating it for a
+/// duplicate of the connection it names (from another address: dropped). Before, the GUID
+/// and the engine's seed came from the number of devices, so removing 127.0.0.2 of three and
+/// adding it again gave it 127.0.0.3's.
+#[test]
+fn a_device_added_again_does_not_replay_another_devices_comm_ids() {
+    let f = Fabric::loopback_with(3, config(25051)).unwrap();
+    f.remove_device(ip(2)).unwrap().wait(T).unwrap();
+    f.add_device(ip(2)).unwrap();
+    let (srv, cli) = (EventChannel::new(), EventChannel::new());
+    let listener = f.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, 7000)).unwrap();
+    listener.listen(0).unwrap();
+    let mut ids = vec![];
+    // The first connect of each device: the same comm ID and GUID before.
+    for src in [3, 2] {
+        let client = f.create_id_on(PortSpace::Tcp, &cli);
+        client.resolve_addr(Some(ip(src)), addr(1, 7000)).unwrap();
+        expect_ev(&cli, &client, "ADDR_RESOLVED");
+        assert_eq!(client.device_addr(), Some(ip(src)));
+        client.resolve_route().unwrap();
+        expect_ev(&cli, &client, "ROUTE_RESOLVED");
+        client.connect(&ConnectOptions::default()).unwrap();
+        let (child, ev) = next(&srv);
+        assert!(
+            matches!(ev, Event::ConnectRequest { .. }),
+            "from 127.0.0.{src}: {ev:?}"
+        );
+        child.accept(&AcceptOptions::default()).unwrap();
+        expect_ev(&cli, &client, "CONNECT_RESPONSE");
+        ids.extend([client, child]);
+    }
+    ids.push(listener);
+    for id in ids {
         id.destroy().unwrap();
     }
     f.shutdown();
