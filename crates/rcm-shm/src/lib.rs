@@ -375,6 +375,19 @@ impl Producer {
         }
         let len = u32::try_from(frame.len()).map_err(|_| Corrupt("a frame over 4 GiB"))?;
         self.write(self.tail.wrapping_add(8), frame);
+        // The slot after the frame, where a consumer that caught up looks next, is cleared
+        // before the frame is published: it holds an earlier lap's bytes (a payload's, which
+        // a remote peer may have shaped like the header that slot would get now). Where the
+        // frame ends a lap after the consumer's index last seen, that slot is the one the
+        // index named: a frame's start, whose header is tagged a lap earlier and matches no
+        // index the consumer will look for.
+        let next = self.tail.wrapping_add(need as u32);
+        if next.wrapping_sub(self.head_seen) < cap {
+            let at = self.at.data + (next as usize & (cap as usize - 1));
+            if let Some(w) = self.r.words(at, 1).first() {
+                w.store(0, Ordering::Relaxed);
+            }
+        }
         // The header last, its bytes released with it: a consumer that finds it tagged with
         // its own index has the whole frame.
         let at = self.at.data + (self.tail as usize & (self.at.cap as usize - 1));

@@ -258,3 +258,63 @@ proptest! {
         }
     }
 }
+
+/// Words of an earlier lap are no headers: a frame's payload (private data a remote peer
+/// chose, in the daemon's events ring) may hold a word shaped like the header a later lap
+/// tags that slot with. A consumer that caught up looks at the slot after the last frame;
+/// the producer clears it before publishing the frame, so the consumer finds nothing there
+/// instead of a frame nobody pushed.
+#[test]
+fn a_word_left_from_an_earlier_lap_is_never_taken_for_a_header() {
+    let (mut p, mut c, _) = ends();
+    let cap = AT.cap;
+    // One frame filling the ring, each payload word the header of its slot one lap on.
+    let mut forged = Vec::new();
+    for slot in (8..cap).step_by(8) {
+        forged.extend_from_slice(&header(slot + cap, 16).to_ne_bytes());
+    }
+    assert_eq!(p.push(&forged), Ok(Some(false)));
+    let mut out = Vec::new();
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    // Next lap: one small frame, taken; then nothing, whatever the slot after it held.
+    assert_eq!(p.push(b"8 bytes!"), Ok(Some(false)));
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    assert_eq!(out, b"8 bytes!");
+    assert_eq!(
+        c.pop(&mut out, 4096),
+        Ok(false),
+        "a frame nobody pushed: {out:?}"
+    );
+    assert!(!c.has_data());
+    // And the ring goes on as before.
+    assert_eq!(p.push(b"after"), Ok(Some(false)));
+    assert!(c.pop(&mut out, 4096).expect("pop"));
+    assert_eq!(out, b"after");
+}
+
+/// The same, in the steady state: the consumer's index the producer knows is old there (it
+/// reads it only when short of room), and the slot after each frame is cleared all the same.
+/// Every frame's payload is forged for every slot's next lap; each pop that finds nothing
+/// must be an empty ring, never a frame nobody pushed.
+#[test]
+fn no_earlier_laps_word_is_taken_for_a_header_as_the_ring_goes_round() {
+    let (mut p, mut c, _) = ends();
+    let cap = AT.cap;
+    let mut out = Vec::new();
+    let mut tail = 0u32;
+    for i in 0..3000u32 {
+        let words = 1 + (i * 7) % 40;
+        let mut f = Vec::new();
+        for k in 0..words {
+            // The header this payload word's slot gets one and two laps on.
+            let at = tail + 8 + 8 * k;
+            let lap = if k % 2 == 0 { cap } else { 2 * cap };
+            f.extend_from_slice(&header(at.wrapping_add(lap), 8).to_ne_bytes());
+        }
+        assert_eq!(p.push(&f), Ok(Some(false)), "frame {i}");
+        tail = tail.wrapping_add(Producer::footprint(f.len()) as u32);
+        assert!(c.pop(&mut out, 4096).expect("pop"), "frame {i} missing");
+        assert_eq!(out, f, "frame {i}");
+        assert_eq!(c.pop(&mut out, 4096), Ok(false), "after frame {i}: {out:?}");
+    }
+}
