@@ -821,6 +821,7 @@ impl Fabric {
             fabric: Arc::downgrade(&self.0),
             dev,
             holders,
+            done: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -1071,11 +1072,35 @@ pub struct UdStats {
     pub garbage: u64,
 }
 
-/// A device removal in progress.
+/// A device removal in progress. Dropped before [`Removal::wait`] saw it complete, it
+/// completes in the background: a thread of its own waits for the ids still holding the
+/// device, then stops it (its thread, its socket) and takes it off the fabric, so its
+/// address can be added again.
 pub struct Removal {
     fabric: Weak<FabricInner>,
     dev: Arc<DeviceInner>,
     holders: Vec<(u64, Arc<Slot<Event>>)>,
+    /// `wait` stopped the device.
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for Removal {
+    fn drop(&mut self) {
+        if self.done.load(Ordering::SeqCst) {
+            return;
+        }
+        let rest = Removal {
+            fabric: self.fabric.clone(),
+            dev: self.dev.clone(),
+            holders: std::mem::take(&mut self.holders),
+            done: std::sync::atomic::AtomicBool::new(false),
+        };
+        // Its holders are destroyed by the application or, at the latest, by the fabric's
+        // shutdown; until then the thread sleeps.
+        let _ = std::thread::Builder::new()
+            .name("rcm-removal".into())
+            .spawn(move || while rest.wait(Duration::from_secs(3600)).is_err() {});
+    }
 }
 
 impl Removal {
@@ -1119,6 +1144,7 @@ impl Removal {
         if let Some(f) = self.fabric.upgrade() {
             sync::lock(&f.devices).retain(|d| !Arc::ptr_eq(d, &self.dev));
         }
+        self.done.store(true, Ordering::SeqCst);
         Ok(())
     }
 

@@ -8,8 +8,8 @@
 #![cfg(not(loom))]
 
 use rcm::{
-    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric,
-    FabricConfig, Flow, PortSpace, State,
+    AcceptOptions, CmId, ConnectOptions, DestroyOutcome, Error, Event, EventChannel, Fabric, Flow,
+    PortSpace, State,
 };
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -777,6 +777,38 @@ fn a_device_added_again_does_not_replay_another_devices_comm_ids() {
     }
     ids.push(listener);
     for id in ids {
+        id.destroy().unwrap();
+    }
+    f.shutdown();
+}
+
+/// A removal dropped before it completed completes by itself once its ids are destroyed:
+/// the device stops and its address can be added again. Before, only `wait` stopped it: its
+/// thread and socket stayed, and adding the address again failed (the port in use).
+#[test]
+fn a_removal_dropped_unfinished_completes_once_its_ids_are_gone() {
+    let f = fabric(25053);
+    let ch = EventChannel::new();
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    id.bind(addr(2, 7000)).unwrap();
+    let r = f.remove_device(ip(2)).unwrap();
+    assert_eq!(r.wait(Duration::from_millis(20)), Err(vec![id.key()]));
+    drop(r);
+    expect_ev(&ch, &id, "DEVICE_REMOVAL");
+    id.destroy().unwrap();
+    let end = Instant::now() + T;
+    loop {
+        match f.add_device(ip(2)) {
+            Ok(_) => break,
+            Err(e) if Instant::now() < end => {
+                let _ = e;
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("127.0.0.2 not free {T:?} after its last id went: {e}"),
+        }
+    }
+    let p = channel_pair(&f, 7001);
+    for id in [p.client, p.child, p.listener] {
         id.destroy().unwrap();
     }
     f.shutdown();
