@@ -704,6 +704,16 @@ fn reaches(src: IpAddr, dst: IpAddr) -> bool {
     !src.is_loopback() || dst.is_loopback()
 }
 
+/// Why a call found its id gone at its end: destroyed, or (not destroyed: its
+/// DEVICE_REMOVAL to come, its destroy still the application's) its device removed.
+fn gone(g: &IdState) -> Error {
+    if g.state == State::Destroying {
+        Error::Destroyed
+    } else {
+        Error::DeviceRemoved
+    }
+}
+
 fn is_ud(ps: PortSpace) -> bool {
     matches!(ps, PortSpace::Udp | PortSpace::Ipoib)
 }
@@ -1147,9 +1157,10 @@ impl CmId {
         }
         let mut g = sync::lock(&self.0.st);
         if g.state == State::Destroying || g.removed {
+            let e = gone(&g);
             drop(g);
             unwind(done);
-            return Err(Error::Destroyed);
+            return Err(e);
         }
         // A listener shares its port with nobody (reuse ends here, as in Linux).
         if let Err(e) = sync::lock(&self.0.fabric.ports).listen(self.0.ps, src, self.0.key) {
@@ -1352,14 +1363,16 @@ impl CmId {
         let mut g = sync::lock(&self.0.st);
         match r {
             Ok(h) if g.state == State::Destroying || g.removed => {
-                // Destroyed meanwhile: the teardown did not see this endpoint; end it here.
+                // Destroyed or its device removed meanwhile: the teardown (or the removal's
+                // walk) did not see this endpoint; end it here.
+                let e = gone(&g);
                 drop(g);
                 unregister_ud(&dev, qpn, &self.0);
                 sync::lock(&dev.ceps).remove(&h);
                 dev.with_engine(|ep, now| {
                     let _ = ep.destroy(now, h);
                 });
-                Err(Error::Destroyed)
+                Err(e)
             }
             Ok(h) => {
                 g.cep = Some(h);
@@ -2641,10 +2654,12 @@ impl CmId {
         let mut g = sync::lock(&self.0.st);
         match r {
             Ok(k) if g.state == State::Destroying || g.removed => {
-                // Destroyed meanwhile: the teardown did not see this stream; end it here.
+                // Destroyed or its device removed meanwhile: the teardown (or the removal's
+                // walk) did not see this stream; end it here.
+                let e = gone(&g);
                 drop(g);
                 iw_destroy(dev, k);
-                Err(Error::Destroyed)
+                Err(e)
             }
             Ok(k) => {
                 g.iw = std::num::NonZeroUsize::new(k);

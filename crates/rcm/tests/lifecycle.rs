@@ -814,6 +814,65 @@ fn a_removal_dropped_unfinished_completes_once_its_ids_are_gone() {
     f.shutdown();
 }
 
+/// A connect whose device is removed while it runs fails as a call on a removed device
+/// does (`DeviceRemoved`), not as one on a destroyed id: the id is not destroyed, it has its
+/// DEVICE_REMOVAL to come, and the application must still destroy it. The removal is made
+/// by the listener's callback, which may run inside the connect (a datagram to the device's
+/// own address goes straight to its engine) or after it, on the device's thread: tried
+/// until it ran inside some times.
+#[test]
+fn a_connect_whose_device_is_removed_meanwhile_says_device_removed() {
+    let (mut inside, mut tries) = (0, 0);
+    while inside < 3 && tries < 500 {
+        tries += 1;
+        let f = Fabric::loopback_with(
+            1,
+            rcm::FabricConfig {
+                callbacks: rcm::CallbackMode::Inline,
+                loopback: true,
+                ..config(25054)
+            },
+        )
+        .unwrap();
+        let removal = Arc::new(Mutex::new(None));
+        let (fc, rc) = (f.clone(), removal.clone());
+        let listener = f.create_id(PortSpace::Tcp, move |_, ev| {
+            if matches!(ev, Event::ConnectRequest { .. }) {
+                *rc.lock().unwrap() = Some(fc.remove_device(ip(1)).unwrap());
+                return Flow::Destroy;
+            }
+            Flow::Continue
+        });
+        listener.bind(addr(1, 7000)).unwrap();
+        listener.listen(0).unwrap();
+        let ch = EventChannel::new();
+        let client = f.create_id_on(PortSpace::Tcp, &ch);
+        client.resolve_addr(None, addr(1, 7000)).unwrap();
+        expect_ev(&ch, &client, "ADDR_RESOLVED");
+        client.resolve_route().unwrap();
+        expect_ev(&ch, &client, "ROUTE_RESOLVED");
+        let r = client.connect(&ConnectOptions::default());
+        if removal.lock().unwrap().is_some() {
+            inside += 1;
+            assert!(matches!(r, Err(Error::DeviceRemoved)), "{r:?}");
+        }
+        expect_ev(&ch, &client, "DEVICE_REMOVAL");
+        client.destroy().unwrap();
+        listener.destroy().unwrap();
+        let r = removal
+            .lock()
+            .unwrap()
+            .take()
+            .expect("the listener's callback ran");
+        r.wait(T).unwrap();
+        f.shutdown();
+    }
+    assert!(
+        inside > 0,
+        "the listener's callback never ran inside the connect in {tries} tries"
+    );
+}
+
 /// A wildcard listener's `listen` called again (refused: it listens already) while devices
 /// are being added: adding a device takes the fabric's listen lock and then each wildcard
 /// listener's call lock, so `listen` must take them in that order too, or both wait for
