@@ -577,9 +577,10 @@ fn gone_before_published(child: &CmId) -> bool {
 /// is published (put in the id table) after. A removal that starts in between walks the
 /// table without it, so the child checks again once published: if the device is going and
 /// the walk did not reach it, it gets its `DeviceRemoval` here, and the removal waits for it
-/// too. Like every removal it replaces what was still queued: a request not yet delivered
-/// goes with it, as unread requests do when their device goes (Linux bug 3's test), so the
-/// application may see only the removal of an id it never heard of. Both sides decide
+/// too. It is called before the request is queued, so that the request is never taken
+/// after the listener's removal: the child's queue then takes nothing but the removal, as
+/// unread requests go when their device does (Linux bug 3's test), so the application may
+/// see only the removal of an id it never heard of. Both sides decide
 /// under the child's state lock, and the walk skips ids already marked, so it gets exactly
 /// one.
 fn removal_after_publish(child: &CmId, dev: &Arc<DeviceInner>) {
@@ -2230,13 +2231,16 @@ pub(crate) fn on_connect_request(
         Incoming::Ud { private_data, .. } => private_data,
     };
     user_pd.drain(..CMA_HDR_LEN.min(user_pd.len()));
+    // Before the request is queued, not after: a removal the walk began without this child
+    // must not let the request be taken (by a channel's reader) after its listener's
+    // DEVICE_REMOVAL. Marked here, the child's queue takes nothing but the removal.
+    removal_after_publish(&child, dev);
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
         private_data: user_pd,
         param,
         ud,
     });
-    removal_after_publish(&child, dev);
 }
 
 impl IdInner {
@@ -3113,13 +3117,14 @@ fn on_iw_connect_request(
         sync::lock(&iwd.owners).remove(&key);
         return;
     }
+    // Before the request is queued (see `on_connect_request`).
+    removal_after_publish(&child, dev);
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst),
         private_data: req.private_data,
         param,
         ud: false,
     });
-    removal_after_publish(&child, dev);
 }
 
 // ---------------------------------------------------------------------------------------
