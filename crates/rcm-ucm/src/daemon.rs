@@ -2284,14 +2284,19 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<u64, WireError> {
         // was taken to be written before this count, or is in the queue and goes below.
         sent = out.sent;
         let mut children = Vec::new();
+        let mut of_children = foldhash::HashSet::default();
         let mut unread = out.unread_requests;
+        // A child's later events (a REJ that reached it) come after its request: taken out
+        // in this pass too, or a writer granted credit meanwhile could send one (naming a
+        // handle the client never had) before the pass below.
         out.events.retain_naming(h, |q| {
-            let gone = q.handle == h || q.listener == Some(h);
-            if gone && q.listener.is_some() {
-                unread = unread.saturating_sub(1);
-            }
             if q.listener == Some(h) {
                 children.push(q.handle);
+                of_children.insert(q.handle);
+            }
+            let gone = q.handle == h || of_children.contains(&q.handle);
+            if gone && q.listener.is_some() {
+                unread = unread.saturating_sub(1);
             }
             !gone
         });
