@@ -312,7 +312,7 @@ fn read_frame(s: &mut impl Read, body: &mut Vec<u8>) -> std::io::Result<Header> 
     s.read_exact(&mut hb)?;
     let h = Header::parse(&hb)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-    if h.len as usize + 4 > MAX_FRAME {
+    if h.frame_len() > MAX_FRAME {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             "frame from the daemon is too long",
@@ -1122,7 +1122,7 @@ fn answer_head(f: &[u8]) -> std::io::Result<Header> {
     };
     let h = Header::parse(hb)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-    if f.len() != h.len as usize + 4 {
+    if f.len() != h.frame_len() {
         return Err(std::io::ErrorKind::InvalidData.into());
     }
     Ok(h)
@@ -1858,7 +1858,7 @@ fn frame_head(rest: &[u8]) -> Result<Option<(Header, usize)>, ()> {
         return Ok(None);
     };
     let h = Header::parse(hb).map_err(|_| ())?;
-    let total = h.len as usize + 4;
+    let total = h.frame_len();
     if total > MAX_FRAME {
         return Err(());
     }

@@ -1175,7 +1175,7 @@ fn reader_loop(sh: &Arc<Shared>, s: &Arc<Session>, stream: UnixStream) {
                 return;
             }
         };
-        let total = 4 + h.len as usize;
+        let total = h.frame_len();
         if total > max {
             // Skip the body so the stream stays in step, and say which limit it hit.
             let skipped = std::io::copy(
@@ -1514,7 +1514,14 @@ fn ring_loop(sh: &Arc<Shared>, rings: &Rings) {
             // once for the REP). What the handling sends (an RTU) is held until the events
             // are in their rings: the event is what the client waits for.
             last_work = now;
-            events_first(|| devices.sweep(sh.spin, || live.iter().any(|m| m.end.has_command())));
+            // A channel whose answer waits for room takes no command now (see the sleep
+            // below): its commands are no reason to cut the sweep short.
+            events_first(|| {
+                devices.sweep(sh.spin, || {
+                    live.iter()
+                        .any(|m| m.pending.is_none() && m.end.has_command())
+                })
+            });
             continue;
         }
         // Not while held off polling: a yield of this thread went to a CPU-bound process
@@ -1858,7 +1865,7 @@ fn answer_mapped(
 ) -> std::io::Result<Vec<u8>> {
     let max = sh.limits.max_message as usize;
     let h = match Header::parse(frame.first_chunk::<12>().unwrap_or(&[0; 12])) {
-        Ok(h) if frame.len() == 4 + h.len as usize => h,
+        Ok(h) if frame.len() == h.frame_len() => h,
         // A frame whose header does not match its length: the ring is out of step.
         _ => {
             return Err(std::io::Error::new(

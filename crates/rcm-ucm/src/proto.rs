@@ -1231,6 +1231,13 @@ impl Header {
     pub fn body_len(&self) -> usize {
         self.len as usize - HEADER_LEN
     }
+
+    /// The whole frame's length, the length word's four bytes included; saturating, so
+    /// that a length near 4 GiB cannot wrap where `usize` is 32 bits (no frame is that
+    /// long, and every limit refuses it).
+    pub fn frame_len(&self) -> usize {
+        (self.len as usize).saturating_add(4)
+    }
 }
 
 /// Decodes a command body of frame kind `kind`.
@@ -1469,11 +1476,9 @@ pub fn split_frame(frame: &[u8]) -> Result<(Header, &[u8]), ProtoError> {
     let mut a = [0u8; 12];
     a.copy_from_slice(hb);
     let h = Header::parse(&a)?;
-    let body = frame
-        .get(12..4 + h.len as usize)
-        .ok_or(ProtoError::Truncated)?;
-    if frame.len() != 4 + h.len as usize {
-        return Err(ProtoError::Trailing(frame.len() - 4 - h.len as usize));
+    let body = frame.get(12..h.frame_len()).ok_or(ProtoError::Truncated)?;
+    if frame.len() != h.frame_len() {
+        return Err(ProtoError::Trailing(frame.len() - h.frame_len()));
     }
     Ok((h, body))
 }
