@@ -99,8 +99,8 @@ pub struct Report {
     pub connections: usize,
     /// Connections established.
     pub established: usize,
-    /// Connections that failed (reject, unreachable, error, timeout) in any step, their
-    /// disconnect included.
+    /// Connections that failed (a failed call, reject, unreachable, error, timeout) in any
+    /// step, their bind and disconnect included.
     pub errors: usize,
     /// Whether connections were made one at a time.
     pub serial: bool,
@@ -118,10 +118,11 @@ pub struct Report {
     pub conn_per_s: f64,
     /// Full cycles (connect + private-data exchange + disconnect) per second.
     pub cycle_per_s: f64,
-    /// Connect latency (connect call → established), microseconds.
-    pub connect_p50_us: f64,
-    /// 99th percentile.
-    pub connect_p99_us: f64,
+    /// Connect latency (connect call → established), microseconds; null when no connection
+    /// was established (0 would read as measured).
+    pub connect_p50_us: Option<f64>,
+    /// 99th percentile; null as `connect_p50_us`.
+    pub connect_p99_us: Option<f64>,
     /// Loopback UDP round trip measured in the same run (median, microseconds), both ends
     /// sleeping in `recv` as ordinary programs do.
     pub udp_rtt_p50_us: f64,
@@ -356,12 +357,14 @@ fn step(name: &'static str, total: Duration, t: &Timing, n: usize) -> Step {
 
 /// Times a synchronous per-connection step. `pipeline`: in an `rcm::Pipeline` (through a
 /// daemon, calls that can go without their answers do), whose end the step's time includes.
+/// A connection whose call fails is marked in `failed`, so that `errors` counts every
+/// connection the failures name, and the asynchronous steps leave it out.
 fn sync_step(
     name: &'static str,
     ids: &[CmId],
     pipeline: bool,
     f: impl Fn(&CmId) -> rcm::Result<()>,
-    failures: &mut Vec<String>,
+    (failures, failed): (&mut Vec<String>, &mut [bool]),
 ) -> Step {
     let t = Timing::new(ids.len());
     let start = Instant::now();
@@ -370,6 +373,9 @@ fn sync_step(
         t.begin(i);
         if let Err(e) = f(id) {
             failures.push(format!("{name} #{i}: {e}"));
+            if let Some(f) = failed.get_mut(i) {
+                *f = true;
+            }
         }
         t.end(i);
     }
@@ -605,7 +611,7 @@ pub fn run_client(
                 0,
             ))
         },
-        &mut failures,
+        (&mut failures, &mut failed),
     ));
 
     let batch = if o.serial { 1 } else { n };
@@ -701,7 +707,7 @@ pub fn run_client(
         for (k, id) in chunk_ids.iter().enumerate() {
             let i = chunk_start + k;
             qp_timing.begin(i);
-            if o.attached_qp {
+            if o.attached_qp && !failed[i] {
                 if let Err(e) = id.create_qp() {
                     failures.push(format!("create qp #{i}: {e}"));
                     failed[i] = true;
@@ -930,7 +936,7 @@ pub fn run_client(
         &ids,
         o.send_batch && !o.serial,
         |id| id.destroy().map(|_| ()),
-        &mut failures,
+        (&mut failures, &mut failed),
     ));
     // As cmtime: max and min per connection, no sum ("meaningless" for overlapping ones).
     let mut full_step = step("full connect", full, &full_conn, n);
@@ -940,7 +946,7 @@ pub fn run_client(
 
     let established = latency.done();
     let lat: Vec<f64> = latency.durations().map(|d| d.as_secs_f64() * 1e6).collect();
-    let (p50, p99) = percentiles(&lat);
+    let p = percentiles(&lat);
     Report {
         connections: n,
         established,
@@ -959,8 +965,8 @@ pub fn run_client(
         } else {
             established as f64 / cycle.as_secs_f64()
         },
-        connect_p50_us: p50,
-        connect_p99_us: p99,
+        connect_p50_us: p.map(|p| p.0),
+        connect_p99_us: p.map(|p| p.1),
         udp_rtt_p50_us: 0.0,
         udp_rtt_poll_p50_us: 0.0,
         udp_rtt_poll_cpus: None,
@@ -1231,19 +1237,24 @@ fn vm_rss_bytes(status: &str) -> Option<u64> {
     (f.next() == Some("kB")).then_some(n * 1024)
 }
 
-/// The median and 99th percentile of latencies in microseconds (0 for none), kept in
+/// The median and 99th percentile of latencies in microseconds (none for none), kept in
 /// nanoseconds to 3 significant digits (10 ns at 15 µs): whole microseconds would cut a
 /// 15.9 µs median to 15.
-fn percentiles(lat: &[f64]) -> (f64, f64) {
+fn percentiles(lat: &[f64]) -> Option<(f64, f64)> {
     if lat.is_empty() {
-        return (0.0, 0.0);
+        return None;
     }
     let mut h = Histogram::<u64>::new(3).unwrap_or_else(|_| Histogram::new(2).expect("histogram"));
     for v in lat {
         let _ = h.record((v * 1e3).max(1.0) as u64);
     }
     let pct = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
-    (pct(0.5), pct(0.99))
+    Some((pct(0.5), pct(0.99)))
+}
+
+/// A latency of the text report: "n/a" where none was measured.
+fn us(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".into(), |v| format!("{v:.1} us"))
 }
 
 /// The `--breakdown` lines of the text report.
@@ -1513,19 +1524,44 @@ fn measure_rtt(r: &mut Report, a: IpAddr, b: IpAddr, spin: Duration, windows: Op
 }
 
 /// The TCP baseline: `n` × (connect + 56-byte exchange each way + close), from two threads,
-/// spread over 127.0.x.y so TIME_WAIT does not cap it. Returns connections per second.
+/// on loopback only: a listener on 127.0.0.1, its clients bound to 127.0.x.y, so that the
+/// connections' 4-tuples differ and TIME_WAIT, which holds each for a minute, does not cap
+/// it. Returns connections per second.
 pub fn tcp_baseline(n: usize) -> std::io::Result<f64> {
-    let listener = TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
-    let port = listener.local_addr()?.port();
+    let listener = TcpListener::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))?;
+    let dst = listener.local_addr()?;
+    baseline_over(n, listener, dst)
+}
+
+/// [`tcp_baseline`] with `listener` serving and the clients connecting to `dst` (a test
+/// points them elsewhere to make them fail). Whatever happens, the server's thread has
+/// ended, and `listener` is closed, when this returns.
+fn baseline_over(n: usize, listener: TcpListener, dst: SocketAddr) -> std::io::Result<f64> {
+    let at = listener.local_addr()?;
     let served = Arc::new(AtomicUsize::new(0));
-    let sv = served.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sv, st) = (served.clone(), stop.clone());
     let total = n;
     let server = std::thread::spawn(move || {
         let mut buf = [0u8; 56];
         while sv.load(Ordering::Relaxed) < total {
-            let Ok((mut s, _)) = listener.accept() else {
-                break;
+            let mut s = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    continue
+                }
+                // Its clients' connects are refused once the listener is closed: they fail
+                // rather than wait.
+                Err(_) => break,
             };
+            if st.load(Ordering::SeqCst) {
+                break;
+            }
             if s.read_exact(&mut buf).is_ok() {
                 let _ = s.write_all(&buf);
             }
@@ -1536,28 +1572,74 @@ pub fn tcp_baseline(n: usize) -> std::io::Result<f64> {
     let start = Instant::now();
     let workers: Vec<_> = (0..threads)
         .map(|t| {
+            let stop = stop.clone();
             std::thread::spawn(move || -> std::io::Result<()> {
                 let mut buf = [0u8; 56];
                 for i in (t..n).step_by(threads) {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                     let host = 1 + (i % 250) as u8;
                     let net = (i / 250 % 250) as u8;
-                    let dst = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, net, host)), port);
-                    let mut s = TcpStream::connect(dst)?;
-                    s.set_nodelay(true)?;
-                    s.write_all(&[7u8; 56])?;
-                    s.read_exact(&mut buf)?;
+                    let src = IpAddr::V4(Ipv4Addr::new(127, 0, net, host));
+                    if let Err(e) = exchange(src, dst, &mut buf) {
+                        // The other thread stops too: the run failed.
+                        stop.store(true, Ordering::SeqCst);
+                        return Err(e);
+                    }
                 }
                 Ok(())
             })
         })
         .collect();
+    let mut failed = None;
     for w in workers {
-        w.join()
-            .map_err(|_| std::io::Error::other("baseline thread panicked"))??;
+        let r = w
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("baseline thread panicked")));
+        if let Err(e) = r {
+            failed.get_or_insert(e);
+        }
     }
     let el = start.elapsed();
+    if let Some(e) = failed {
+        stop.store(true, Ordering::SeqCst);
+        // The server may be blocked in accept, for connections that will not come: one
+        // more wakes it, and it stops. Refused, the listener is closed already. Any other
+        // error leaves it blocked, and joining it would hang the run.
+        let woken = match TcpStream::connect(at) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+        };
+        if woken {
+            let _ = server.join();
+        }
+        return Err(e);
+    }
     let _ = server.join();
     Ok(n as f64 / el.as_secs_f64())
+}
+
+/// One connection of the TCP baseline: from `src` to `dst`, `buf`'s 56 bytes each way.
+fn exchange(src: IpAddr, dst: SocketAddr, buf: &mut [u8; 56]) -> std::io::Result<()> {
+    let mut s = connect_from(src, dst)?;
+    s.set_nodelay(true)?;
+    s.write_all(&[7u8; 56])?;
+    s.read_exact(buf)
+}
+
+/// A TCP connection to `dst` from `src` (a port the kernel picks).
+fn connect_from(src: IpAddr, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    use rustix::net::{bind, connect, socket_with, AddressFamily, SocketFlags, SocketType};
+    let family = if src.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    bind(&fd, &SocketAddr::new(src, 0))?;
+    connect(&fd, &dst)?;
+    Ok(TcpStream::from(fd))
 }
 
 /// The fabric of one side: the daemon's (a session of it), or a fresh one with a device
@@ -1922,28 +2004,24 @@ pub fn print_table(r: &Report) {
         "established {}/{}  errors {}  {:.0} conn/s  {:.0} cycles/s (connect+exchange+disconnect)",
         r.established, r.connections, r.errors, r.conn_per_s, r.cycle_per_s
     );
+    let (p50, p99) = (us(r.connect_p50_us), us(r.connect_p99_us));
     if r.udp_rtt_p50_us > 0.0 {
         println!(
-            "connect latency p50 {:.1} us  p99 {:.1} us   loopback UDP RTT p50 {:.1} us",
-            r.connect_p50_us, r.connect_p99_us, r.udp_rtt_p50_us
+            "connect latency p50 {p50}  p99 {p99}   loopback UDP RTT p50 {:.1} us",
+            r.udp_rtt_p50_us
         );
     } else {
         // Across hosts (--server) no loopback round trip is measured.
-        println!(
-            "connect latency p50 {:.1} us  p99 {:.1} us",
-            r.connect_p50_us, r.connect_p99_us
-        );
+        println!("connect latency p50 {p50}  p99 {p99}");
     }
     if r.udp_rtt_poll_p50_us > 0.0 {
         // One at a time, the connect is the round trip and rcm's own work: how many round
         // trips it takes says what rcm adds. In a burst the latency is queueing.
-        let ratio = if r.serial {
-            format!(
-                "; connect p50 = {:.2}x that",
-                r.connect_p50_us / r.udp_rtt_poll_p50_us
-            )
-        } else {
-            String::new()
+        let ratio = match r.connect_p50_us {
+            Some(p50) if r.serial => {
+                format!("; connect p50 = {:.2}x that", p50 / r.udp_rtt_poll_p50_us)
+            }
+            _ => String::new(),
         };
         let cpus = if r.udp_rtt_poll_cpus.is_some() {
             "on two CPUs"
@@ -2010,14 +2088,16 @@ pub fn print_table(r: &Report) {
         );
     }
     if let Some(b) = r.baseline_conn_per_s {
-        // The baseline always runs its connections two threads at a time.
-        let how = if r.serial {
-            " (rcm one at a time here, the baseline two at a time)"
+        // The baseline always runs its connections two threads at a time, so the ratio
+        // compares concurrencies as well as stacks, in a burst (the headline) as one at a
+        // time.
+        let rcm = if r.serial {
+            "one at a time".to_string()
         } else {
-            ""
+            format!("all {} in flight", r.connections)
         };
         println!(
-            "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x{how}",
+            "TCP baseline {b:.0} conn/s (connect + 56-byte exchange + close); rcm/TCP = {:.2}x (rcm {rcm} here, the baseline two at a time)",
             r.cycle_per_s / b
         );
     }
@@ -2034,15 +2114,26 @@ pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<(
     let max = v.last().copied().unwrap_or(1.0).max(1.0);
     let mut pts = String::new();
     let step = (v.len() / 500).max(1);
-    for (i, x) in v.iter().enumerate().step_by(step) {
-        let px = m + x / max * (w - 2.0 * m);
+    let px = |x: f64| m + x / max * (w - 2.0 * m);
+    // The CDF rises from 0 at the fastest connection: one connection is then a step up,
+    // where a lone point drew nothing.
+    if let Some(&x) = v.first() {
+        let _ = write!(pts, "{:.1},{:.1} ", px(x), h - m);
+    }
+    // Thinned to about 500 points, the slowest always among them: without it the curve
+    // stopped short of 1.0 when the count was no multiple of the step.
+    let last = v.len().saturating_sub(1);
+    let kept = (0..v.len())
+        .step_by(step)
+        .chain((last % step != 0).then_some(last));
+    for i in kept {
         let py = h - m - (i as f64 + 1.0) / v.len() as f64 * (h - 2.0 * m);
-        let _ = write!(pts, "{px:.1},{py:.1} ");
+        let _ = write!(pts, "{:.1},{py:.1} ", px(v[i]));
     }
     let svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="{tx}" y="20" text-anchor="middle" font-size="14">rcm bench: connect latency CDF ({n} connections, p50 {p50:.0} us, p99 {p99:.0} us)</text>
+<text x="{tx}" y="20" text-anchor="middle" font-size="14">rcm bench: connect latency CDF ({n} connections, p50 {p50}, p99 {p99})</text>
 <line x1="{m}" y1="{yb}" x2="{xr}" y2="{yb}" stroke="black"/><line x1="{m}" y1="{m}" x2="{m}" y2="{yb}" stroke="black"/>
 <text x="{tx}" y="{xl}" text-anchor="middle">latency (us), 0 .. {max:.0}</text>
 <text x="15" y="{ty}" transform="rotate(-90 15 {ty})" text-anchor="middle">fraction of connections</text>
@@ -2053,8 +2144,8 @@ pub fn write_plot(r: &Report, mut out: impl std::io::Write) -> std::io::Result<(
 "##,
         tx = w / 2.0,
         n = v.len(),
-        p50 = r.connect_p50_us,
-        p99 = r.connect_p99_us,
+        p50 = us(r.connect_p50_us),
+        p99 = us(r.connect_p99_us),
         yb = h - m,
         xr = w - m,
         xl = h - 10.0,
@@ -2190,10 +2281,10 @@ mod tests {
     #[test]
     fn percentiles_keep_fractions_of_a_microsecond() {
         let lat: Vec<f64> = (0..100).map(|k| 15.9 + f64::from(k) * 0.01).collect();
-        let (p50, p99) = super::percentiles(&lat);
+        let (p50, p99) = super::percentiles(&lat).expect("latencies");
         assert!((p50 - 16.39).abs() < 0.03, "p50 {p50}");
         assert!((p99 - 16.88).abs() < 0.03, "p99 {p99}");
-        assert_eq!(super::percentiles(&[]), (0.0, 0.0));
+        assert_eq!(super::percentiles(&[]), None);
     }
 
     #[test]
@@ -2498,5 +2589,67 @@ mod tests {
         );
         assert_eq!(others.load(Ordering::SeqCst), 0);
         f.shutdown();
+    }
+
+    /// A bench run's options for a unit test: `n` connections in a burst on UDP `udp_port`.
+    fn burst_opts(n: usize, udp_port: u16) -> BenchOpts {
+        BenchOpts {
+            connections: n,
+            serial: false,
+            listen: false,
+            serve: None,
+            json: false,
+            server: None,
+            bind: Vec::new(),
+            port: 7471,
+            udp_port,
+            threads: 1,
+            baseline_tcp: false,
+            progress: false,
+            step_timeout: Duration::from_secs(5),
+            daemon: None,
+            iwarp: false,
+            spin: Duration::ZERO,
+            send_batch: false,
+            pin: false,
+            attached_qp: false,
+            warmup: 0,
+            issuers: 1,
+            breakdown: false,
+        }
+    }
+
+    /// A connection whose bind fails is an error of the run, as a failure in any other
+    /// step is (the failures listed it while `errors` said 0), and is not made after it.
+    #[test]
+    fn a_failed_bind_counts_as_an_error() {
+        let (f, _d2, _l, dst) = accepting_pair(41105);
+        // No device has 127.0.0.77: the binds of connections 1 and 3 fail.
+        let srcs = [IpAddr::from([127, 0, 0, 2]), IpAddr::from([127, 0, 0, 77])];
+        let r = run_client(&f, &srcs, dst, &burst_opts(4, 41105), None);
+        f.shutdown();
+        let binds = r.failures.iter().filter(|l| l.starts_with("bind addr #"));
+        assert_eq!(binds.count(), 2, "{:?}", r.failures);
+        assert_eq!(r.failures.len(), 2, "{:?}", r.failures);
+        assert_eq!(r.established, 2, "{:?}", r.failures);
+        assert_eq!(r.errors, 2, "{:?}", r.failures);
+    }
+
+    /// A baseline whose connects fail returns the error with its server's thread ended and
+    /// its listener closed (the thread stayed blocked in accept, the port open).
+    #[test]
+    fn a_tcp_baseline_whose_connects_fail_ends_its_server() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("listener");
+        let at = listener.local_addr().expect("address");
+        // A port nobody listens on: every connect is refused.
+        let closed = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .expect("a free port");
+        let e = baseline_over(10, listener, closed).expect_err("connects to a closed port");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        let e = TcpStream::connect(at).expect_err("the listener is closed");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        // And one that works serves every connection.
+        assert!(tcp_baseline(20).expect("baseline") > 0.0);
     }
 }

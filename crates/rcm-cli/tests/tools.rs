@@ -1557,3 +1557,238 @@ fn bench_reports_polling_held_off_by_a_cpu_bound_neighbour() {
     assert_eq!(code2, 0, "{text}\n{err2}");
     assert!(text.contains("contention: "), "{text}");
 }
+
+/// The TCP listeners of process `pid` that /proc shows: their local addresses.
+fn tcp_listeners_of(pid: u32) -> Vec<std::net::SocketAddr> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    proc_tcp_sockets(&format!("/proc/{pid}/net"))
+        .into_iter()
+        .filter(|s| s.state == "0A" && inodes.contains(&s.inode))
+        .map(|s| s.local)
+        .collect()
+}
+
+/// One line of /proc/net/tcp or tcp6.
+struct ProcTcp {
+    local: std::net::SocketAddr,
+    remote: std::net::SocketAddr,
+    state: String,
+    inode: String,
+}
+
+/// The TCP sockets of the network namespace that `net` (a /proc/.../net directory) shows.
+fn proc_tcp_sockets(net: &str) -> Vec<ProcTcp> {
+    // The kernel prints each address as the native-endian words of its network-order bytes.
+    fn addr(s: &str) -> Option<std::net::SocketAddr> {
+        let (ip, port) = s.split_once(':')?;
+        let port = u16::from_str_radix(port, 16).ok()?;
+        let words: Option<Vec<[u8; 4]>> = (0..ip.len() / 8)
+            .map(|k| {
+                let w = u32::from_str_radix(ip.get(8 * k..8 * k + 8)?, 16).ok()?;
+                Some(w.to_ne_bytes())
+            })
+            .collect();
+        let bytes: Vec<u8> = words?.concat();
+        let ip = match bytes.len() {
+            4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+            16 => std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+            _ => return None,
+        };
+        Some(std::net::SocketAddr::new(ip, port))
+    }
+    ["tcp", "tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(format!("{net}/{f}")).ok())
+        .flat_map(|t| {
+            t.lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    Some(ProcTcp {
+                        local: addr(f.get(1)?)?,
+                        remote: addr(f.get(2)?)?,
+                        state: f.get(3)?.to_string(),
+                        inode: f.get(9)?.to_string(),
+                    })
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `--baseline tcp` listens on loopback only (it listened on 0.0.0.0: open on every
+/// interface while it ran), and its connections come from many 127.0.x.y, so that TIME_WAIT,
+/// which holds a 4-tuple for a minute, does not cap it.
+#[test]
+fn bench_tcp_baseline_listens_on_loopback_only() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rcm"))
+        .args([
+            "bench",
+            "-c",
+            "10000",
+            "--baseline",
+            "tcp",
+            "--udp-port",
+            "41100",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn rcm");
+    let pid = child.id();
+    let mut listeners = std::collections::BTreeSet::new();
+    // The report is a few lines: the pipes cannot fill while the process runs.
+    while child.try_wait().expect("try_wait").is_none() {
+        listeners.extend(tcp_listeners_of(pid));
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{err}");
+    assert!(text.contains("TCP baseline "), "{text}");
+    assert!(
+        !listeners.is_empty(),
+        "the baseline's listener was never seen"
+    );
+    assert!(
+        listeners.iter().all(|a| a.ip().is_loopback()),
+        "listening beyond loopback: {listeners:?}"
+    );
+    // The connections' 4-tuples, left in TIME_WAIT at one end or the other, differ in
+    // their client address.
+    let sources: std::collections::HashSet<std::net::IpAddr> = proc_tcp_sockets("/proc/net")
+        .into_iter()
+        .filter(|s| s.state == "06")
+        .filter_map(|s| {
+            if listeners.contains(&s.remote) {
+                Some(s.local.ip())
+            } else if listeners.contains(&s.local) {
+                Some(s.remote.ip())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert!(
+        sources.len() > 100 && sources.iter().all(std::net::IpAddr::is_loopback),
+        "{} client addresses: {sources:?}",
+        sources.len()
+    );
+}
+
+/// With no connection established there is no latency to report: the JSON has null there
+/// (0.0 read as measured), the text says n/a.
+#[test]
+fn bench_with_nothing_established_reports_no_latency() {
+    let (v, out) = failed_bench_json(&["--server", "::1", "--udp-port", "41101"]);
+    assert_eq!(v["established"], 0, "{out}");
+    for k in ["connect_p50_us", "connect_p99_us"] {
+        assert!(
+            v.get(k).is_some_and(serde_json::Value::is_null),
+            "{k}: {out}"
+        );
+    }
+    let (code, text, err) = rcm(&[
+        "bench",
+        "--bind",
+        "127.0.0.2",
+        "-c",
+        "2",
+        "--server",
+        "::1",
+        "--udp-port",
+        "41101",
+    ]);
+    assert_ne!(code, 0, "{text}\n{err}");
+    assert!(
+        text.contains("connect latency p50 n/a  p99 n/a"),
+        "{text}\n{err}"
+    );
+}
+
+/// The points of the plot's CDF polyline.
+fn plot_points(svg: &str) -> Vec<(f64, f64)> {
+    let pts = svg
+        .split("points=\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .unwrap_or_else(|| panic!("no polyline: {svg}"));
+    pts.split_whitespace()
+        .map(|p| {
+            let (x, y) = p.split_once(',').unwrap_or_else(|| panic!("point {p}"));
+            (x.parse().unwrap(), y.parse().unwrap())
+        })
+        .collect()
+}
+
+/// The plot shows a run of one connection (a one-point polyline drew nothing), and its CDF
+/// reaches 1.0 at the slowest connection when the samples are thinned (a count that is no
+/// multiple of the step left the last one out).
+#[test]
+fn bench_plot_shows_one_connection_and_ends_at_the_slowest() {
+    let dir = std::env::temp_dir().join(format!("rcm-bench-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for c in ["1", "1000"] {
+        let plot = dir.join(format!("lat-{c}.svg"));
+        let (code, out, err) = rcm(&[
+            "bench",
+            "-c",
+            c,
+            "--udp-port",
+            "41102",
+            "--plot",
+            plot.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{out}\n{err}");
+        let svg = std::fs::read_to_string(&plot).unwrap();
+        let pts = plot_points(&svg);
+        let (first, last) = (pts[0], pts[pts.len() - 1]);
+        assert!(
+            pts.len() >= 2 && first != last,
+            "-c {c}: nothing drawn: {pts:?}"
+        );
+        // The plot area is 50..590 across and 350 (0) up to 50 (1.0).
+        assert_eq!(last, (590.0, 50.0), "-c {c}: {pts:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The rcm/TCP ratio says what it compares in a burst too (the headline figure), not only
+/// one at a time.
+#[test]
+fn bench_tcp_ratio_says_what_it_compares_in_both_modes() {
+    for serial in [false, true] {
+        let mut args = vec![
+            "bench",
+            "-c",
+            "50",
+            "--baseline",
+            "tcp",
+            "--udp-port",
+            "41103",
+        ];
+        if serial {
+            args.push("--serial");
+        }
+        let (code, out, err) = rcm(&args);
+        assert_eq!(code, 0, "{out}\n{err}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("rcm/TCP"))
+            .unwrap_or_else(|| panic!("no ratio: {out}"));
+        assert!(
+            line.contains("the baseline two at a time"),
+            "serial {serial}: {line}"
+        );
+    }
+}
