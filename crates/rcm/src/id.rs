@@ -1164,7 +1164,12 @@ impl CmId {
             return Err(e);
         }
         // A listener shares its port with nobody (reuse ends here, as in Linux).
-        if let Err(e) = sync::lock(&self.0.fabric.ports).listen(self.0.ps, src, self.0.key) {
+        // The port table's lock is let go before the unwinding: held there (as the guard of
+        // an `if let` scrutinee is, to the end of its body), it would be held through the
+        // engine calls that end the listens, whose routing takes other ids' state locks,
+        // which are taken before it everywhere else.
+        let taken = sync::lock(&self.0.fabric.ports).listen(self.0.ps, src, self.0.key);
+        if let Err(e) = taken {
             drop(g);
             unwind(done);
             return Err(e);
