@@ -1791,7 +1791,7 @@ impl DestroyHandle {
     /// for it, its context dropped).
     pub fn wait_for(&self, d: std::time::Duration) -> bool {
         crate::fabric::before_wait();
-        let until = Instant::now() + d;
+        let until = sync::deadline(Instant::now(), d);
         if !self.0.wait_destroyed_for(d) {
             return false;
         }
@@ -2825,7 +2825,7 @@ impl CmId {
     /// siw without a posted receive). Returns `None` once the id is being destroyed.
     pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
         crate::fabric::before_wait();
-        let end = std::time::Instant::now() + timeout;
+        let end = sync::deadline(std::time::Instant::now(), timeout);
         let mail = self.0.mail();
         let mut q = mail.inbox.lock();
         loop {
@@ -3260,7 +3260,7 @@ impl CmId {
             return None;
         }
         crate::fabric::before_wait();
-        let end = std::time::Instant::now() + timeout;
+        let end = sync::deadline(std::time::Instant::now(), timeout);
         let mail = self.0.mail();
         let mut q = mail.ud_inbox.lock();
         loop {

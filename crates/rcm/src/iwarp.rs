@@ -936,7 +936,7 @@ fn io_loop(
             };
             std::thread::park_timeout(nap.min(wait.max(Duration::from_micros(1))));
             // The waiter is busy with this device: what follows its event is likely soon.
-            poll_until = Instant::now() + spin;
+            poll_until = sync::deadline(Instant::now(), spin);
             continue;
         }
         nap = Duration::ZERO;
@@ -988,7 +988,7 @@ fn io_loop(
             std::thread::sleep(Duration::from_millis(1));
         }
         if woken || !keys.is_empty() {
-            poll_until = Instant::now() + spin;
+            poll_until = sync::deadline(Instant::now(), spin);
         }
         let Some(d) = dev.upgrade() else { return };
         if slept {

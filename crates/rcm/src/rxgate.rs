@@ -115,7 +115,9 @@ impl RxGate {
     /// `poll_ended`.
     pub fn polled_for(&self, spin: Duration) {
         self.pollers.fetch_add(1, Ordering::AcqRel);
-        let until = self.nanos(Instant::now() + spin).max(1);
+        let until = self
+            .nanos(crate::sync::deadline(Instant::now(), spin))
+            .max(1);
         self.polled_until.fetch_max(until, Ordering::Release);
     }
 
@@ -125,10 +127,13 @@ impl RxGate {
     /// was later; when it was not, the thread resumes beside it (both then receive, one at a
     /// time: only the CPU is spent).
     pub fn poll_ended(&self) -> bool {
-        let until = self.polled_until.load(Ordering::Acquire);
         if self.pollers.fetch_sub(1, Ordering::AcqRel) != 1 {
             return false;
         }
+        // Read after the count, not before: a waiter that began and ended between the two
+        // would have left its later deadline set with nobody polling, the receiving thread
+        // standing aside until it passed.
+        let until = self.polled_until.load(Ordering::Acquire);
         let _ = self
             .polled_until
             .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Relaxed);

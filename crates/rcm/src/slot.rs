@@ -693,7 +693,7 @@ impl<E: Send + 'static> Slot<E> {
     /// Like `wait_destroyed` with a bound; returns whether it was destroyed.
     #[cfg(not(loom))]
     pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
-        let end = std::time::Instant::now() + d;
+        let end = sync::deadline(std::time::Instant::now(), d);
         let mut g = sync::lock(&self.inner);
         if runs_own_code(self) || runs_here(&g) {
             return g.phase == Phase::Destroyed;
@@ -1083,7 +1083,11 @@ impl Deadline {
 
     fn at(&mut self) -> Option<std::time::Instant> {
         let t = self.timeout?;
-        Some(*self.at.get_or_insert_with(|| std::time::Instant::now() + t))
+        Some(
+            *self
+                .at
+                .get_or_insert_with(|| sync::deadline(std::time::Instant::now(), t)),
+        )
     }
 }
 

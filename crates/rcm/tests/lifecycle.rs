@@ -873,6 +873,31 @@ fn a_connect_whose_device_is_removed_meanwhile_says_device_removed() {
     );
 }
 
+/// A timeout of `Duration::MAX` (what a caller writes for "for ever") waits for ever, where
+/// each of these panicked adding it to the clock: a channel's `get_event`, `DestroyHandle::
+/// wait_for`, `Removal::wait`, `rcm::spin_until`.
+#[test]
+fn waits_given_duration_max_wait_instead_of_panicking() {
+    let f = fabric(25056);
+    let ch = EventChannel::new();
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    id.bind(addr(2, 7000)).unwrap();
+    thread::scope(|s| {
+        s.spawn(|| {
+            thread::sleep(Duration::from_millis(20));
+            poke(&id, 5);
+        });
+        let mut ev = ch.get_event(Some(Duration::MAX)).expect("the event");
+        assert_eq!(ev.take().as_ref().and_then(seq_of), Some(5));
+    });
+    let removal = f.remove_device(ip(2)).unwrap();
+    expect_ev(&ch, &id, "DEVICE_REMOVAL");
+    assert!(id.begin_destroy().wait_for(Duration::MAX));
+    assert_eq!(removal.wait(Duration::MAX), Ok(()));
+    assert!(rcm::spin_until(Duration::MAX, || true));
+    f.shutdown();
+}
+
 /// A wildcard listener's `listen` called again (refused: it listens already) while devices
 /// are being added: adding a device takes the fabric's listen lock and then each wildcard
 /// listener's call lock, so `listen` must take them in that order too, or both wait for
