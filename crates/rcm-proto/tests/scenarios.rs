@@ -499,6 +499,41 @@ fn req_timeout_backoff_doubles_and_stops_at_the_deadline() {
     assert_eq!(t.ep.state(h), Some(State::Idle));
 }
 
+/// Durations configured as `Duration::MAX` (a natural way to write "no deadline", "no cap",
+/// "a long timewait") are taken as very long, not overflowed: each panicked adding to or
+/// doubling a time (the REQ's deadline at the connect; the doubled wait at the retry; the
+/// timewait's end).
+#[test]
+fn durations_configured_as_duration_max_do_not_overflow() {
+    let mut t = T::with(|c| {
+        c.retry = RetryPolicy::Backoff {
+            initial: Duration::from_secs(1),
+            max_wait: Duration::MAX,
+            deadline: Duration::MAX,
+        };
+        c.min_timewait = Duration::MAX;
+    });
+    let (h, req, tid) = t.connect();
+    for wait in [1, 2, 4] {
+        t.advance(Duration::from_secs(wait));
+        assert_eq!(t.sent_one().msg.name(), "REQ", "after {wait} s more");
+    }
+    // A REJ(STALE) takes the active side into timewait, for "ever".
+    t.recv(
+        tid,
+        CmMessage::Rej(Rej {
+            local_comm_id: PEER_ID,
+            remote_comm_id: req.local_comm_id,
+            message_rejected: MsgCode::Req,
+            reason: RejReason::StaleConn,
+            ..Rej::default()
+        }),
+    );
+    assert!(!t.events().is_empty());
+    t.advance(Duration::from_secs(3600));
+    assert_eq!(t.ep.state(h), Some(State::Timewait));
+}
+
 #[test]
 fn duplicate_rep_resends_rtu_when_established() {
     let mut t = T::new();

@@ -151,6 +151,13 @@ const SPARE_OUT: usize = 64;
 /// is 1024).
 pub const DEFAULT_BACKLOG: usize = 256;
 
+/// `now + d`, capped some thirty years on: a configured duration of `Duration::MAX` (a
+/// natural way to write "no deadline" or "no cap") would overflow an `Instant` and panic.
+fn later(now: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(1 << 30);
+    now.checked_add(d.min(FAR)).unwrap_or(now)
+}
+
 impl Endpoint {
     /// A new endpoint.
     pub fn new(cfg: EndpointConfig) -> Self {
@@ -403,7 +410,7 @@ impl Endpoint {
             RetryPolicy::Classic => (Duration::from_millis(timeout_ms.into()), None),
             RetryPolicy::Backoff {
                 initial, deadline, ..
-            } => (initial, Some(now + deadline)),
+            } => (initial, Some(later(now, deadline))),
         }
     }
 
@@ -437,7 +444,7 @@ impl Endpoint {
         if let Some(c) = self.ceps.get_mut(&h) {
             c.out = Some(out);
         }
-        self.arm(h, now + wait, TimerKind::Retransmit);
+        self.arm(h, later(now, wait), TimerKind::Retransmit);
     }
 
     fn insert_cep(&mut self, c: Cep) -> CepHandle {
@@ -558,7 +565,7 @@ impl Endpoint {
         if was_half_open {
             self.left_half_open();
         }
-        self.arm(h, now + wait, TimerKind::Timewait);
+        self.arm(h, later(now, wait), TimerKind::Timewait);
         self.park(h);
     }
 
@@ -1203,11 +1210,11 @@ impl Endpoint {
                 _ if out.stretched => out.next_wait,
                 RetryPolicy::Classic => out.next_wait,
                 RetryPolicy::Backoff { max_wait, .. } => {
-                    out.next_wait = (out.next_wait * 2).min(max_wait);
+                    out.next_wait = out.next_wait.saturating_mul(2).min(max_wait);
                     out.next_wait
                 }
             };
-            let mut at = now + wait;
+            let mut at = later(now, wait);
             if let Some(d) = out.deadline {
                 at = at.min(d);
             }
@@ -1596,8 +1603,10 @@ impl Endpoint {
                 // peer's long work failed the connect).
                 out.next_wait = extra;
                 out.stretched = true;
-                out.deadline = out.deadline.map(|d| d.max(now + 2 * extra));
-                let at = now + extra;
+                out.deadline = out
+                    .deadline
+                    .map(|d| d.max(later(now, extra.saturating_mul(2))));
+                let at = later(now, extra);
                 self.arm(h, at, TimerKind::Retransmit);
             }
         }
