@@ -1700,16 +1700,33 @@ impl CmId {
     }
 
     /// Moves the id to another event channel (`rdma_migrate_id`). Events not yet taken move
-    /// with it, in order; events already held stay valid and ack to this id.
+    /// with it, in order; events already held stay valid and ack to this id. A listener's
+    /// connect requests not yet taken move too (ucma queues them as the listener's events,
+    /// and `ucma_migrate_id` moves them), and so do those arriving meanwhile.
     pub fn migrate(&self, to: &EventChannel) -> Result<()> {
-        let _g = self.usable()?;
+        let g = self.usable()?;
         self.0.slot.migrate(&to.0).map_err(|u| match u {
             crate::slot::Unmoved::NotChannel => {
                 Error::InvalidArgument("only channel-mode ids can migrate".into())
             }
             // Destroyed between the liveness check above and the move.
             crate::slot::Unmoved::TornDown => Error::Destroyed,
-        })
+        })?;
+        // A request is queued on its child, which took the listener's channel when it was
+        // made. Under the listener's lock, which a child joins it under: a child joined
+        // before is among these (its request queued or to come), one joining after takes
+        // the listener's channel then (`join_listeners_channel`).
+        let kids: Vec<Arc<IdInner>> = g
+            .listening
+            .as_ref()
+            .map(|l| l.children.values().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default();
+        for k in kids {
+            if sync::lock(&k.st).request_unseen {
+                k.slot.migrate_unseen(&to.0);
+            }
+        }
+        Ok(())
     }
 
     /// Destroys the id (`rdma_destroy_id`), blocking until no callback is running and none
@@ -2024,6 +2041,14 @@ pub(crate) fn remote_event(inner: &Arc<IdInner>, ev: Event) {
     inner.slot.push(ev);
 }
 
+/// A child joining its listener (under the listener's lock) takes the channel the listener
+/// has now: a `migrate` of the listener since the child was made did not see it.
+fn join_listeners_channel(lst: &IdInner, child: &CmId) {
+    if let Some(ch) = lst.slot.channel() {
+        child.0.slot.migrate_unseen(&ch);
+    }
+}
+
 /// A connect request a provider delivered on a listener it owns: the child is built,
 /// joined to the listener and published before the event is visible (Linux bug 3).
 pub(crate) fn remote_connect_request(
@@ -2058,6 +2083,7 @@ pub(crate) fn remote_connect_request(
             .get_or_insert_with(Box::default)
             .children
             .insert(child.0.key, Arc::downgrade(&child.0));
+        join_listeners_channel(lst, &child);
     }
     // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
     let _ = publish(&child);
@@ -2221,6 +2247,7 @@ pub(crate) fn on_connect_request(
             .get_or_insert_with(Box::default)
             .children
             .insert(child.0.key, Arc::downgrade(&child.0));
+        join_listeners_channel(&lst, &child);
     }
     // Fully built (device set): visible to device removal from here on.
     // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
@@ -3114,6 +3141,7 @@ fn on_iw_connect_request(
         let l = g.listening.get_or_insert_with(Box::default);
         l.undelivered += 1;
         l.children.insert(child.0.key, Arc::downgrade(&child.0));
+        join_listeners_channel(&lst, &child);
     }
     // Refused once the fabric shuts down: the child is then destroyed, and is gone below.
     let _ = publish(&child);

@@ -360,7 +360,7 @@ impl<E: Send + 'static> Slot<E> {
 
     /// The channel, if the target is one. Never clones a callback: a clone held outside a
     /// callback could outlive the teardown and drop the handler after `destroy` returned.
-    fn channel(&self) -> Option<Arc<ChannelCore<E>>> {
+    pub(crate) fn channel(&self) -> Option<Arc<ChannelCore<E>>> {
         match sync::lock(&self.target).as_ref() {
             Some(Target::Channel(ch)) => Some(ch.clone()),
             _ => None,
@@ -811,6 +811,32 @@ impl<E: Send + 'static> Slot<E> {
         }
         drop(t);
         Ok(())
+    }
+}
+
+impl<E: Send + 'static> Slot<E> {
+    /// Moves a listener's child to the listener's new channel with its connect request not
+    /// yet handed out (queued, or to come). A child whose request a reader of the old channel
+    /// took meanwhile (held now) stays: the application got it there. False when it stayed.
+    pub(crate) fn migrate_unseen(self: &Arc<Self>, to: &Arc<ChannelCore<E>>) -> bool {
+        let mut t = sync::lock(&self.target);
+        let Some(Target::Channel(from)) = t.as_ref() else {
+            return false;
+        };
+        if Arc::ptr_eq(from, to) {
+            return true;
+        }
+        // The purge takes the old channel's queue lock, which a reader holds while it takes an
+        // event and holds its slot: after it, a request not among these is held already.
+        let moved = from.purge(self);
+        if moved.is_empty() && sync::lock(&self.inner).held > 0 {
+            return false;
+        }
+        *t = Some(Target::Channel(to.clone()));
+        for ev in moved {
+            to.push(self.clone(), ev);
+        }
+        true
     }
 }
 

@@ -1102,6 +1102,62 @@ fn migrate_moves_queued_events_in_order_and_held_events_stay_valid() {
     f.shutdown();
 }
 
+/// A listener migrated with connect requests not yet taken takes them along (ucma queues a
+/// request as its listener's event, and `ucma_migrate_id` moves it): the requests come on
+/// the new channel, nothing is left on the old one, and one arriving after the migrate comes
+/// there too. A request already taken on the old channel stays the application's there.
+/// Before, each request stayed on the old channel (queued on its child, which had taken
+/// the listener's channel when it was made), and held its backlog place.
+#[test]
+fn a_migrated_listener_takes_its_untaken_connect_requests_along() {
+    let f = fabric(25057);
+    let (a, b, cli) = (
+        EventChannel::new(),
+        EventChannel::new(),
+        EventChannel::new(),
+    );
+    let listener = f.create_id_on(PortSpace::Tcp, &a);
+    listener.bind(addr(1, 7000)).unwrap();
+    listener.listen(0).unwrap();
+    let dial = || {
+        let c = f.create_id_on(PortSpace::Tcp, &cli);
+        c.resolve_addr(None, addr(1, 7000)).unwrap();
+        expect_ev(&cli, &c, "ADDR_RESOLVED");
+        c.resolve_route().unwrap();
+        expect_ev(&cli, &c, "ROUTE_RESOLVED");
+        c.connect(&ConnectOptions::default()).unwrap();
+        c
+    };
+    let mut clients = vec![dial(), dial(), dial()];
+    // The first taken on the old channel (it stays there); two more queued.
+    let taken = a.get_event(Some(T)).unwrap();
+    assert!(matches!(taken.event(), Event::ConnectRequest { .. }));
+    let end = Instant::now() + T;
+    while a.pending() < 2 && Instant::now() < end {
+        thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(a.pending(), 2);
+    listener.migrate(&b).unwrap();
+    assert_eq!(a.pending(), 0, "requests left on the old channel");
+    clients.push(dial());
+    let mut children = vec![taken.id().clone()];
+    drop(taken);
+    for n in 0..3 {
+        let (child, ev) = next(&b);
+        assert!(
+            matches!(ev, Event::ConnectRequest { .. }),
+            "request {n}: {ev:?}"
+        );
+        children.push(child);
+    }
+    assert!(a.get_event(Some(Duration::from_millis(50))).is_none());
+    for c in children.iter().chain(&clients) {
+        c.destroy().unwrap();
+    }
+    listener.destroy().unwrap();
+    f.shutdown();
+}
+
 fn spin(units: u32) {
     for _ in 0..units {
         std::hint::spin_loop();
