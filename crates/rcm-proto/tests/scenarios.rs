@@ -865,6 +865,25 @@ fn req_without_listener_gets_rej_invalid_service_id() {
     assert_eq!(t.ep.cep_count(), 0);
 }
 
+/// The passive side's QP ACK timeout is the REQ's local ACK timeout, except that 0 (an
+/// infinite timeout: a QP that never retransmits a lost packet) becomes 1, as Linux's
+/// cm_format_paths_from_req and cm_init_av_by_path make it (less one, then plus one).
+#[test]
+fn a_reqs_ack_timeout_of_zero_becomes_one() {
+    for (asked, got) in [(0u8, 1u8), (1, 1), (14, 14), (31, 31)] {
+        let mut t = T::new();
+        let mut req = peer_req(PEER_ID, PEER_QPN);
+        req.primary_path.local_ack_timeout = asked;
+        t.ep.listen(SID, u64::MAX, 0).unwrap();
+        t.recv(TID, CmMessage::Req(req));
+        let ev = t.events();
+        let [(_, CmEvent::ReqReceived { info, .. })] = ev.as_slice() else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(info.local_ack_timeout, got, "asked {asked}");
+    }
+}
+
 #[test]
 fn req_received_then_accept_then_rtu() {
     let mut t = T::new();

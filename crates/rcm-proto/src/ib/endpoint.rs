@@ -1410,7 +1410,12 @@ impl Endpoint {
         // packet lifetime).
         c.timeout_ms = ibta_time_ms(req.local_cm_response_timeout) as u32;
         c.max_retries = req.max_cm_retries;
-        c.ack_timeout = req.primary_path.local_ack_timeout;
+        // What the QP's ACK timeout and the timewait are made of: as Linux, which takes the
+        // field less one for a packet lifetime (cm_format_paths_from_req: `packet_life_time
+        // -= (packet_life_time > 0)`) and adds one back (cm_init_av_by_path): the same value,
+        // but 0 (no timeout at all, a QP that never retransmits) becomes 1.
+        let c_ack_timeout = req.primary_path.local_ack_timeout.max(1);
+        c.ack_timeout = c_ack_timeout;
         let h = self.insert_cep(c);
         self.peers.insert(&mut self.remote_ids, rid, h);
         self.peers.insert(&mut self.remote_qps, rqp, h);
@@ -1431,7 +1436,7 @@ impl Endpoint {
             flow_label: req.primary_path.flow_label,
             traffic_class: req.primary_path.traffic_class,
             hop_limit: req.primary_path.hop_limit,
-            local_ack_timeout: req.primary_path.local_ack_timeout,
+            local_ack_timeout: c_ack_timeout,
             srq: req.srq,
             private_data: std::mem::take(&mut req.private_data),
         };

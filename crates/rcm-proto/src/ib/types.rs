@@ -301,7 +301,8 @@ pub struct ReqInfo {
     pub traffic_class: u8,
     /// Hop limit.
     pub hop_limit: u8,
-    /// Local ACK timeout asked for.
+    /// The ACK timeout the passive side's QP takes: the REQ's local ACK timeout, 0 made 1
+    /// as Linux makes it (a QP timeout of 0 never retransmits).
     pub local_ack_timeout: u8,
     /// SRQ.
     pub srq: bool,
