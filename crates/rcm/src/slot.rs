@@ -803,6 +803,12 @@ impl<E: Send + 'static> Slot<E> {
         if Arc::ptr_eq(from, to) {
             return Ok(());
         }
+        // A destroy marks the slot before it reads the channel to purge: one that began
+        // before this move would purge the old channel after it, and leave the moved events
+        // queued on the new one for good.
+        if sync::lock(&self.inner).phase != Phase::Live {
+            return Err(Unmoved::TornDown);
+        }
         let moved = from.purge(self);
         *t = Some(Target::Channel(to.clone()));
         // Moved while the target is still locked, so a concurrent push queues behind them.
@@ -825,6 +831,10 @@ impl<E: Send + 'static> Slot<E> {
         };
         if Arc::ptr_eq(from, to) {
             return true;
+        }
+        // As in `migrate`: a child being destroyed stays where its destroy purges.
+        if sync::lock(&self.inner).phase != Phase::Live {
+            return false;
         }
         // The purge takes the old channel's queue lock, which a reader holds while it takes an
         // event and holds its slot: after it, a request not among these is held already.
