@@ -404,24 +404,30 @@ impl EventChannel {
                 slot.ack();
                 continue;
             };
-            let mut also = None;
             if let Event::ConnectRequest { listener, .. } = &event {
-                // The request holds its listener too: the listener's blocking destroy is
-                // refused while it is held; a request whose listener is being destroyed
-                // dies unseen (rejected).
+                // The request is its listener's event, held as such: the listener's blocking
+                // destroy is refused while it is held; a request whose listener is being
+                // destroyed dies unseen (rejected). Not the child's: ucma counts it among the
+                // listener's events reported, so the child may be rejected and destroyed
+                // before the request is acked, as librdmacm allows.
                 if !listener.0.slot.hold_for_other() {
                     slot.ack();
                     drop(id.begin_destroy());
                     continue;
                 }
-                also = Some(listener.0.slot.clone());
+                let held = listener.0.slot.clone();
                 request_delivered(&id.0);
+                slot.ack();
+                return Some(ChannelEvent {
+                    id,
+                    event: Some(event),
+                    slot: held,
+                });
             }
             return Some(ChannelEvent {
                 id,
                 event: Some(event),
                 slot,
-                also,
             });
         }
     }
@@ -438,13 +444,14 @@ fn owner_of(slot: &Arc<Slot<Event>>) -> Option<CmId> {
         .map(CmId)
 }
 
-/// An event taken from a channel. Dropping it acks it.
+/// An event taken from a channel. Dropping it acks it. While it is held, a blocking
+/// destroy of the id it belongs to is refused (`EventsOutstanding`): a connect request
+/// belongs to its listener, not to the child it names (which may be destroyed meanwhile).
 pub struct ChannelEvent {
     id: CmId,
     event: Option<Event>,
+    /// The slot the event is held on: the id's own, or a connect request's listener's.
     slot: Arc<Slot<Event>>,
-    /// A connect request's listener, held too.
-    also: Option<Arc<Slot<Event>>>,
 }
 
 impl ChannelEvent {
@@ -467,9 +474,6 @@ impl ChannelEvent {
 impl Drop for ChannelEvent {
     fn drop(&mut self) {
         self.slot.ack();
-        if let Some(l) = &self.also {
-            l.ack();
-        }
     }
 }
 

@@ -1158,6 +1158,37 @@ fn a_migrated_listener_takes_its_untaken_connect_requests_along() {
     f.shutdown();
 }
 
+/// A connect request held (taken, not yet dropped) holds its listener, not the child it
+/// names: the child may be rejected and destroyed before the request is acked, as
+/// librdmacm allows (ucma counts the request among the listener's events reported, so
+/// rdma_destroy_id on the child does not wait for it). Before, the child's blocking destroy
+/// was refused (`EventsOutstanding`), and code that ignored that leaked it.
+#[test]
+fn a_held_connect_request_holds_its_listener_not_its_child() {
+    let f = fabric(25058);
+    let (srv, cli) = (EventChannel::new(), EventChannel::new());
+    let listener = f.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, 7000)).unwrap();
+    listener.listen(0).unwrap();
+    let client = f.create_id_on(PortSpace::Tcp, &cli);
+    client.resolve_addr(None, addr(1, 7000)).unwrap();
+    expect_ev(&cli, &client, "ADDR_RESOLVED");
+    client.resolve_route().unwrap();
+    expect_ev(&cli, &client, "ROUTE_RESOLVED");
+    client.connect(&ConnectOptions::default()).unwrap();
+    let req = srv.get_event(Some(T)).unwrap();
+    assert!(matches!(req.event(), Event::ConnectRequest { .. }));
+    let child = req.id().clone();
+    child.reject(b"no").unwrap();
+    assert_eq!(child.destroy(), Ok(DestroyOutcome::Done));
+    assert_eq!(listener.destroy(), Err(Error::EventsOutstanding(1)));
+    drop(req);
+    expect_ev(&cli, &client, "REJECTED");
+    assert_eq!(listener.destroy(), Ok(DestroyOutcome::Done));
+    client.destroy().unwrap();
+    f.shutdown();
+}
+
 fn spin(units: u32) {
     for _ in 0..units {
         std::hint::spin_loop();
