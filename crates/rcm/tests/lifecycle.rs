@@ -42,12 +42,8 @@ fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
     let listener = server.create_id_on(PortSpace::Tcp, &srv);
     listener.bind(addr(1, port)).unwrap();
     listener.listen(0).unwrap();
-    let client = client_f.create_id_on(PortSpace::Tcp, &cli);
-    client.resolve_addr(None, addr(1, port)).unwrap();
-    expect_ev(&cli, &client, "ADDR_RESOLVED");
-    client.resolve_route().unwrap();
-    expect_ev(&cli, &client, "ROUTE_RESOLVED");
-    client.connect(&ConnectOptions::default()).unwrap();
+    let (client, r) = dialed(client_f, &cli, None, addr(1, port));
+    r.unwrap();
     let (child, ev) = next(&srv);
     assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
     child.accept(&AcceptOptions::default()).unwrap();
@@ -62,6 +58,22 @@ fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
         client,
         child,
     }
+}
+
+/// A client of `f` on `ch`, resolved to `dst` (from `src`, when given), and its `connect`.
+fn dialed(
+    f: &Fabric,
+    ch: &EventChannel,
+    src: Option<IpAddr>,
+    dst: SocketAddr,
+) -> (CmId, rcm::Result<()>) {
+    let c = f.create_id_on(PortSpace::Tcp, ch);
+    c.resolve_addr(src, dst).unwrap();
+    expect_ev(ch, &c, "ADDR_RESOLVED");
+    c.resolve_route().unwrap();
+    expect_ev(ch, &c, "ROUTE_RESOLVED");
+    let r = c.connect(&ConnectOptions::default());
+    (c, r)
 }
 
 // ----- 1. Serial, ordered callbacks; independent ids ----------------------------------------
@@ -653,12 +665,8 @@ fn removed_devices_listener_takes_no_new_connect_requests() {
     let removal = f.remove_device(ip(1)).unwrap();
     // The listener has not consumed its DeviceRemoval yet (so it is not destroyed).
     let cli = EventChannel::new();
-    let client = f.create_id_on(PortSpace::Tcp, &cli);
-    client.resolve_addr(None, addr(1, 7000)).unwrap();
-    expect_ev(&cli, &client, "ADDR_RESOLVED");
-    client.resolve_route().unwrap();
-    expect_ev(&cli, &client, "ROUTE_RESOLVED");
-    client.connect(&ConnectOptions::default()).unwrap();
+    let (client, r) = dialed(&f, &cli, None, addr(1, 7000));
+    r.unwrap();
     let (who, outcome) = next(&cli);
     assert_eq!(who, client);
     assert!(
@@ -759,13 +767,9 @@ fn a_device_added_again_does_not_replay_another_devices_comm_ids() {
     let mut ids = vec![];
     // The first connect of each device: the same comm ID and GUID before.
     for src in [3, 2] {
-        let client = f.create_id_on(PortSpace::Tcp, &cli);
-        client.resolve_addr(Some(ip(src)), addr(1, 7000)).unwrap();
-        expect_ev(&cli, &client, "ADDR_RESOLVED");
+        let (client, r) = dialed(&f, &cli, Some(ip(src)), addr(1, 7000));
+        r.unwrap();
         assert_eq!(client.device_addr(), Some(ip(src)));
-        client.resolve_route().unwrap();
-        expect_ev(&cli, &client, "ROUTE_RESOLVED");
-        client.connect(&ConnectOptions::default()).unwrap();
         let (child, ev) = next(&srv);
         assert!(
             matches!(ev, Event::ConnectRequest { .. }),
@@ -846,12 +850,7 @@ fn a_connect_whose_device_is_removed_meanwhile_says_device_removed() {
         listener.bind(addr(1, 7000)).unwrap();
         listener.listen(0).unwrap();
         let ch = EventChannel::new();
-        let client = f.create_id_on(PortSpace::Tcp, &ch);
-        client.resolve_addr(None, addr(1, 7000)).unwrap();
-        expect_ev(&ch, &client, "ADDR_RESOLVED");
-        client.resolve_route().unwrap();
-        expect_ev(&ch, &client, "ROUTE_RESOLVED");
-        let r = client.connect(&ConnectOptions::default());
+        let (client, r) = dialed(&f, &ch, None, addr(1, 7000));
         if removal.lock().unwrap().is_some() {
             inside += 1;
             assert!(matches!(r, Err(Error::DeviceRemoved)), "{r:?}");
@@ -1120,12 +1119,8 @@ fn a_migrated_listener_takes_its_untaken_connect_requests_along() {
     listener.bind(addr(1, 7000)).unwrap();
     listener.listen(0).unwrap();
     let dial = || {
-        let c = f.create_id_on(PortSpace::Tcp, &cli);
-        c.resolve_addr(None, addr(1, 7000)).unwrap();
-        expect_ev(&cli, &c, "ADDR_RESOLVED");
-        c.resolve_route().unwrap();
-        expect_ev(&cli, &c, "ROUTE_RESOLVED");
-        c.connect(&ConnectOptions::default()).unwrap();
+        let (c, r) = dialed(&f, &cli, None, addr(1, 7000));
+        r.unwrap();
         c
     };
     let mut clients = vec![dial(), dial(), dial()];
@@ -1170,12 +1165,8 @@ fn a_held_connect_request_holds_its_listener_not_its_child() {
     let listener = f.create_id_on(PortSpace::Tcp, &srv);
     listener.bind(addr(1, 7000)).unwrap();
     listener.listen(0).unwrap();
-    let client = f.create_id_on(PortSpace::Tcp, &cli);
-    client.resolve_addr(None, addr(1, 7000)).unwrap();
-    expect_ev(&cli, &client, "ADDR_RESOLVED");
-    client.resolve_route().unwrap();
-    expect_ev(&cli, &client, "ROUTE_RESOLVED");
-    client.connect(&ConnectOptions::default()).unwrap();
+    let (client, r) = dialed(&f, &cli, None, addr(1, 7000));
+    r.unwrap();
     let req = srv.get_event(Some(T)).unwrap();
     assert!(matches!(req.event(), Event::ConnectRequest { .. }));
     let child = req.id().clone();
