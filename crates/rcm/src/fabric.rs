@@ -32,9 +32,9 @@ pub struct FabricConfig {
     /// `rcm_proto::ib::EndpointConfig::max_half_open`). On an iWARP device: accepted TCP
     /// streams whose MPA Request has not come yet, at most 1,024 (each holds a file
     /// descriptor); past it the oldest silent stream is reset (after a last read, in case
-    /// its Request has come) to make room for the new one. The process's own limit on open
-    /// files (`RLIMIT_NOFILE`, often 1,024) is not taken into account: raise it, as the
-    /// `rcm` tools do, or lower this.
+    /// its Request has come) to make room for the new one; so it is when the process runs
+    /// out of descriptors (its `RLIMIT_NOFILE`, often 1,024, may come first), so that
+    /// silent streams cannot keep clients out.
     pub max_half_open: usize,
     /// Verify the ICRC of every received RoCEv2 datagram (IPv4 devices): datagrams are read
     /// from a raw socket, which shows the IP header the ICRC covers, and a wrong ICRC is

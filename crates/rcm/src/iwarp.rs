@@ -151,6 +151,10 @@ pub(crate) const IW_MAX_HALF_OPEN: usize = 1024;
 /// engine lock every call of the device takes, to itself.
 const READ_TURN: usize = 256 << 10;
 
+/// Silent streams a listener that ran out of descriptors resets at most per readiness
+/// event to take the connections waiting (the rest at its next retry, `ACCEPT_RETRY`).
+const EVICT_WHEN_STALLED: usize = 64;
+
 /// How long a listener whose accept failed for want of a resource waits before it tries
 /// again (the connections wait in the kernel's accept queue meanwhile).
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
@@ -709,7 +713,25 @@ impl DeviceInner {
         let key = token.0;
         if let Some(l) = e.listeners.get(&key) {
             let port = l.port;
-            let (accepted, stalled) = drain_accepts(|| l.sock.accept());
+            let (mut accepted, mut stalled) = drain_accepts(|| l.sock.accept());
+            // Out of descriptors (or memory) with silent streams open: the oldest of them
+            // gives its descriptor up, as past the half-open bound, and the queue is tried
+            // again. Otherwise streams that say nothing would keep every new client out
+            // until their MPA timeout, below any half-open bound the process's open-file
+            // limit does not reach (and the process's own files and sockets with them).
+            let mut evicted = 0;
+            while stalled && evicted < EVICT_WHEN_STALLED {
+                let Some(k) = e.oldest_half_open() else { break };
+                DeviceInner::iw_ready(e, iw, Token(k), now);
+                e.evict_if_half_open(k, &iw.registry);
+                evicted += 1;
+                let Some(l) = e.listeners.get(&key) else {
+                    break;
+                };
+                let (more, still) = drain_accepts(|| l.sock.accept());
+                accepted.extend(more);
+                stalled = still;
+            }
             if stalled {
                 let (at, keys) = e.stalled.get_or_insert_with(|| (now, Vec::new()));
                 *at = now + ACCEPT_RETRY;

@@ -3,7 +3,8 @@
 //! connection arriving to raise a new readiness edge; and, accepting them in one pass, it
 //! reads a stream's waiting MPA Request before it would give that stream up as silent.
 //! In a test binary of their own: these tests run the process out of descriptors for a
-//! moment (one at a time). TCP ports 27095 and 27097 (listeners), UDP 27096 (unused).
+//! moment (one at a time). TCP ports 27095, 27097 and 27098 (listeners), UDP 27096
+//! (unused).
 #![cfg(not(loom))]
 
 mod common;
@@ -131,6 +132,69 @@ fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
         "the Request waiting in the first stream was never read (the stream was reset as silent)"
     );
     drop((speaks, silent));
+    l.destroy().expect("destroy");
+    f.shutdown();
+}
+
+/// Streams that say nothing cannot keep a client out by holding every descriptor the
+/// process may open: a listener out of descriptors resets its oldest silent streams, as past
+/// its half-open bound, and takes the connections waiting. Here 8 descriptors are left for
+/// 40 silent connections and then one that sends its MPA Request, with an MPA Request
+/// timeout of a minute: before, the listener held the first 8 silent streams and retried
+/// its accept every 50 ms for that minute, the speaking client never taken.
+#[test]
+fn silent_streams_give_their_descriptors_up_to_a_client_that_speaks() {
+    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    const PORT: u16 = 27098;
+    let _one = one_at_a_time();
+    let f = Fabric::new(common::config(27096));
+    f.add_iwarp_device_with(
+        ip(1),
+        CepConfig {
+            mpa_request_timeout: Duration::from_secs(60),
+            ..CepConfig::default()
+        },
+    )
+    .expect("iWARP device");
+    let (l, requests) = common::counting_listener(&f, SocketAddr::new(ip(1), PORT), 64);
+    let mut cep = Cep::active(CepConfig::default());
+    cep.connect(Instant::now(), &ConnectParams::default())
+        .expect("an MPA Request");
+    let request: Vec<u8> = std::iter::from_fn(|| cep.poll_transmit())
+        .flatten()
+        .collect();
+    let silent: Vec<_> = (0..40).map(|_| tcp_socket()).collect();
+    let speaks = tcp_socket();
+    let to = SocketAddr::new(ip(1), PORT).into();
+    let before = getrlimit(Resource::Nofile);
+    let open_now = std::fs::read_dir("/proc/self/fd").expect("/proc").count() as u64;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open_now + 8),
+            maximum: before.maximum,
+        },
+    )
+    .expect("lower the open-file limit");
+    for s in &silent {
+        s.connect(&to)
+            .expect("TCP connect (the kernel completes it)");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    speaks.connect(&to).expect("TCP connect");
+    (&speaks).write_all(&request).expect("the MPA Request");
+    let t0 = Instant::now();
+    while requests.load(Ordering::SeqCst) == 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    setrlimit(Resource::Nofile, before).expect("restore the open-file limit");
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        1,
+        "the speaking client was never taken: silent streams held the descriptors"
+    );
+    drop((silent, speaks));
     l.destroy().expect("destroy");
     f.shutdown();
 }
