@@ -234,14 +234,8 @@ fn bench_usage_errors_are_clear() {
             vec!["ping", "--ps", "udp", "-C", "100", "-S", "7"],
             "at least 8",
         ),
-    ] {
-        let (code, out, err) = rcm(&args);
-        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
-        assert!(err.contains(what), "{args:?}: {err}");
-    }
-    // Port 0 is no port to serve or reach (a server's would be an ephemeral one it does not
-    // print, and its client would connect to port 0).
-    for (args, what) in [
+        // Port 0 is no port to serve or reach (a server's would be an ephemeral one it does
+        // not print, and its client would connect to port 0).
         (vec!["ping", "--port", "0"], "--port"),
         (vec!["ping", "--listen", "-p", "0"], "--port"),
         (vec!["bench", "-p", "0"], "--port"),

@@ -10,3 +10,13 @@
 pub mod ib;
 pub mod iw;
 pub mod sim;
+
+use std::time::{Duration, Instant};
+
+/// `now + d`, capped some thirty years on: a duration of `Duration::MAX` (what a caller or a
+/// configuration writes for "for ever", "no deadline", "no cap") would overflow an `Instant`
+/// and panic; no wait outlives the cap.
+pub fn later(now: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(1 << 30);
+    now.checked_add(d.min(FAR)).unwrap_or(now)
+}

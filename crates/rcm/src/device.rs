@@ -1800,20 +1800,27 @@ mod tests {
         assert_eq!(take(), [7]);
     }
 
-    /// A quiet batch's receive cannot see `UDP_GRO`'s control message: a segmented run of
-    /// GSI datagrams still comes as its datagrams, cut by their size, in order.
-    #[test]
-    fn a_quiet_batch_cuts_a_run_of_gsi_datagrams() {
+    /// A receiver with `UDP_GRO` on, and the run of four GSI datagrams sent to it in one
+    /// segmented send from 127.0.0.`sender`.
+    fn gsi_run_sent_coalesced(sender: u8) -> (UdpSocket, Vec<Vec<u8>>) {
         use rcm_wire::roce::{emit_gsi, IpForIcrc, GSI_UDP_PAYLOAD_LEN as GSI, MAD_LEN};
         let rx = UdpSocket::bind("127.0.0.1:0").expect("receiver");
         crate::sys::enable_gro(&rx).expect("UDP_GRO");
         let to = rx.local_addr().expect("addr");
-        let tx = UdpSocket::bind("127.0.0.7:0").expect("sender");
-        let ip = IpForIcrc::v4([127, 0, 0, 7].into(), [127, 0, 0, 1].into());
+        let tx = UdpSocket::bind((std::net::Ipv4Addr::new(127, 0, 0, sender), 0)).expect("sender");
+        let ip = IpForIcrc::v4([127, 0, 0, sender].into(), [127, 0, 0, 1].into());
         let gsi: Vec<Vec<u8>> = (0..4u8)
             .map(|k| emit_gsi(&ip, 4791, k.into(), &[k; MAD_LEN]))
             .collect();
         crate::sys::send_segments(&tx, to, &gsi.concat(), GSI as u16).expect("segmented send");
+        (rx, gsi)
+    }
+
+    /// A quiet batch's receive cannot see `UDP_GRO`'s control message: a segmented run of
+    /// GSI datagrams still comes as its datagrams, cut by their size, in order.
+    #[test]
+    fn a_quiet_batch_cuts_a_run_of_gsi_datagrams() {
+        let (rx, gsi) = gsi_run_sent_coalesced(7);
         let mut b = RxBatch::new();
         b.fill(&rx);
         assert!(!b.many, "taken as a quiet batch");
@@ -1827,16 +1834,7 @@ mod tests {
     /// quiet one does, by the GSI datagram's size, instead of taking it for one bad datagram.
     #[test]
     fn a_busy_batch_cuts_a_run_coalesced_before_gro_was_turned_off() {
-        use rcm_wire::roce::{emit_gsi, IpForIcrc, GSI_UDP_PAYLOAD_LEN as GSI, MAD_LEN};
-        let rx = UdpSocket::bind("127.0.0.1:0").expect("receiver");
-        crate::sys::enable_gro(&rx).expect("UDP_GRO");
-        let to = rx.local_addr().expect("addr");
-        let tx = UdpSocket::bind("127.0.0.8:0").expect("sender");
-        let ip = IpForIcrc::v4([127, 0, 0, 8].into(), [127, 0, 0, 1].into());
-        let gsi: Vec<Vec<u8>> = (0..4u8)
-            .map(|k| emit_gsi(&ip, 4791, k.into(), &[k; MAD_LEN]))
-            .collect();
-        crate::sys::send_segments(&tx, to, &gsi.concat(), GSI as u16).expect("segmented send");
+        let (rx, gsi) = gsi_run_sent_coalesced(8);
         crate::sys::disable_gro(&rx).expect("UDP_GRO off");
         let mut b = RxBatch::new();
         b.many = true;

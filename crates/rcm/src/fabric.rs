@@ -1127,7 +1127,7 @@ impl Removal {
     /// device. On timeout returns the keys of the ids still holding it (the device keeps
     /// running; wait again).
     pub fn wait(&self, timeout: Duration) -> Result<(), Vec<u64>> {
-        let end = sync::deadline(std::time::Instant::now(), timeout);
+        let end = rcm_proto::later(std::time::Instant::now(), timeout);
         // Late holders only ever join the end of the list: wait until it stops growing.
         let mut done = 0;
         loop {

@@ -1812,7 +1812,7 @@ impl DestroyHandle {
     /// for it, its context dropped).
     pub fn wait_for(&self, d: std::time::Duration) -> bool {
         crate::fabric::before_wait();
-        let until = sync::deadline(Instant::now(), d);
+        let until = rcm_proto::later(Instant::now(), d);
         if !self.0.wait_destroyed_for(d) {
             return false;
         }
@@ -2856,7 +2856,7 @@ impl CmId {
     /// siw without a posted receive). Returns `None` once the id is being destroyed.
     pub fn recv_message(&self, timeout: std::time::Duration) -> Option<Vec<u8>> {
         crate::fabric::before_wait();
-        let end = sync::deadline(std::time::Instant::now(), timeout);
+        let end = rcm_proto::later(std::time::Instant::now(), timeout);
         let mail = self.0.mail();
         let mut q = mail.inbox.lock();
         loop {
@@ -3292,7 +3292,7 @@ impl CmId {
             return None;
         }
         crate::fabric::before_wait();
-        let end = sync::deadline(std::time::Instant::now(), timeout);
+        let end = rcm_proto::later(std::time::Instant::now(), timeout);
         let mail = self.0.mail();
         let mut q = mail.ud_inbox.lock();
         loop {

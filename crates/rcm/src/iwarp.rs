@@ -958,7 +958,7 @@ fn io_loop(
             };
             std::thread::park_timeout(nap.min(wait.max(Duration::from_micros(1))));
             // The waiter is busy with this device: what follows its event is likely soon.
-            poll_until = sync::deadline(Instant::now(), spin);
+            poll_until = rcm_proto::later(Instant::now(), spin);
             continue;
         }
         nap = Duration::ZERO;
@@ -1010,7 +1010,7 @@ fn io_loop(
             std::thread::sleep(Duration::from_millis(1));
         }
         if woken || !keys.is_empty() {
-            poll_until = sync::deadline(Instant::now(), spin);
+            poll_until = rcm_proto::later(Instant::now(), spin);
         }
         let Some(d) = dev.upgrade() else { return };
         if slept {

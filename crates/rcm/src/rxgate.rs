@@ -115,9 +115,7 @@ impl RxGate {
     /// `poll_ended`.
     pub fn polled_for(&self, spin: Duration) {
         self.pollers.fetch_add(1, Ordering::AcqRel);
-        let until = self
-            .nanos(crate::sync::deadline(Instant::now(), spin))
-            .max(1);
+        let until = self.nanos(rcm_proto::later(Instant::now(), spin)).max(1);
         self.polled_until.fetch_max(until, Ordering::Release);
     }
 

@@ -693,7 +693,7 @@ impl<E: Send + 'static> Slot<E> {
     /// Like `wait_destroyed` with a bound; returns whether it was destroyed.
     #[cfg(not(loom))]
     pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
-        let end = sync::deadline(std::time::Instant::now(), d);
+        let end = rcm_proto::later(std::time::Instant::now(), d);
         let mut g = sync::lock(&self.inner);
         if runs_own_code(self) || runs_here(&g) {
             return g.phase == Phase::Destroyed;
@@ -1122,7 +1122,7 @@ impl Deadline {
         Some(
             *self
                 .at
-                .get_or_insert_with(|| sync::deadline(std::time::Instant::now(), t)),
+                .get_or_insert_with(|| rcm_proto::later(std::time::Instant::now(), t)),
         )
     }
 }

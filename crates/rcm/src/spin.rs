@@ -277,7 +277,7 @@ pub fn spin_until(spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
     // One reading of the clock a look: the one after its yield (a look's own work is
     // short, and the poll's end a bound, not a promise).
     let mut now = Instant::now();
-    let end = crate::sync::deadline(now, spin);
+    let end = rcm_proto::later(now, spin);
     loop {
         if ready() {
             return true;

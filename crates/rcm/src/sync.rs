@@ -51,11 +51,3 @@ pub(crate) fn wait_timeout<'a, T>(
     c.wait_timeout(g, d)
         .map_or_else(|e| e.into_inner().0, |(g, _)| g)
 }
-
-/// `from + d`, capped some thirty years on: a timeout of `Duration::MAX` (what a caller
-/// writes for "for ever") would overflow an `Instant` and panic; no wait outlives the cap.
-#[cfg_attr(loom, allow(dead_code))] // Its callers are not in the loom build.
-pub(crate) fn deadline(from: std::time::Instant, d: std::time::Duration) -> std::time::Instant {
-    const FAR: std::time::Duration = std::time::Duration::from_secs(1 << 30);
-    from.checked_add(d.min(FAR)).unwrap_or(from)
-}

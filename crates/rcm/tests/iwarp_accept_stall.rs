@@ -66,6 +66,17 @@ fn tcp_socket() -> socket2::Socket {
     socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket")
 }
 
+/// A client's MPA Request, as a sans-IO initiator makes it.
+fn mpa_request() -> Vec<u8> {
+    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
+    let mut cep = Cep::active(CepConfig::default());
+    cep.connect(Instant::now(), &ConnectParams::default())
+        .expect("an MPA Request");
+    std::iter::from_fn(|| cep.poll_transmit())
+        .flatten()
+        .collect()
+}
+
 #[test]
 fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
     const PORT: u16 = 27095;
@@ -99,7 +110,6 @@ fn a_listener_out_of_descriptors_accepts_its_queue_once_they_are_back() {
 /// it would be reset as silent: it reaches the listener as a connect request.
 #[test]
 fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
-    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
     const PORT: u16 = 27097;
     let _one = one_at_a_time();
     let f = Fabric::new(FabricConfig {
@@ -108,13 +118,7 @@ fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
     });
     f.add_iwarp_device(ip(1)).expect("iWARP device");
     let (l, requests) = common::counting_listener(&f, SocketAddr::new(ip(1), PORT), 8);
-    // The first client's MPA Request, as a sans-IO initiator makes it.
-    let mut cep = Cep::active(CepConfig::default());
-    cep.connect(Instant::now(), &ConnectParams::default())
-        .expect("an MPA Request");
-    let request: Vec<u8> = std::iter::from_fn(|| cep.poll_transmit())
-        .flatten()
-        .collect();
+    let request = mpa_request();
     let (speaks, silent) = (tcp_socket(), tcp_socket());
     let to = SocketAddr::new(ip(1), PORT).into();
     without_descriptors(|| {
@@ -144,7 +148,7 @@ fn a_waiting_request_is_read_before_its_stream_is_given_up_as_silent() {
 /// its accept every 50 ms for that minute, the speaking client never taken.
 #[test]
 fn silent_streams_give_their_descriptors_up_to_a_client_that_speaks() {
-    use rcm_proto::iw::{Cep, CepConfig, ConnectParams};
+    use rcm_proto::iw::CepConfig;
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     const PORT: u16 = 27098;
     let _one = one_at_a_time();
@@ -158,12 +162,7 @@ fn silent_streams_give_their_descriptors_up_to_a_client_that_speaks() {
     )
     .expect("iWARP device");
     let (l, requests) = common::counting_listener(&f, SocketAddr::new(ip(1), PORT), 64);
-    let mut cep = Cep::active(CepConfig::default());
-    cep.connect(Instant::now(), &ConnectParams::default())
-        .expect("an MPA Request");
-    let request: Vec<u8> = std::iter::from_fn(|| cep.poll_transmit())
-        .flatten()
-        .collect();
+    let request = mpa_request();
     let silent: Vec<_> = (0..40).map(|_| tcp_socket()).collect();
     let speaks = tcp_socket();
     let to = SocketAddr::new(ip(1), PORT).into();

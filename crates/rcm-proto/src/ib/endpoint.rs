@@ -10,6 +10,7 @@ use super::types::{
     ibta_time_ms, AcceptParams, CepHandle, CmError, CmEvent, ConnectParams, EndpointConfig,
     RepInfo, ReqInfo, RetryPolicy, SidrParams, SidrReplyParams, TimedOut, Transmit,
 };
+use crate::later;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rcm_wire::cm::{
@@ -150,13 +151,6 @@ const SPARE_OUT: usize = 64;
 /// The backlog a listener gets when the caller passes 0 (Linux's iWARP default, ucma's cap
 /// is 1024).
 pub const DEFAULT_BACKLOG: usize = 256;
-
-/// `now + d`, capped some thirty years on: a configured duration of `Duration::MAX` (a
-/// natural way to write "no deadline" or "no cap") would overflow an `Instant` and panic.
-fn later(now: Instant, d: Duration) -> Instant {
-    const FAR: Duration = Duration::from_secs(1 << 30);
-    now.checked_add(d.min(FAR)).unwrap_or(now)
-}
 
 impl Endpoint {
     /// A new endpoint.
