@@ -1348,6 +1348,10 @@ enum QpKnown {
     #[default]
     Unknown,
     Known(QpAttr),
+    /// A `connect` or `accept` was called: ask the daemon until an event brings attributes
+    /// for a later state than INIT (an earlier event's INIT attributes, still being read,
+    /// describe the id before the call).
+    Outdated,
     /// The connection may have moved on: ask the daemon from now on.
     Stale,
 }
@@ -1366,6 +1370,7 @@ impl IdCache {
         let mut k = lock(&self.qp);
         *k = match (qp, &*k) {
             (_, QpKnown::Stale) | (None, _) => QpKnown::Stale,
+            (Some(a), QpKnown::Outdated) if a.qp_state == Some(QpState::Init) => QpKnown::Outdated,
             (Some(a), _) => QpKnown::Known(a),
         };
     }
@@ -1373,6 +1378,16 @@ impl IdCache {
     /// A call that may change what `init_qp_attr` answers.
     fn forget(&self) {
         *lock(&self.qp) = QpKnown::Stale;
+    }
+
+    /// A call that changes what `init_qp_attr` answers until the id's next event brings
+    /// new attributes: `connect` and `accept` make the CM connection that INIT's access
+    /// flags come from (and `accept` may change the responder resources they depend on).
+    fn outdate(&self) {
+        let mut k = lock(&self.qp);
+        if !matches!(*k, QpKnown::Stale) {
+            *k = QpKnown::Outdated;
+        }
     }
 
     /// Whether the id's ESTABLISHED was delivered.
@@ -1411,6 +1426,7 @@ impl RemoteId for Handle {
             // and leave what is known valid (INIT needs only the addresses; a child's RTS
             // attributes come with its ESTABLISHED, after accept).
             Op::Disconnect | Op::Reject(_) | Op::DestroyQp => self.known.forget(),
+            Op::Connect(_) | Op::Accept(_) => self.known.outdate(),
             _ => {}
         }
         let c = self.client.upgrade().ok_or(Error::DeviceRemoved)?;

@@ -9,8 +9,8 @@
 
 use rcm::remote::{IdInfo, Limit, Op, Reply};
 use rcm::{
-    AcceptOptions, ConnParam, ConnectOptions, Error, Event, PortSpace, QpAttr, QpState, State,
-    UdParam, Unreachable,
+    AcceptOptions, AccessFlags, ConnParam, ConnectOptions, Error, Event, PortSpace, QpAttr,
+    QpAttrMask, QpState, State, UdParam, Unreachable,
 };
 use rcm_wire::cm::{RejReason, SidrStatus};
 use rcm_wire::Gid;
@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// `"RCMU"`: the first field of `Hello`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"RCMU");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 /// The first handle of the range a client may choose its ids' handles from
 /// ([`Command::CreateIdAs`]); the daemon gives out handles below it.
 pub const CLIENT_HANDLES: u32 = 0x8000_0000;
@@ -462,6 +462,8 @@ impl W {
     }
     fn qp_attr(&mut self, a: &QpAttr) {
         self.u8(a.qp_state.map_or(0, qp_state_code));
+        self.u32(a.attr_mask.bits());
+        self.u32(a.qp_access_flags.bits());
         self.u16(a.pkey_index);
         self.u8(a.port_num);
         self.u32(a.qkey);
@@ -1118,6 +1120,8 @@ impl<'a> R<'a> {
         };
         Ok(QpAttr {
             qp_state,
+            attr_mask: QpAttrMask::from_bits(self.u32()?),
+            qp_access_flags: AccessFlags::from_bits(self.u32()?),
             pkey_index: self.u16()?,
             port_num: self.u8()?,
             qkey: self.u32()?,

@@ -2,8 +2,8 @@
 //! the daemon.
 
 use rcm::{
-    AcceptOptions, ConnectOptions, DestroyOutcome, Event, EventChannel, Fabric, FabricConfig, Flow,
-    PortSpace, State,
+    AcceptOptions, AccessFlags, ConnectOptions, DestroyOutcome, Event, EventChannel, Fabric,
+    FabricConfig, Flow, PortSpace, QpAttrMask, State,
 };
 use rcm_proto::ib::RetryPolicy;
 use rcm_ucm::{Daemon, DaemonConfig};
@@ -304,6 +304,17 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     let before = commands(&session);
     let init = c.init_qp_attr(Init).expect("INIT attributes");
     assert_eq!((init.qp_state, init.port_num), (Some(Init), 1));
+    // No CM connection yet: INIT's access flags are none (rdma_cm's "default values").
+    assert_eq!(
+        (init.attr_mask, init.qp_access_flags),
+        (
+            QpAttrMask::STATE
+                | QpAttrMask::ACCESS_FLAGS
+                | QpAttrMask::PKEY_INDEX
+                | QpAttrMask::PORT,
+            AccessFlags::empty()
+        )
+    );
     assert_eq!(commands(&session), before + 1, "INIT asked the daemon");
     // RTR is not valid yet: the daemon says so.
     assert!(matches!(
@@ -319,6 +330,19 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     c.resolve_route().expect("resolve_route");
     assert!(matches!(next(&cch).event(), Event::RouteResolved));
     c.connect(&ConnectOptions::default()).expect("connect");
+    // The connect made the CM connection INIT's access flags come from: the attributes
+    // the route's event brought are out of date, and the daemon answers.
+    let before = commands(&session);
+    let rc_flags =
+        AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+    let init_connected = c.init_qp_attr(Init).expect("INIT after connect");
+    assert_eq!(init_connected.qp_access_flags, rc_flags);
+    assert_eq!(init_connected.attr_mask, init.attr_mask);
+    assert_eq!(
+        commands(&session),
+        before + 2,
+        "INIT after connect asked the daemon"
+    );
     let child = next(&sch).id().clone();
     // A connect request brings the child's INIT attributes only: its own PSN is chosen at
     // accept, so RTR/RTS before that are the daemon's to answer.
@@ -343,8 +367,31 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     let before = commands(&session);
     let rtr = c.init_qp_attr(Rtr).expect("RTR attributes");
     let rts = c.init_qp_attr(Rts).expect("RTS attributes");
-    assert_eq!(c.init_qp_attr(Init).expect("INIT"), init);
-    assert_eq!(commands(&session), before + 1, "RTR/RTS asked the daemon");
+    assert_eq!(c.init_qp_attr(Init).expect("INIT"), init_connected);
+    assert_eq!(
+        commands(&session),
+        before + 1,
+        "RTR/RTS/INIT asked the daemon"
+    );
+    assert_eq!(
+        rtr.attr_mask,
+        QpAttrMask::STATE
+            | QpAttrMask::AV
+            | QpAttrMask::PATH_MTU
+            | QpAttrMask::DEST_QPN
+            | QpAttrMask::RQ_PSN
+            | QpAttrMask::MAX_DEST_RD_ATOMIC
+            | QpAttrMask::MIN_RNR_TIMER
+    );
+    assert_eq!(
+        rts.attr_mask,
+        QpAttrMask::STATE
+            | QpAttrMask::SQ_PSN
+            | QpAttrMask::TIMEOUT
+            | QpAttrMask::RETRY_CNT
+            | QpAttrMask::RNR_RETRY
+            | QpAttrMask::MAX_QP_RD_ATOMIC
+    );
     c.establish().expect("establish");
     assert!(matches!(next(&sch).event(), Event::Established { .. }));
     assert!(matches!(next(&cch).event(), Event::Established { .. }));

@@ -10,8 +10,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rcm::remote::{IdInfo, Limit, Op, Reply};
 use rcm::{
-    AcceptOptions, ConnParam, ConnectOptions, PortSpace, QpAttr, QpState, State, UdParam,
-    Unreachable,
+    AcceptOptions, AccessFlags, ConnParam, ConnectOptions, PortSpace, QpAttr, QpAttrMask, QpState,
+    State, UdParam, Unreachable,
 };
 use rcm_proto::ib::CmError;
 use rcm_ucm::proto::{
@@ -422,6 +422,8 @@ fn message(rng: &mut StdRng) -> Message {
 fn qp_attr(rng: &mut StdRng) -> QpAttr {
     QpAttr {
         qp_state: rng.gen::<bool>().then(|| qp_state(rng)),
+        attr_mask: QpAttrMask::from_bits(rng.gen()),
+        qp_access_flags: AccessFlags::from_bits(rng.gen()),
         pkey_index: rng.gen(),
         port_num: rng.gen(),
         qkey: rng.gen(),
@@ -1203,7 +1205,7 @@ fn binds_seal_flag_is_optional_exactly_one_and_last() {
 }
 
 /// The QP attributes after an event are optional and last: absent, the frame ends with the
-/// event; present, a 1 byte and the 65-byte attributes; anything else there is refused.
+/// event; present, a 1 byte and the 73-byte attributes; anything else there is refused.
 #[test]
 fn an_events_qp_attributes_are_optional_flagged_and_exact() {
     let attr = QpAttr {
@@ -1229,8 +1231,8 @@ fn an_events_qp_attributes_are_optional_flagged_and_exact() {
     let (_, nb) = split_frame(&without).expect("frame");
     assert_eq!(
         wb.len(),
-        nb.len() + 1 + 65,
-        "flag byte + 65 bytes of attributes"
+        nb.len() + 1 + 73,
+        "flag byte + 73 bytes of attributes"
     );
     assert!(matches!(
         decode_message(kind::EVENT, nb),

@@ -8,6 +8,8 @@ use crate::device::{DeviceInner, ServiceListen};
 use crate::event::{ConnParam, Event, UdMessage, UdParam, Unreachable};
 use crate::fabric::{Fabric, FabricInner};
 use crate::iwarp::{ConnKey, IwEvent};
+use crate::qp_attr::AccessFlags;
+pub use crate::qp_attr::{QpAttr, QpState};
 use crate::remote::{IdInfo, Op, RemoteId, Reply, Sink};
 use crate::slot::{ChannelCore, DestroyOutcome, Flow, Slot, Target};
 use crate::sync;
@@ -114,100 +116,6 @@ impl Default for AcceptOptions {
             rnr_retry_count: 7,
             qpn: None,
         }
-    }
-}
-
-/// QP states, for `init_qp_attr`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QpState {
-    /// Initialised.
-    Init,
-    /// Ready to receive.
-    Rtr,
-    /// Ready to send.
-    Rts,
-}
-
-/// The attributes to move a QP to a state with (what `rdma_init_qp_attr` fills in).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct QpAttr {
-    /// Target state.
-    pub qp_state: Option<QpState>,
-    /// P_Key index (always 0: the default partition on RoCE).
-    pub pkey_index: u16,
-    /// Port number (1).
-    pub port_num: u8,
-    /// Q_Key (UD only).
-    pub qkey: u32,
-    /// Path MTU enum (RTR).
-    pub path_mtu: u8,
-    /// Remote QPN (RTR).
-    pub dest_qp_num: u32,
-    /// Receive PSN: the peer's starting PSN (RTR).
-    pub rq_psn: u32,
-    /// Max incoming RDMA reads (RTR).
-    pub max_dest_rd_atomic: u8,
-    /// Minimum RNR NAK timer (RTR).
-    pub min_rnr_timer: u8,
-    /// Source GID.
-    pub sgid: Gid,
-    /// Destination GID (RTR).
-    pub dgid: Gid,
-    /// Flow label (RTR).
-    pub flow_label: u32,
-    /// Hop limit (RTR).
-    pub hop_limit: u8,
-    /// Traffic class (RTR).
-    pub traffic_class: u8,
-    /// Send PSN: ours (RTS).
-    pub sq_psn: u32,
-    /// Local ACK timeout (RTS).
-    pub timeout: u8,
-    /// Retry count (RTS).
-    pub retry_cnt: u8,
-    /// RNR retry (RTS).
-    pub rnr_retry: u8,
-    /// Max outstanding RDMA reads (RTS).
-    pub max_rd_atomic: u8,
-}
-
-impl QpAttr {
-    /// The attributes for `state` taken from the attributes for a later state: what
-    /// [`CmId::init_qp_attr`] returns for `state` on the id these (RTS) attributes came from,
-    /// as long as the connection has not moved on (`init_qp_attr` itself builds the RTS
-    /// attributes and cuts them down with this). A provider's client answers `init_qp_attr`
-    /// with it from attributes the daemon sent along with an event, without a round trip.
-    /// `None` when `state` is later than these attributes'.
-    pub fn for_state(&self, state: QpState) -> Option<QpAttr> {
-        let rank = |s: QpState| match s {
-            QpState::Init => 0,
-            QpState::Rtr => 1,
-            QpState::Rts => 2,
-        };
-        if rank(state) > rank(self.qp_state?) {
-            return None;
-        }
-        if state == QpState::Init {
-            // INIT carries the port, partition and (UD) Q_Key only.
-            return Some(QpAttr {
-                qp_state: Some(state),
-                pkey_index: self.pkey_index,
-                port_num: self.port_num,
-                qkey: self.qkey,
-                ..QpAttr::default()
-            });
-        }
-        let mut a = self.clone();
-        a.qp_state = Some(state);
-        if state == QpState::Rtr {
-            // The send side's fields belong to RTS.
-            a.sq_psn = 0;
-            a.timeout = 0;
-            a.retry_cnt = 0;
-            a.rnr_retry = 0;
-            a.max_rd_atomic = 0;
-        }
-        Some(a)
     }
 }
 
@@ -1324,6 +1232,9 @@ impl CmId {
             g.conn.retry_count = opts.retry_count.min(7);
             g.conn.rnr_retry_count = opts.rnr_retry_count.min(7);
             g.conn.ack_timeout = ib::cm_ack_timeout(15, g.path.packet_life_time);
+            // ib_send_cm_req keeps them until the REP: INIT's access flags follow them.
+            g.conn.responder_resources = opts.responder_resources;
+            g.conn.initiator_depth = opts.initiator_depth;
             (dst, dev, qpn, psn, g.path, pd, g.qp.is_some())
         };
         if is_ud(self.0.ps) {
@@ -1643,9 +1554,9 @@ impl CmId {
     }
 
     /// The attributes to move the QP to `state` with (`rdma_init_qp_attr`), from what the
-    /// two sides negotiated. On iWARP only `qp_state` and `port_num` are set, for every
-    /// state: `iw_cm_init_qp_attr` gives only the access flags (remote read and write, which
-    /// [`QpAttr`] does not carry) and nothing for RTS; MPA carries no QPN, PSN or path.
+    /// two sides negotiated, with the mask of those to apply and the access flags as Linux
+    /// gives them (the table at [`QpAttr`]). On iWARP there is no QPN, PSN or path (MPA
+    /// carries none): INIT and RTR give the access flags, RTS only the port.
     pub fn init_qp_attr(&self, state: QpState) -> Result<QpAttr> {
         if let Some(r) = self.forward(|| Op::InitQpAttr(state)) {
             return match r? {
@@ -1657,6 +1568,13 @@ impl CmId {
         let (Some(src), Some(dst)) = (g.src, g.dst) else {
             return Err(Error::InvalidState(g.state));
         };
+        // Whether the CM holds a connection for the id (Linux: a cm_id exists, made by
+        // connect or by the peer's request); before that the access flags are "default
+        // values", none (cma.c cma_ib_init_qp_attr; rdma_init_qp_attr without iw cm_id).
+        let connected = matches!(
+            g.state,
+            State::Connect | State::Established | State::Disconnect
+        );
         // Built for RTS, the latest state, then cut down by `QpAttr::for_state`: which fields
         // each state takes is decided there, once, for in-process ids and daemon clients.
         let mut a = QpAttr {
@@ -1666,13 +1584,30 @@ impl CmId {
         };
         let cut = |a: QpAttr| a.for_state(state).unwrap_or(a);
         if is_ud(self.0.ps) {
+            a.attr_mask = QpAttr::UD;
             a.qkey = cma::RDMA_UDP_QKEY;
             return Ok(cut(a));
         }
         if g.device.as_ref().is_some_and(|d| d.is_iwarp()) {
-            // `iw_cm_init_qp_attr` gives only the access flags (remote read and write) for
-            // INIT and RTR and nothing for RTS: the MPA exchange carries no QPN, PSN or path.
+            // iwcm.c iwcm_init_qp_init_attr (INIT, RTR): remote write and read; for RTS
+            // nothing, rdma_init_qp_attr adds the port.
+            if connected {
+                a.attr_mask = QpAttr::IW_RTS;
+                a.qp_access_flags = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+            } else {
+                a.attr_mask = QpAttr::IW_INIT;
+            }
             return Ok(cut(a));
+        }
+        a.attr_mask = QpAttr::RC_RTS;
+        if connected {
+            // cm.c cm_init_qp_init_attr: remote write, and read and atomics when this side
+            // grants responder resources.
+            a.qp_access_flags = AccessFlags::REMOTE_WRITE;
+            if g.conn.responder_resources > 0 {
+                a.qp_access_flags =
+                    a.qp_access_flags | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+            }
         }
         if state == QpState::Init {
             return Ok(cut(a));

@@ -59,6 +59,8 @@ mod iwarp;
 #[cfg(not(loom))]
 mod ports;
 #[cfg(not(loom))]
+mod qp_attr;
+#[cfg(not(loom))]
 pub mod remote;
 #[cfg(not(loom))]
 mod rxgate;
@@ -92,6 +94,8 @@ pub use id::{
 pub use iwarp::IW_SEND_BUFFER;
 #[cfg(not(loom))]
 pub use ports::EPHEMERAL;
+#[cfg(not(loom))]
+pub use qp_attr::{AccessFlags, QpAttrMask};
 pub use rcm_wire::cma::PortSpace;
 /// Test support for the loom models (`--cfg loom` only; not part of the API).
 #[cfg(loom)]
