@@ -142,7 +142,9 @@ pub enum Event {
         ud: Option<UdParam>,
         /// UD: the SIDR_REP private data. iWARP active side: the MPA Reply's private data,
         /// exactly as sent (iWARP has no `ConnectResponse`: the Reply establishes, as the
-        /// iw_cm's CONNECT_REPLY becomes rdma_cm's ESTABLISHED). Otherwise empty.
+        /// iw_cm's CONNECT_REPLY becomes rdma_cm's ESTABLISHED). RoCE active side with a QP
+        /// attached: the REP's (its ESTABLISHED replaces `ConnectResponse`, as Linux's
+        /// does). Otherwise empty.
         private_data: Vec<u8>,
     },
     /// The connection is down (DREQ received or our DREQ answered or timed out; on iWARP

@@ -2248,7 +2248,8 @@ pub(crate) fn on_engine_event(
 ) {
     enum After {
         None,
-        Establish(CepHandle),
+        /// Send the RTU for a QP attached after the REQ left; the REP's private data.
+        Establish(CepHandle, Vec<u8>),
         Drep(CepHandle),
     }
     let mut after = After::None;
@@ -2294,8 +2295,18 @@ pub(crate) fn on_engine_event(
                         // (`ConnectParams::establish_on_rep`) and `Established` follows.
                         // One attached after the REQ left is moved along here, the RTU
                         // sent by us.
-                        if let (false, Some(c)) = (info.established, cep) {
-                            after = After::Establish(c);
+                        // Either way the ESTABLISHED carries the REP's private data
+                        // (cma.c sets the REP's event data on the ESTABLISHED that
+                        // `cma_rep_recv` turns the REP into); the engine's own
+                        // `Established` that follows then finds the id established.
+                        if info.established {
+                            g.state = State::Established;
+                            out = Some(Event::Established {
+                                ud: None,
+                                private_data: info.private_data,
+                            });
+                        } else if let Some(c) = cep {
+                            after = After::Establish(c, info.private_data);
                         }
                     } else {
                         out = Some(Event::ConnectResponse {
@@ -2406,11 +2417,23 @@ pub(crate) fn on_engine_event(
     }
     match after {
         After::None => {}
-        After::Establish(c) => {
-            if let Err(e) = dev.with_engine(|ep, _| ep.establish(c)) {
-                id.slot.push(Event::ConnectError(e.into()));
+        After::Establish(c, private_data) => match dev.with_engine(|ep, _| ep.establish(c)) {
+            Ok(()) => {
+                // The engine's `Established` is routed after this (events of an engine
+                // call made while routing wait their turn); should it have come first,
+                // it was the one, without the private data.
+                let mut g = sync::lock(&id.st);
+                if g.state == State::Connect {
+                    g.state = State::Established;
+                    drop(g);
+                    id.slot.push(Event::Established {
+                        ud: None,
+                        private_data,
+                    });
+                }
             }
-        }
+            Err(e) => id.slot.push(Event::ConnectError(e.into())),
+        },
         After::Drep(c) => {
             // rdma_cm answers a DREQ at once.
             dev.with_engine(|ep, now| {

@@ -299,7 +299,8 @@ fn channel_mode_connect_and_held_events() {
 /// With a QP attached the client sees ESTABLISHED, never CONNECT_RESPONSE, and the server
 /// gets the RTU: whether the QP was attached before `connect` (the engine answers the REP
 /// with the RTU itself) or only after it, while the REQ was out (the id's REP handling
-/// sends the RTU).
+/// sends the RTU). The client's ESTABLISHED carries the REP's private data, as Linux's
+/// (cma_ib_handler sets the REP's event data on it).
 #[test]
 fn an_attached_qp_is_established_on_the_rep_whenever_it_was_attached() {
     let f = fabric(24817);
@@ -327,12 +328,24 @@ fn an_attached_qp_is_established_on_the_rep_whenever_it_was_attached() {
                     }
                 }
                 Event::ConnectRequest { .. } => {
-                    id.accept(&AcceptOptions::default()).unwrap();
+                    id.accept(&AcceptOptions {
+                        private_data: b"from the REP".to_vec(),
+                        ..AcceptOptions::default()
+                    })
+                    .unwrap();
                     child = Some(id);
                 }
-                Event::Established { .. } if id == cli => client_up = true,
-                Event::Established { .. } => {
+                Event::Established { private_data, .. } if id == cli => {
+                    assert_eq!(
+                        private_data.get(..12),
+                        Some(&b"from the REP"[..]),
+                        "qp before connect {qp_before_connect}"
+                    );
+                    client_up = true;
+                }
+                Event::Established { private_data, .. } => {
                     assert_eq!(Some(&id), child.as_ref());
+                    assert!(private_data.is_empty(), "the RTU carries none here");
                     server_up = true;
                 }
                 other => panic!("qp before connect {qp_before_connect}: unexpected {other:?}"),
