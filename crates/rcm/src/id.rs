@@ -1322,7 +1322,7 @@ impl CmId {
             return r.map(drop);
         }
         let _op = sync::lock(&self.0.op);
-        let (dev, cep, qpn, psn) = {
+        let (dev, cep, qpn, psn, req_values) = {
             let mut g = self.usable()?;
             // Asked under the lock the rest is checked under: one look at the id, not two.
             if let Some((dev, key)) = iw_conn_of(&g)? {
@@ -1342,16 +1342,22 @@ impl CmId {
             // leave: its RTU may be handled, and the ESTABLISHED delivered, before the
             // engine call returns (at once for a peer on this device, `FabricConfig::loopback`).
             g.conn.local_qpn = qpn;
+            // The REQ's, back if the accept fails (ib_send_cm_rep keeps the accept's only
+            // once the REP is sent).
+            let req_values = (g.conn.responder_resources, g.conn.initiator_depth);
             g.conn.responder_resources = opts.responder_resources;
             g.conn.initiator_depth = opts.initiator_depth;
-            (dev, cep, qpn, g.conn.local_psn)
+            (dev, cep, qpn, g.conn.local_psn, req_values)
+        };
+        let unaccepted = |g: &mut IdState| {
+            Self::unclaim_qp(g);
+            g.conn.local_qpn = 0;
+            (g.conn.responder_resources, g.conn.initiator_depth) = req_values;
         };
         if is_ud(self.0.ps) {
             // Receive on the QPN before the SIDR_REP announces it: the peer may send at once.
             if let Err(e) = register_ud(&dev, qpn, &self.0) {
-                let mut g = sync::lock(&self.0.st);
-                g.conn.local_qpn = 0;
-                Self::unclaim_qp(&mut g);
+                unaccepted(&mut sync::lock(&self.0.st));
                 return Err(e);
             }
         }
@@ -1385,8 +1391,7 @@ impl CmId {
                 Ok(())
             }
             Err(e) => {
-                Self::unclaim_qp(&mut g);
-                g.conn.local_qpn = 0;
+                unaccepted(&mut g);
                 if is_ud(self.0.ps) {
                     drop(g);
                     unregister_ud(&dev, qpn, &self.0);
@@ -1571,10 +1576,13 @@ impl CmId {
         // Whether the CM holds a connection for the id (Linux: a cm_id exists, made by
         // connect or by the peer's request); before that the access flags are "default
         // values", none (cma.c cma_ib_init_qp_attr; rdma_init_qp_attr without iw cm_id).
-        let connected = matches!(
-            g.state,
-            State::Connect | State::Established | State::Disconnect
-        );
+        let connected = matches!(g.state, State::Connect | State::Established);
+        // Once it is going or gone (DREQ, REJ, timeout, close) the CM has no attributes
+        // for a connected QP in any state (cm.c cm_init_qp_init_attr, iwcm.c
+        // iwcm_init_qp_init_attr: EINVAL); UD's do not depend on a connection.
+        if g.state == State::Disconnect && !is_ud(self.0.ps) {
+            return Err(Error::InvalidState(g.state));
+        }
         // Built for RTS, the latest state, then cut down by `QpAttr::for_state`: which fields
         // each state takes is decided there, once, for in-process ids and daemon clients.
         let mut a = QpAttr {
@@ -1612,7 +1620,7 @@ impl CmId {
         if state == QpState::Init {
             return Ok(cut(a));
         }
-        if !matches!(g.state, State::Connect | State::Established) || g.conn.remote_qpn == 0 {
+        if !connected || g.conn.remote_qpn == 0 {
             return Err(Error::InvalidState(g.state));
         }
         a.path_mtu = g.path.mtu;

@@ -142,7 +142,9 @@ impl std::ops::BitOr for AccessFlags {
 /// The access flags: remote write, and remote read and atomics too when the connection
 /// has responder resources, on RoCE; remote write and read on iWARP; none for an id that
 /// has not connected yet (no CM connection: rdma_cm's "default values", which librdmacm
-/// updates by asking for INIT again at RTR).
+/// updates by asking for INIT again at RTR). Once the connection is going or gone (DREQ,
+/// REJ, timeout, close: the id's state `Disconnect`) a connected QP has no attributes in
+/// any state: `init_qp_attr` says `InvalidState`, as Linux says EINVAL.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QpAttr {
     /// Target state.

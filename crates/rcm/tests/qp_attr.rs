@@ -165,6 +165,15 @@ fn rc_attributes_come_with_linuxs_masks_and_access_flags() {
         assert_eq!(attr(id, Rtr).max_dest_rd_atomic, 0);
         assert_for_state_agrees(id);
     }
+    // Disconnecting: the CM has no attributes for the QP any more, INIT's neither.
+    s.client.disconnect().expect("disconnect");
+    for st in [Init, Rtr, Rts] {
+        assert_eq!(
+            s.client.init_qp_attr(st),
+            Err(Error::InvalidState(State::Disconnect)),
+            "{st:?}"
+        );
+    }
     for id in [s.client, s.child, l] {
         id.destroy().expect("destroy");
     }
