@@ -1681,7 +1681,9 @@ impl CmId {
     /// needs), and the context was dropped — `Done`. Called from inside a callback (this
     /// id's, or another's, whose in-flight callback it may not wait for) it returns
     /// `Deferred` at once: no further callback starts, and the teardown completes when the
-    /// running callback returns. With channel events of this id still held it fails with
+    /// running callback returns. The same from the drop of an id's context or handler (a
+    /// teardown), where waiting could wait for itself: two contexts that destroy each
+    /// other's id when dropped. With channel events of this id still held it fails with
     /// [`Error::EventsOutstanding`], changing nothing.
     pub fn destroy(&self) -> Result<DestroyOutcome> {
         let ctx = self.context_watch();
@@ -1741,8 +1743,8 @@ pub struct DestroyHandle(Arc<Slot<Event>>, Option<Weak<dyn Any + Send + Sync>>);
 impl DestroyHandle {
     /// Blocks until the id is destroyed and its context dropped (a `with_context` closure
     /// running elsewhere drops it when it returns; see [`CmId::with_context`] for where this
-    /// does not wait for that). Inside the id's own callback, or in the drop of its context
-    /// or handler, it returns at once: the destruction can only end after them.
+    /// does not wait for that). Inside the id's own callback, or in the drop of any id's
+    /// context or handler, it returns at once: the destruction may only end after them.
     pub fn wait(&self) {
         crate::fabric::before_wait();
         self.0.wait_destroyed();

@@ -32,7 +32,8 @@
 //! 3. A callback returning [`Flow::Destroy`] destroys its id after it returns; no further
 //!    callback, device removal included, is made for it.
 //! 4. `destroy` from inside a callback never deadlocks: it returns `Deferred`, no new
-//!    callback starts, and the teardown completes when the running callback returns.
+//!    callback starts, and the teardown completes when the running callback returns. The
+//!    same holds for a destroy from the drop of a context or handler (in a teardown).
 //! 5. `begin_destroy` returns at once with a [`DestroyHandle`] (blocking `wait` or `.await`).
 //! 6. Device removal gives each id on the device one `DeviceRemoval` event after the callback
 //!    in flight, never after `Flow::Destroy`; then only destroy is valid.

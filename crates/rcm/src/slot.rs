@@ -8,8 +8,9 @@
 //! 3. The owner's teardown and the target (handler or channel, with what it captured) are
 //!    dropped exactly once, after the last callback returned and the last held event was acked.
 //! 4. A blocking destroy returns only once 3 has happened, except when it would have to wait
-//!    for a callback from inside a callback (its own or another id's): then it returns
-//!    `Deferred` at once and the teardown happens when the running callback returns.
+//!    for a callback from inside a callback (its own or another id's), or for anything from
+//!    inside a teardown (what a teardown drops may destroy ids): then it returns `Deferred`
+//!    at once and the teardown happens when the running callback (or teardown) is done.
 
 use crate::sync::{self, Arc, Condvar, Mutex};
 use std::collections::VecDeque;
@@ -37,8 +38,9 @@ pub enum DestroyOutcome {
     /// The id is gone: no callback is running and none will ever run; its context was dropped.
     Done,
     /// No callback will *start* any more, but one is running (the caller's own, or the caller
-    /// is itself inside a callback and may not wait for another); the teardown completes when
-    /// that callback returns.
+    /// is itself inside a callback and may not wait for another), or the caller runs in a
+    /// teardown (the drop of a context or handler) and may not wait; the teardown completes
+    /// when that callback returns, or where it already runs.
     Deferred,
 }
 
@@ -251,6 +253,14 @@ pub(crate) fn borrows(hit: impl Fn(usize, usize) -> bool) -> usize {
     BORROWS
         .try_with(|b| b.borrow().iter().filter(|&&(s, c)| hit(s, c)).count())
         .unwrap_or(0)
+}
+
+/// Whether the calling thread runs a teardown (any slot's: what it drops, a context or a
+/// handler, may destroy other ids). Waiting there for another id's destruction could wait
+/// for a teardown further down this stack, or on another thread that waits for this one
+/// (two contexts that destroy each other's id when dropped).
+fn tearing_down() -> bool {
+    TEARING.with(|t| t.get() != 0)
 }
 
 /// Whether the calling thread is inside `s`'s own callback, teardown or context borrow,
@@ -559,7 +569,8 @@ impl<E: Send + 'static> Slot<E> {
         match g.phase {
             Phase::Destroyed => return Ok(DestroyOutcome::Done),
             Phase::Destroying => {
-                if !block || in_callback() || runs_own_code(self) || runs_here(&g) {
+                if !block || in_callback() || tearing_down() || runs_own_code(self) || runs_here(&g)
+                {
                     return Ok(DestroyOutcome::Deferred);
                 }
                 // Waiting for held events the caller may hold itself would hang (as in `Live`).
@@ -608,7 +619,7 @@ impl<E: Send + 'static> Slot<E> {
             self.run_teardown();
             return Ok(DestroyOutcome::Done);
         }
-        if own || here || !block || in_callback() || runs_own_code(self) {
+        if own || here || !block || in_callback() || tearing_down() || runs_own_code(self) {
             return Ok(DestroyOutcome::Deferred);
         }
         // About to wait (only now: a destroy that waits for nothing leaves this thread's
@@ -678,7 +689,7 @@ impl<E: Send + 'static> Slot<E> {
     /// Blocks until the slot is destroyed; returns at once inside its own callback or
     /// teardown (the destruction ends after them).
     pub(crate) fn wait_destroyed(&self) {
-        if runs_own_code(self) {
+        if runs_own_code(self) || tearing_down() {
             return;
         }
         let mut g = sync::lock(&self.inner);
@@ -695,7 +706,7 @@ impl<E: Send + 'static> Slot<E> {
     pub(crate) fn wait_destroyed_for(&self, d: std::time::Duration) -> bool {
         let end = rcm_proto::later(std::time::Instant::now(), d);
         let mut g = sync::lock(&self.inner);
-        if runs_own_code(self) || runs_here(&g) {
+        if runs_own_code(self) || tearing_down() || runs_here(&g) {
             return g.phase == Phase::Destroyed;
         }
         while g.phase != Phase::Destroyed {

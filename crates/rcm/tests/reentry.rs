@@ -103,6 +103,72 @@ fn begin_destroy_with_a_context_that_destroys_its_id_returns() {
     assert!(returned, "begin_destroy (non-blocking) hung");
 }
 
+/// Two ids whose contexts destroy each other's id when dropped (the two legs of a proxy):
+/// destroying one runs its teardown, whose context drop destroys the other, whose teardown's
+/// context drop destroys the first, already being torn down further down this stack. That
+/// destroy waited for the first teardown, which waited for it: the caller hung for good.
+/// Now a destroy inside a teardown does not wait (`Deferred`), and both ids go.
+#[test]
+fn contexts_that_destroy_each_others_id_do_not_deadlock() {
+    let f = fabric(29440);
+    let a = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let b = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    a.set_context(DestroyOnDrop(b.clone(), dropped.clone()));
+    b.set_context(DestroyOnDrop(a.clone(), dropped.clone()));
+    let a2 = a.clone();
+    let r = within(Duration::from_secs(3), move || a2.destroy());
+    if r.is_none() {
+        std::mem::forget(f);
+        panic!(
+            "destroy hung: two contexts destroying each other's id (dropped = {})",
+            dropped.load(Ordering::SeqCst)
+        );
+    }
+    assert_eq!(r, Some(Ok(DestroyOutcome::Done)));
+    assert_eq!(dropped.load(Ordering::SeqCst), 2, "both contexts dropped");
+    for id in [&a, &b] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done), "already gone");
+    }
+    assert_eq!(f.live_ids(), 0);
+}
+
+/// Same through two callbacks returning `Flow::Destroy` at once, on two callback threads:
+/// each teardown's context drop destroyed the id the other thread tears down, and each
+/// waited for the other (both callback threads lost, no callback ran any more).
+#[test]
+fn teardowns_on_two_threads_destroying_each_others_id_do_not_deadlock() {
+    for round in 0..20u32 {
+        let f = fabric(29441);
+        let gate = Arc::new(AtomicUsize::new(0));
+        let mk = |g: Arc<AtomicUsize>| {
+            f.create_id(PortSpace::Tcp, move |_, _| {
+                // Both callbacks return together (when they run on two threads), so both
+                // teardowns start together.
+                g.fetch_add(1, Ordering::SeqCst);
+                eventually(Duration::from_secs(1), || g.load(Ordering::SeqCst) >= 2);
+                Flow::Destroy
+            })
+        };
+        let (a, b) = (mk(gate.clone()), mk(gate));
+        let dropped = Arc::new(AtomicUsize::new(0));
+        a.set_context(DestroyOnDrop(b.clone(), dropped.clone()));
+        b.set_context(DestroyOnDrop(a.clone(), dropped.clone()));
+        poke(&a, 1);
+        poke(&b, 1);
+        let ok = eventually(Duration::from_secs(3), || f.live_ids() == 0);
+        if !ok {
+            std::mem::forget(f);
+            panic!(
+                "round {round}: the two teardowns hung (dropped = {})",
+                dropped.load(Ordering::SeqCst)
+            );
+        }
+        assert_eq!(dropped.load(Ordering::SeqCst), 2, "round {round}");
+        f.shutdown();
+    }
+}
+
 /// `with_context` ran the user's closure with the id's state lock held, so any call on the
 /// same id from inside the closure took that lock again and deadlocked.
 #[test]
