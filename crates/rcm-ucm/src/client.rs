@@ -1975,12 +1975,15 @@ fn deliver(c: &Inner, handle: u32, event: WireEvent, qp: Option<QpAttr>) {
         let lsink = lock(&c.sinks).live.get(&listener).map(|(s, _)| s.clone());
         match lsink {
             Some(ls) => {
-                if let Some(cs) = ls.connect_request(child.clone(), private_data, param, ud) {
+                // Filed before the request can be seen: a call on the child pipelined by its
+                // first callback, and refused, comes back as the child's error event.
+                let file = |cs: &rcm::remote::Sink| {
                     let mut sinks = lock(&c.sinks);
                     if !child.released.load(Ordering::SeqCst) {
-                        sinks.live.insert(handle, (cs, cache));
+                        sinks.live.insert(handle, (cs.clone(), cache));
                     }
-                }
+                };
+                ls.connect_request(child.clone(), private_data, param, ud, file);
             }
             // The listener was destroyed here already: the daemon rejects the request.
             None => child.release(),

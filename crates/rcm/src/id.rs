@@ -2006,6 +2006,7 @@ pub(crate) fn remote_connect_request(
     private_data: Vec<u8>,
     param: ConnParam,
     ud: bool,
+    file: impl FnOnce(&Sink),
 ) -> Option<Sink> {
     let Some(target) = lst.slot_target() else {
         remote.release();
@@ -2040,6 +2041,7 @@ pub(crate) fn remote_connect_request(
         return None;
     }
     let sink = Sink(Arc::downgrade(&child.0));
+    file(&sink);
     child.0.slot.push(Event::ConnectRequest {
         listener: CmId(lst.clone()),
         private_data,

@@ -213,21 +213,25 @@ impl Sink {
     }
 
     /// A connect request arrived on this (listening) id: builds the child id around `child`,
-    /// publishes it and delivers `ConnectRequest` on it. Returns the child's sink, or `None`
-    /// when the listener is gone, in which case `child` has been released (the provider
-    /// rejects the request).
+    /// publishes it, hands its sink to `file` and then delivers `ConnectRequest` on it.
+    /// `file` is where the provider records the sink: it runs before anything can see the
+    /// child, so the provider can route the child's events (a pipelined call's refusal, say)
+    /// from the first call on. Returns the child's sink, or `None` when the listener is
+    /// gone, in which case `child` has been released (the provider rejects the request)
+    /// and `file` was not called.
     pub fn connect_request(
         &self,
         child: Arc<dyn RemoteId>,
         private_data: Vec<u8>,
         param: ConnParam,
         ud: bool,
+        file: impl FnOnce(&Sink),
     ) -> Option<Sink> {
         let Some(l) = self.0.upgrade() else {
             child.release();
             return None;
         };
-        crate::id::remote_connect_request(&l, child, private_data, param, ud)
+        crate::id::remote_connect_request(&l, child, private_data, param, ud, file)
     }
 
     /// Whether the id still takes events.
