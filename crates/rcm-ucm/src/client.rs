@@ -1359,7 +1359,10 @@ enum QpKnown {
 impl IdCache {
     /// An event arrived, with or without attributes: before it is handed on.
     fn event(&self, ev: &Event, qp: Option<QpAttr>) {
-        if matches!(ev, Event::Established { .. }) {
+        // A connection's: a UD id's ESTABLISHED (SIDR resolved) makes no connection to
+        // disconnect (`disconnect` refuses it, which a pipelined call would turn into a
+        // surprise CONNECT_ERROR).
+        if matches!(ev, Event::Established { ud: None, .. }) {
             self.established.store(true, Ordering::SeqCst);
         }
         self.attrs(qp);
@@ -1390,7 +1393,7 @@ impl IdCache {
         }
     }
 
-    /// Whether the id's ESTABLISHED was delivered.
+    /// Whether the id's connection's ESTABLISHED was delivered.
     fn was_established(&self) -> bool {
         self.established.load(Ordering::SeqCst)
     }

@@ -626,3 +626,44 @@ fn every_way_of_destroying_lets_the_handle_go_once_its_events_are_taken() {
     assert_eq!(client.mapped_channels(), 0, "the channels are on sockets");
     all_let_go(&client);
 }
+
+/// A UD id's ESTABLISHED (its SIDR resolved) makes no connection: `disconnect` is refused
+/// there, and inside a pipeline the refusal is still the call's error, not `Ok` followed by
+/// a surprise CONNECT_ERROR (the library took any ESTABLISHED for a connection's).
+#[test]
+fn a_pipelined_disconnect_of_a_ud_id_returns_its_refusal() {
+    let (_d, f, ch) = session("pl-ud-disconnect", 47893);
+    let lch = EventChannel::new();
+    let l = f.try_create_id_on(PortSpace::Udp, &lch).expect("create");
+    l.bind(sa(1, 7177)).expect("bind");
+    l.listen(4).expect("listen");
+    let c = f.try_create_id_on(PortSpace::Udp, &ch).expect("create");
+    c.resolve_addr(None, sa(1, 7177)).expect("resolve_addr");
+    assert!(matches!(next(&ch).event(), Event::AddrResolved));
+    c.resolve_route().expect("resolve_route");
+    assert!(matches!(next(&ch).event(), Event::RouteResolved));
+    c.connect(&ConnectOptions::default()).expect("connect");
+    let req = next(&lch);
+    let child = req.id().clone();
+    drop(req);
+    child.accept(&AcceptOptions::default()).expect("accept");
+    let ev = next(&ch);
+    assert!(
+        matches!(ev.event(), Event::Established { ud: Some(_), .. }),
+        "{ev:?}"
+    );
+    drop(ev);
+    let refused = c.disconnect().expect_err("a UD id has no connection");
+    {
+        let _p = rcm::Pipeline::begin();
+        assert_eq!(
+            c.disconnect().map_err(|e| e.to_string()),
+            Err(refused.to_string()),
+            "the pipelined disconnect returns the refusal"
+        );
+    }
+    assert!(
+        ch.get_event(Some(Duration::from_millis(100))).is_none(),
+        "no CONNECT_ERROR follows"
+    );
+}
