@@ -1982,7 +1982,12 @@ pub(crate) fn remote_event(inner: &Arc<IdInner>, ev: Event) {
                 return;
             }
             g.removed = true;
-            g.state = State::DeviceRemoval;
+            // A teardown begun keeps `Destroying`: a context set after it is dropped, not
+            // kept (`set_context` looks for that state), as a local device's removal leaves
+            // an id no longer live alone.
+            if g.state != State::Destroying {
+                g.state = State::DeviceRemoval;
+            }
         }
         inner.slot.push_removal(ev);
         return;
