@@ -555,7 +555,9 @@ impl IwarpDecoder {
                             rec.summary
                                 .push(kv("note", format!("beyond Linux limits: {e}")));
                         }
-                        d.phase = if f.flags.reject {
+                        // R ends the stream in a Reply only: in a Request it means
+                        // nothing (RFC 5044 §7.1; siw ignores it there).
+                        d.phase = if f.kind == FrameKind::Reply && f.flags.reject {
                             Phase::Dead
                         } else {
                             Phase::Fpdus
@@ -565,11 +567,42 @@ impl IwarpDecoder {
                     }
                     Err(WireError::Truncated { .. }) => return,
                     Err(e) => {
-                        rec.kind = "MALFORMED".into();
-                        rec.error = Some(format!("not an MPA frame: {e}"));
+                        let Some((kind, len)) = short_enhanced(&d.buf) else {
+                            rec.kind = "MALFORMED".into();
+                            rec.error = Some(format!("not an MPA frame: {e}"));
+                            d.phase = Phase::Dead;
+                            out.push(rec);
+                            return;
+                        };
+                        if d.buf.len() < len {
+                            return;
+                        }
+                        rec.kind = match kind {
+                            FrameKind::Request => "MPA_REQ",
+                            FrameKind::Reply => "MPA_REP",
+                        }
+                        .to_owned();
+                        let flags = mpa::MpaFlags::from_byte(d.buf[16]);
+                        rec.summary = vec![
+                            kv("rev", mpa::REVISION_2),
+                            kv("flags", flag_names(flags)),
+                            kv(
+                                "note",
+                                match kind {
+                                    // siw_proc_mpareq rejects it with its own header.
+                                    FrameKind::Request => {
+                                        "enhanced without its IRD/ORD words: Linux rejects it"
+                                    }
+                                    FrameKind::Reply => {
+                                        "enhanced reject without IRD/ORD words, as siw \
+                                         answers a Request that lacks them"
+                                    }
+                                },
+                            ),
+                        ];
+                        // Either way nothing follows on this stream.
                         d.phase = Phase::Dead;
-                        out.push(rec);
-                        return;
+                        len
                     }
                 },
                 Phase::Fpdus => {
@@ -643,28 +676,44 @@ fn starts_like_mpa(buf: &[u8]) -> bool {
     buf[..n] == COMMON[..n]
 }
 
-fn mpa_summary(f: &MpaFrame) -> Vec<(String, String)> {
-    let mut s = vec![kv("rev", f.revision)];
-    let mut flags = Vec::new();
+/// An MPA revision-2 frame with the Enhanced flag and fewer private-data bytes than its
+/// IRD/ORD words take (which `MpaFrame::parse` refuses): siw's reject Reply to such a
+/// Request has exactly that shape. Its kind and whole length.
+fn short_enhanced(b: &[u8]) -> Option<(FrameKind, usize)> {
+    let h = b.first_chunk::<{ mpa::MPA_FRAME_HEADER_LEN }>()?;
+    let kind = [FrameKind::Request, FrameKind::Reply]
+        .into_iter()
+        .find(|k| h[..16] == *k.key())?;
+    let pd_len = usize::from(u16::from_be_bytes([h[18], h[19]]));
+    let short = h[17] == mpa::REVISION_2
+        && mpa::MpaFlags::from_byte(h[16]).enhanced
+        && pd_len < mpa::ENHANCED_LEN;
+    short.then_some((kind, mpa::MPA_FRAME_HEADER_LEN + pd_len))
+}
+
+/// The flags set, as letters (`-` for none).
+fn flag_names(f: mpa::MpaFlags) -> String {
+    let mut flags = String::new();
     for (on, name) in [
-        (f.flags.markers, "M"),
-        (f.flags.crc, "C"),
-        (f.flags.reject, "R"),
-        (f.flags.enhanced, "E"),
-        (f.flags.gso_exp, "G"),
+        (f.markers, 'M'),
+        (f.crc, 'C'),
+        (f.reject, 'R'),
+        (f.enhanced, 'E'),
+        (f.gso_exp, 'G'),
     ] {
         if on {
             flags.push(name);
         }
     }
-    s.push(kv(
-        "flags",
-        if flags.is_empty() {
-            "-".to_owned()
-        } else {
-            flags.join("")
-        },
-    ));
+    if flags.is_empty() {
+        flags.push('-');
+    }
+    flags
+}
+
+fn mpa_summary(f: &MpaFrame) -> Vec<(String, String)> {
+    let mut s = vec![kv("rev", f.revision)];
+    s.push(kv("flags", flag_names(f.flags)));
     if let Some(e) = &f.enhanced {
         s.push(kv("ird", e.ird));
         s.push(kv("ord", e.ord));
@@ -959,6 +1008,59 @@ mod tests {
             "{}",
             bad.line()
         );
+    }
+
+    /// R in a Request means nothing (RFC 5044 §7.1): the initiator's stream goes on being
+    /// decoded. It was taken for a reject and the rest of that direction skipped unsaid:
+    /// here 1 MiB of FPDUs without the peer's frame, which must be reported.
+    #[test]
+    fn the_reject_flag_in_a_request_does_not_end_its_stream() {
+        use crate::netbuild::TcpFlowBuilder;
+        let mut b = TcpFlowBuilder::new(
+            "127.0.0.2:40003".parse().unwrap(),
+            "127.0.0.1:7471".parse().unwrap(),
+        );
+        let mut req = rcm_wire::mpa::MpaFrame::request_v2(1, 1, b"x".to_vec())
+            .to_vec()
+            .unwrap();
+        req[16] |= 0x20;
+        b.handshake()
+            .client_send(&req)
+            .client_send(&vec![0u8; (1 << 20) + 4096]);
+        let cap = crate::capture::read_pcap_bytes(&b.to_pcap().unwrap()).unwrap();
+        let (recs, totals) = decode(&cap);
+        let lines: Vec<_> = recs.iter().map(Record::line).collect();
+        assert!(recs.iter().any(|r| r.kind == "MPA_REQ"), "{lines:?}");
+        assert_eq!(totals.errors, 1, "the FPDUs are reported: {lines:?}");
+    }
+
+    /// siw answers an enhanced Request without IRD/ORD words with its own header: Reply
+    /// key, R and E set, revision 2, no private data. That is a reject Reply, not garbage.
+    #[test]
+    fn a_short_enhanced_reject_reply_is_a_reply_not_malformed() {
+        use crate::netbuild::TcpFlowBuilder;
+        let mut b = TcpFlowBuilder::new(
+            "127.0.0.2:40004".parse().unwrap(),
+            "127.0.0.1:7471".parse().unwrap(),
+        );
+        let mut req = rcm_wire::mpa::REQ_KEY.to_vec();
+        req.extend_from_slice(&[0x10, 2, 0, 0]);
+        let mut rep = rcm_wire::mpa::REP_KEY.to_vec();
+        rep.extend_from_slice(&[0x30, 2, 0, 0]);
+        b.handshake().client_send(&req).server_send(&rep);
+        let cap = crate::capture::read_pcap_bytes(&b.to_pcap().unwrap()).unwrap();
+        let (recs, totals) = decode(&cap);
+        let lines: Vec<_> = recs.iter().map(Record::line).collect();
+        assert_eq!(totals.errors, 0, "{lines:?}");
+        let rep = recs
+            .iter()
+            .find(|r| r.kind == "MPA_REP")
+            .expect("the Reply");
+        assert!(
+            rep.summary.iter().any(|(k, v)| k == "flags" && v == "RE"),
+            "{lines:?}"
+        );
+        assert!(recs.iter().any(|r| r.kind == "MPA_REQ"), "{lines:?}");
     }
 
     fn decoded(packets: &[Vec<u8>]) -> (Vec<Record>, Totals) {
