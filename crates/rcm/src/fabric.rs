@@ -880,7 +880,10 @@ impl Fabric {
     /// connection being set up) and stops every device and the dispatcher. From its start
     /// the fabric makes nothing new: an id created then is born destroyed (the `try_` forms
     /// say [`crate::Error::ShutDown`]), a connect request arriving then is refused, and
-    /// adding a device fails with `ShutDown`; so no id outlives it. Called from a
+    /// adding a device fails with `ShutDown`; so no id outlives it. An id whose channel
+    /// events the application still holds is torn down at once, not at their ack (they stay
+    /// readable); the callbacks running when it begins are given up to 2 s to return, so
+    /// that their ids' teardowns still reach the peers. Called from a
     /// callback (or an id's teardown, or one of rcm's threads) it returns at once and the
     /// shutdown completes on a thread of its own: waiting there for the fabric's threads
     /// could wait for the caller itself.
@@ -888,6 +891,10 @@ impl Fabric {
         shutdown_from_here(&self.0);
     }
 }
+
+/// How long a shutdown waits, in all, for the callbacks running when it began to return
+/// (their ids' teardowns send their DREQs and REJs while the devices still run).
+const SHUTDOWN_WAITS_FOR_CALLBACKS: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn shutdown(f: &FabricInner) {
     // One at a time: a second shutdown (the last handle dropped while one started from a
@@ -898,8 +905,17 @@ fn shutdown(f: &FabricInner) {
         f.shut.store(true, Ordering::SeqCst);
         table.values().filter_map(Weak::upgrade).collect()
     };
-    for id in ids {
-        drop(crate::id::CmId(id).begin_destroy());
+    for id in &ids {
+        drop(crate::id::CmId(id.clone()).begin_destroy());
+    }
+    // An id whose events the application still holds is torn down now, not at their ack
+    // (after the devices stopped, its DREQ or REJ could not leave); one whose callback runs
+    // on a dispatcher thread ends when the callback returns: waited for, a while.
+    let until = std::time::Instant::now() + SHUTDOWN_WAITS_FOR_CALLBACKS;
+    for id in &ids {
+        id.slot.tear_down_despite_held();
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        id.slot.wait_destroyed_for(left);
     }
     // The DREQs and REJs those destroys queued must leave before the sockets close, even
     // when this thread holds a send batch: a peer would otherwise keep its end up.

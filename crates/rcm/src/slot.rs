@@ -801,6 +801,25 @@ impl<E: Send + 'static> Slot<E> {
         }
     }
 
+    /// A fabric shutting down tears down a slot being destroyed that only its held events
+    /// keep waiting (their acks then find the teardown done): its peer must hear of the
+    /// end before the devices stop, and the events stay readable.
+    #[cfg(not(loom))]
+    pub(crate) fn tear_down_despite_held(&self) {
+        let mut g = sync::lock(&self.inner);
+        let now = g.phase == Phase::Destroying
+            && g.held > 0
+            && g.running.is_none()
+            && !g.teardown_started;
+        if now {
+            g.teardown_started = true;
+        }
+        drop(g);
+        if now {
+            self.run_teardown();
+        }
+    }
+
     /// Moves the slot to another channel: events not yet taken move with it, in order.
     pub(crate) fn migrate(self: &Arc<Self>, to: &Arc<ChannelCore<E>>) -> Result<(), Unmoved> {
         let mut t = sync::lock(&self.target);

@@ -1516,6 +1516,46 @@ fn dropping_the_last_fabric_handle_shuts_it_down() {
     server.shutdown();
 }
 
+/// A shutdown while the application holds an event of a connected id: the id is torn down
+/// at once (its peer in another fabric sees DISCONNECTED), not at the event's ack, when the
+/// devices had stopped and its DREQ could not leave (the peer kept its end up for good).
+#[test]
+fn shutdown_with_an_event_held_still_disconnects_the_peer() {
+    let port = 25064;
+    let server = Fabric::new(config(port));
+    server.add_device(ip(1)).unwrap();
+    let client_f = Fabric::new(config(port));
+    client_f.add_device(ip(2)).unwrap();
+    let srv = EventChannel::new();
+    let cli = EventChannel::new();
+    let listener = server.create_id_on(PortSpace::Tcp, &srv);
+    listener.bind(addr(1, 7001)).unwrap();
+    listener.listen(0).unwrap();
+    let (client, r) = dialed(&client_f, &cli, None, addr(1, 7001));
+    r.unwrap();
+    let (child, ev) = next(&srv);
+    assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
+    child.accept(&AcceptOptions::default()).unwrap();
+    expect_ev(&cli, &client, "CONNECT_RESPONSE");
+    client.establish().unwrap();
+    expect_ev(&srv, &child, "ESTABLISHED");
+    // The client's ESTABLISHED, taken and held across the shutdown.
+    let held = cli.get_event(Some(T)).expect("ESTABLISHED");
+    assert!(matches!(held.event(), Event::Established { .. }));
+    client_f.shutdown();
+    expect_ev(&srv, &child, "DISCONNECTED");
+    assert!(
+        matches!(held.event(), Event::Established { .. }),
+        "still readable"
+    );
+    drop(held);
+    assert_eq!(client.destroy(), Ok(DestroyOutcome::Done));
+    for id in [child, listener] {
+        assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    }
+    server.shutdown();
+}
+
 /// The last handle may be dropped by the fabric's own thread: here it lives in a callback
 /// whose id destroys itself (`Flow::Destroy`), so the dispatcher thread drops it. The
 /// fabric still shuts down (its port is released, another id is destroyed) and nothing hangs.
