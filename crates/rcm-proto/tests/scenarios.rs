@@ -366,19 +366,76 @@ fn backoff_retries_a_req_after_an_mra() {
     ));
 }
 
-/// Without an answer the MRA'd exchange ends one stretched wait after its retry.
+/// The MRA's time is for the next retry only: after it the backoff starts again from its
+/// first wait (1 s, 2 s, 4 s, 8 s), as Linux's since 6.14, and the exchange ends at the
+/// deadline the MRA moved (here two stretched waits from it, past the 10 s deadline plus
+/// one). Before, every later retry waited the MRA's time, which left room for one retry:
+/// one lost answer after it failed the connect.
 #[test]
-fn backoff_gives_up_an_mraed_req_after_one_more_wait() {
+fn backoff_after_an_mras_wait_starts_again_and_ends_at_the_moved_deadline() {
     let (mut t, h, _, _, extra) = backoff_req_mraed();
-    t.advance((2 * extra).saturating_sub(Duration::from_millis(1)));
-    assert_eq!(t.sent().len(), 1, "one retry");
+    let ms = Duration::from_millis(1);
+    t.advance(extra.saturating_sub(ms));
+    t.nothing_sent();
+    t.advance(2 * ms);
+    assert!(
+        matches!(t.sent_one().msg, CmMessage::Req(_)),
+        "the stretched retry"
+    );
+    let mut at = extra + ms;
+    for wait in [1, 2, 4, 8] {
+        let wait = Duration::from_secs(wait);
+        t.advance(wait.saturating_sub(2 * ms));
+        t.nothing_sent();
+        t.advance(2 * ms);
+        assert!(
+            matches!(t.sent_one().msg, CmMessage::Req(_)),
+            "retried {wait:?} after the last"
+        );
+        at += wait;
+    }
+    // The next wait (16 s) would pass the deadline: the exchange ends there.
+    let deadline = 2 * extra;
+    t.advance(deadline.saturating_sub(at + ms));
+    t.nothing_sent();
     assert!(t.events().is_empty());
-    t.advance(Duration::from_millis(2));
+    t.advance(2 * ms);
     let ev = t.events();
     assert!(
         matches!(ev.as_slice(), [(eh, CmEvent::TimedOut(TimedOut::Req))] if *eh == h),
         "{ev:?}"
     );
+}
+
+/// A first wait longer than the whole exchange is cut to its deadline (the exchange ended
+/// 30 s past it), and `initial` is capped by `max_wait`.
+#[test]
+fn backoff_first_wait_is_capped_by_max_wait_and_the_deadline() {
+    for (initial, max_wait, deadline, first) in [(90, 120, 60, 60), (30, 5, 60, 5)] {
+        let mut t = T::with(|c| {
+            c.retry = RetryPolicy::Backoff {
+                initial: Duration::from_secs(initial),
+                max_wait: Duration::from_secs(max_wait),
+                deadline: Duration::from_secs(deadline),
+            }
+        });
+        let _ = t.connect();
+        t.advance(Duration::from_secs(first).saturating_sub(Duration::from_millis(1)));
+        t.nothing_sent();
+        assert!(t.events().is_empty());
+        t.advance(Duration::from_millis(2));
+        if first < deadline {
+            assert!(matches!(t.sent_one().msg, CmMessage::Req(_)), "{initial} s");
+        } else {
+            assert!(
+                matches!(
+                    t.events().as_slice(),
+                    [(_, CmEvent::TimedOut(TimedOut::Req))]
+                ),
+                "{initial} s"
+            );
+        }
+    }
 }
 
 #[test]

@@ -50,9 +50,10 @@ pub(crate) struct Outstanding {
     pub retries_done: u8,
     pub next_wait: Duration,
     pub deadline: Option<Instant>,
-    /// An MRA set `next_wait` to the time the peer asked for: every later retry waits that
-    /// long, whatever the policy (Linux's `ib_modify_mad` changes the MAD's timeout, which
-    /// `retry_send` uses for each retry).
+    /// An MRA set `next_wait` to the time the peer asked for. Under `Classic` every later
+    /// retry waits that long (Linux up to 6.13: `ib_modify_mad` changes the MAD's timeout,
+    /// which `retry_send` uses for each retry); under `Backoff` only the next one does, and
+    /// the backoff starts again after it (Linux since 6.14).
     pub stretched: bool,
 }
 

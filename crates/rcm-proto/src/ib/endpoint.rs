@@ -403,8 +403,10 @@ impl Endpoint {
         match self.cfg.retry {
             RetryPolicy::Classic => (Duration::from_millis(timeout_ms.into()), None),
             RetryPolicy::Backoff {
-                initial, deadline, ..
-            } => (initial, Some(later(now, deadline))),
+                initial,
+                max_wait,
+                deadline,
+            } => (initial.min(max_wait), Some(later(now, deadline))),
         }
     }
 
@@ -438,7 +440,10 @@ impl Endpoint {
         if let Some(c) = self.ceps.get_mut(&h) {
             c.out = Some(out);
         }
-        self.arm(h, later(now, wait), TimerKind::Retransmit);
+        // Not past the deadline, as no later wait is: a first wait longer than the whole
+        // exchange would end it without a single retry.
+        let at = later(now, wait);
+        self.arm(h, deadline.map_or(at, |d| at.min(d)), TimerKind::Retransmit);
     }
 
     fn insert_cep(&mut self, c: Cep) -> CepHandle {
@@ -1201,8 +1206,17 @@ impl Endpoint {
             out.retries_done += 1;
             let mad = out.mad;
             let wait = match policy {
-                _ if out.stretched => out.next_wait,
                 RetryPolicy::Classic => out.next_wait,
+                // The MRA's time was for this wait only: the backoff starts again (Linux
+                // since 6.14: the MRA's timeout applies to the next retry, and the backoff
+                // restarts after it).
+                RetryPolicy::Backoff {
+                    initial, max_wait, ..
+                } if out.stretched => {
+                    out.stretched = false;
+                    out.next_wait = initial.min(max_wait);
+                    out.next_wait
+                }
                 RetryPolicy::Backoff { max_wait, .. } => {
                     out.next_wait = out.next_wait.saturating_mul(2).min(max_wait);
                     out.next_wait
@@ -1596,15 +1610,16 @@ impl Endpoint {
                 ibta_time_ms(mra.service_timeout) + ibta_time_ms(c.ack_timeout),
             );
             if let Some(out) = c.out.as_mut() {
-                // Retried at the asked-for interval from now on (see `Outstanding::stretched`);
-                // a deadline leaves room for one retry after the stretched wait and its answer
-                // (it ended the exchange when the stretched wait did: a REP lost after the
-                // peer's long work failed the connect).
+                // The next retry waits the asked-for time (see `Outstanding::stretched`). A
+                // deadline moves by that time (Linux since 6.14 extends the MAD's deadline
+                // by it), and leaves room at least for one retry after the stretched wait
+                // and its answer (it ended the exchange when the stretched wait did: a REP
+                // lost after the peer's long work failed the connect).
                 out.next_wait = extra;
                 out.stretched = true;
                 out.deadline = out
                     .deadline
-                    .map(|d| d.max(later(now, extra.saturating_mul(2))));
+                    .map(|d| later(d, extra).max(later(now, extra.saturating_mul(2))));
                 let at = later(now, extra);
                 self.arm(h, at, TimerKind::Retransmit);
             }

@@ -50,21 +50,23 @@ mod tests {
     }
 }
 
-/// How a message that expects an answer is retransmitted. Under either policy, once the
-/// peer sends an MRA (the first one is honoured) every later retry of that message waits the
-/// time the MRA asks for (its service timeout plus the ACK timeout), as Linux's
-/// `ib_modify_mad` makes it.
+/// How a message that expects an answer is retransmitted. Once the peer sends an MRA (the
+/// first one is honoured) the next retry of that message waits the time the MRA asks for
+/// (its service timeout plus the ACK timeout); what follows depends on the policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryPolicy {
     /// The IBTA/classic Linux rule, taken from the message's own fields: a fixed interval of
     /// `2 × packet_life_time + cm_response_timeout` (each `1 << (t-8)` ms) and `max_cm_retries`
-    /// retransmissions.
+    /// retransmissions. After an MRA every retry waits the MRA's time (Linux up to 6.13,
+    /// whose `ib_modify_mad` keeps it as the MAD's timeout).
     Classic,
     /// Exponential backoff: the first wait is `initial`, each next one doubles, no wait exceeds
     /// `max_wait`, and the exchange fails at `deadline` after the first send (or after
-    /// `max_cm_retries` retransmissions, whichever comes first). An MRA pushes the deadline
-    /// to at least two of its waits from its arrival: one retry after the stretched wait,
-    /// and the time to answer it.
+    /// `max_cm_retries` retransmissions, whichever comes first). `initial` is capped by
+    /// `max_wait`, and no wait goes past the deadline. An MRA's time applies to the next
+    /// retry only, after which the backoff starts again from `initial`, and it moves the
+    /// deadline by that time, to at least two of its waits from its arrival (one retry after
+    /// the stretched wait, and the time to answer it), as Linux since 6.14 does.
     Backoff {
         /// First wait.
         initial: Duration,
