@@ -142,7 +142,10 @@ fn is_half_open(s: State) -> bool {
 
 /// The longest timewait: the path's ACK timeout decides it, and on the passive side that is
 /// the peer's REQ's, up to 4.096 µs × 2^31 (2.4 hours) that a peer could make every
-/// connection it ends hold. 30 s is longer than any ACK timeout Linux's rdma_cm sets.
+/// connection it ends hold. 30 s is longer than the ACK timeouts rdma_cm sets by default
+/// (about 2 s on RoCE), not than all it may: a peer that asked for more with
+/// `rdma_set_ack_timeout` (24 gives 65 s) waits longer in its timewait than we do in ours,
+/// a deliberate bound (Linux's cm.c has none).
 pub const MAX_TIMEWAIT: Duration = Duration::from_secs(30);
 
 /// Retransmission records an endpoint keeps for reuse.
