@@ -225,14 +225,22 @@ pub fn spin_budget(spin: Duration) -> Duration {
 /// neighbour that does not yield back (see the module documentation): this thread is then
 /// held off polling, and the caller should sleep.
 pub fn yield_to_pollers() -> bool {
-    yield_since(Instant::now()).0
+    yield_since(Instant::now(), begin_look()).0
 }
 
-/// [`yield_to_pollers`] for a caller that read the clock just before (`before`); also
-/// returns the time the yield came back.
-fn yield_since(before: Instant) -> (bool, Instant) {
+/// A look of this thread begins: counted on its CPU; the CPU, its count and the count now.
+fn begin_look() -> (usize, &'static AtomicU64, u64) {
     let (cpu, looks) = my_looks();
-    let seen = count_look(looks);
+    (cpu, looks, count_look(looks))
+}
+
+/// [`yield_to_pollers`] for a caller that read the clock at `before` and began its look
+/// (`look`, from [`begin_look`]) then; also returns the time the yield came back. The time
+/// from `before` counts as the yield's unless a look of this process on this CPU came
+/// after the look began: the look's own work (a waiter handling a batch of datagrams,
+/// each counted) is this process's, not stolen.
+fn yield_since(before: Instant, look: (usize, &'static AtomicU64, u64)) -> (bool, Instant) {
+    let (cpu, looks, seen) = look;
     std::thread::yield_now();
     let after = Instant::now();
     if after.saturating_duration_since(before) <= STOLEN_YIELD {
@@ -274,18 +282,19 @@ pub fn spin_until(spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
     if spin.is_zero() || !spin_allowed() {
         return ready();
     }
-    // One reading of the clock a look: the one after its yield (a look's own work is
-    // short, and the poll's end a bound, not a promise).
+    // One reading of the clock a look: the one after its yield (the poll's end is a
+    // bound, not a promise). A look's long work shows as looks counted in it.
     let mut now = Instant::now();
     let end = rcm_proto::later(now, spin);
     loop {
+        let look = begin_look();
         if ready() {
             return true;
         }
         if now >= end {
             return false;
         }
-        let (fair, after) = yield_since(now);
+        let (fair, after) = yield_since(now, look);
         if !fair {
             return ready();
         }
@@ -311,6 +320,29 @@ mod tests {
                 suspect: None,
             });
         });
+    }
+
+    /// A look whose own work is long (a waiter handling a batch of datagrams, each
+    /// counted with `look_here`) is not a stolen yield: it was taken for one (the clock
+    /// ran from before the work), and three such looks held the thread off polling just
+    /// when it had work.
+    #[test]
+    fn a_looks_own_counted_work_is_not_a_stolen_yield() {
+        clear();
+        let before = hold_offs();
+        let mut looks = 0;
+        spin_until(Duration::from_millis(30), || {
+            looks += 1;
+            let end = Instant::now() + 2 * STOLEN_YIELD;
+            while Instant::now() < end {
+                look_here();
+                std::hint::spin_loop();
+            }
+            false
+        });
+        assert!(looks >= 4, "{looks} looks");
+        assert_eq!(hold_offs(), before, "held off by its own work");
+        assert!(spin_allowed());
     }
 
     #[test]
