@@ -18,7 +18,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Connection-setup benchmark (cmtime for rcm). With no options it runs a server and a
-    /// client in this process on two loopback devices (127.0.0.1, 127.0.0.2), connects all
+    /// client in this process on two loopback devices (127.0.0.1, 127.0.0.2; the client
+    /// takes 127.0.0.3 on too, one device per 25,000 connections), connects all
     /// connections at once, and prints cmtime's per-step table, the connect rate, connect
     /// latency percentiles and the loopback UDP round trip measured in the same run.
     ///
@@ -123,9 +124,10 @@ struct BenchArgs {
     /// Local address of this side (its device). The client (--server) takes it more than
     /// once to spread its ids over several devices: one address has ~28,000 ephemeral
     /// ports, so 100,000 connections need four. Default with --listen 127.0.0.1; with
-    /// --server, 127.0.0.2 toward a loopback server, else the address the routing table
-    /// picks for the server. Refused without --listen, --server or --daemon: the embedded
-    /// run's devices are 127.0.0.1 and 127.0.0.2.
+    /// --server, 127.0.0.2 toward a loopback server (127.0.0.1 toward 127.0.0.2, ::1 toward
+    /// ::1), else the address the routing table picks for the server. Refused without
+    /// --listen, --server or --daemon: the embedded run's devices are 127.0.0.1 and
+    /// 127.0.0.2 (and 127.0.0.3 on, one per 25,000 connections, for the client).
     #[arg(long, value_name = "IP")]
     bind: Vec<std::net::IpAddr>,
     /// How long to wait for any one step before giving up: seconds, or a number with a unit
@@ -747,8 +749,9 @@ fn bench(a: &BenchArgs) -> ExitCode {
         // an address given here would be ignored.
         eprintln!(
             "rcm bench: --bind picks a side's address with --listen, --server or --daemon; \
-             the embedded run's devices are 127.0.0.1 and 127.0.0.2 (for other addresses, \
-             run `rcm bench --listen --bind IP` and `rcm bench --server IP` in two processes, \
+             the embedded run's devices are 127.0.0.1 (server) and 127.0.0.2 on (client; \
+             for other addresses, run `rcm bench --listen --bind IP` and \
+             `rcm bench --server IP` in two processes, \
              or, for one address such as ::1, `rcm daemon --bind IP` and \
              `rcm bench --daemon PATH`)"
         );

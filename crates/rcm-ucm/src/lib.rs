@@ -17,8 +17,10 @@
 //!   into a second destroy; a connect request it cannot take is rejected on the wire;
 //! - a connect request's child id is fully built and owned by the listener's session before
 //!   the event is visible;
-//! - limits (ids, queued events, unread requests, message size) are typed errors, and one
-//!   client hitting them does not slow the others.
+//! - limits per session: ids and message size are typed errors (`LimitExceeded`); an
+//!   event beyond the queued-events limit is dropped and counted, a connect request beyond
+//!   the unread-requests limit refused on the wire and counted (`Stats`); one client
+//!   hitting them does not slow the others.
 #![forbid(unsafe_code)]
 
 pub mod client;
