@@ -1090,14 +1090,28 @@ impl CmId {
             g.src = Some(src);
             g.bound = true;
         }
+        // A device removed since it was listed: its removal's walk of the ids may have
+        // passed this one before it listened. Read under this lock, which that walk reads
+        // the listens under (one of the two sees the other), and let go here.
+        let (on, removed): (Vec<_>, Vec<_>) = done
+            .into_iter()
+            .partition(|(d, _)| !d.removed.load(std::sync::atomic::Ordering::SeqCst));
         let l = g.listening.get_or_insert_with(Box::default);
-        l.on = done;
+        l.on = on;
         l.wildcard = wildcard;
         l.backlog = backlog;
         g.state = State::Listen;
         drop(g);
+        for (d, sid) in removed {
+            unregister_listen(&d, sid, &self.0);
+        }
         if wildcard {
-            sync::lock(&self.0.fabric.wildcard_listeners).push(Arc::downgrade(&self.0));
+            let mut ws = sync::lock(&self.0.fabric.wildcard_listeners);
+            ws.push(Arc::downgrade(&self.0));
+            // A destroy whose teardown already looked for it would leave it for good.
+            if !self.0.slot.is_live() {
+                ws.retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, &self.0)));
+            }
         }
         Ok(())
     }
@@ -2490,7 +2504,9 @@ pub(crate) fn on_device_added(fabric: &Arc<FabricInner>, dev: &Arc<DeviceInner>)
             continue;
         }
         let mut g = sync::lock(&l.st);
-        if g.state == State::Listen {
+        // A removal of the device that began meanwhile may have walked past this listener
+        // (see `listen`): it is checked under the listener's lock.
+        if g.state == State::Listen && !dev.removed.load(std::sync::atomic::Ordering::SeqCst) {
             g.listening
                 .get_or_insert_with(Box::default)
                 .on
