@@ -698,6 +698,30 @@ fn stress(a: &StressArgs) -> ExitCode {
     }
 }
 
+/// An iWARP connection is a TCP socket at each end this process runs: a burst that needs
+/// more descriptors than the process may open would fail at its end with EMFILE (connects
+/// refused, requests rejected). Said before the run instead, with what would fit.
+fn iwarp_descriptors_short(o: &rcm_cli::bench::BenchOpts) -> Option<String> {
+    // Devices, listeners, the dispatcher's and the tool's own descriptors.
+    const SPARE: u64 = 256;
+    if !o.iwarp || o.daemon.is_some() {
+        return None;
+    }
+    let ends: u64 = if o.listen || o.server.is_some() { 1 } else { 2 };
+    let limit = rcm_cli::raise_fd_limit()?;
+    let n = if o.serial { 1 } else { o.connections as u64 };
+    let need = n.saturating_mul(ends).saturating_add(SPARE);
+    (need > limit).then(|| {
+        format!(
+            "{n} iWARP connections in flight need about {need} open files here (a TCP socket \
+             at each of the {ends} end(s) this process runs), more than it may open ({limit}, \
+             the hard limit: ulimit -Hn); give -c {} or fewer, raise the limit, or run the two \
+             ends as two processes (--listen and --server)",
+            limit.saturating_sub(SPARE) / ends
+        )
+    })
+}
+
 fn ps_default_port(ps: rcm::PortSpace) -> u16 {
     ps.default_port()
 }
@@ -800,6 +824,10 @@ fn bench(a: &BenchArgs) -> ExitCode {
             "rcm bench: --breakdown stamps the hops of RoCEv2 devices (an iWARP connect is \
              TCP's handshake and the MPA exchange, which it does not see)"
         );
+        return ExitCode::from(2);
+    }
+    if let Some(e) = iwarp_descriptors_short(&o) {
+        eprintln!("rcm bench: {e}");
         return ExitCode::from(2);
     }
     // Created before the run: a long run must not end in "cannot write".

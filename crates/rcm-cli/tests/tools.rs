@@ -302,6 +302,26 @@ fn bench_usage_errors_are_clear() {
 /// A run first makes its warm-up connections (cmtime's), one at a time and not counted:
 /// 100 by default, never more than -c, as many as asked with --warmup, none with 0; and a
 /// server, which makes no connections, refuses the option.
+/// An iWARP burst needing more descriptors than the process may open is refused before it
+/// runs, saying what would fit: it failed at its end with EMFILE (connects refused,
+/// requests rejected) after setting up everything else.
+#[test]
+fn an_iwarp_burst_beyond_the_open_file_limit_is_refused_up_front() {
+    let out = Command::new("bash")
+        .arg("-c")
+        // `ulimit -n` sets the hard limit too: the tool cannot raise it past 600.
+        .arg(format!(
+            "ulimit -n 600 && exec {} bench --transport iwarp -c 1000 --udp-port 24995",
+            env!("CARGO_BIN_EXE_rcm")
+        ))
+        .output()
+        .expect("bash");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(out.stdout.is_empty(), "the bench ran");
+    assert!(err.contains("give -c 172 or fewer"), "{err}");
+}
+
 #[test]
 fn bench_warms_up_with_uncounted_connections_first() {
     for (args, want) in [
