@@ -2226,10 +2226,11 @@ fn a_req_for_another_transport_than_rc_is_refused_as_rdma_cm_does() {
 }
 
 /// Linux's MAD layer answers a Get or Set that no agent takes (`generate_unmatched_resp`)
-/// by echoing the whole MAD as GetResp with status 0x000C, whatever its class and
-/// attribute; the CM agent takes only Sends. ClassPortInfo is no exception.
+/// by echoing the whole MAD as GetResp with status 0x000C: ClassPortInfo of the CM class,
+/// any attribute of another class; the CM agent takes only Sends. A CM-class Get or Set of
+/// another attribute (a CM message) is dropped before (`validate_mad`): no answer.
 #[test]
-fn any_get_or_set_is_echoed_as_getresp_0x000c() {
+fn a_get_or_set_no_agent_takes_is_echoed_as_getresp_0x000c() {
     let mut t = T::new();
     let rtu = CmMad::send(0x42, CmMessage::Rtu(Rtu::default()))
         .emit()
@@ -2242,7 +2243,6 @@ fn any_get_or_set_is_echoed_as_getresp_0x000c() {
     other_class[1] = 0x04; // performance management
     let mut cases = Vec::new();
     for (base, method) in [
-        (rtu, mad::method::GET),
         (cpi, mad::method::SET),
         (cpi, mad::method::GET),
         (other_class, mad::method::GET),
@@ -2263,7 +2263,8 @@ fn any_get_or_set_is_echoed_as_getresp_0x000c() {
     }
     assert_eq!(t.ep.stats().unsupported_get_set, cases.len() as u64);
     // Nothing else is answered: a GetResp, a Send of an unknown attribute, either subnet
-    // management class (LID-routed, directed-route), another base version.
+    // management class (LID-routed, directed-route), another base version, a Get or Set of
+    // a CM message or of an unknown CM attribute.
     let mut getresp = cases[0];
     getresp[3] = mad::method::GET_RESP;
     let mut unknown_send = rtu;
@@ -2273,8 +2274,22 @@ fn any_get_or_set_is_echoed_as_getresp_0x000c() {
     smp_dr[1] = 0x81;
     let mut v2 = cases[0];
     v2[0] = 2;
-    for m in [getresp, unknown_send, smp_lid, smp_dr, v2] {
+    let (mut get_rtu, mut set_unknown) = (rtu, unknown_send);
+    get_rtu[3] = mad::method::GET;
+    set_unknown[3] = mad::method::SET;
+    let rx_before = t.ep.stats().rx_malformed;
+    for m in [
+        getresp,
+        unknown_send,
+        smp_lid,
+        smp_dr,
+        v2,
+        get_rtu,
+        set_unknown,
+    ] {
         t.ep.handle_datagram(t.now, ip(PEER), &m);
         assert!(t.ep.poll_transmit().is_none(), "{:02x?}", &m[..4]);
     }
+    assert!(t.events().is_empty(), "a Get of an RTU is not an RTU");
+    assert!(t.ep.stats().rx_malformed > rx_before);
 }

@@ -1889,20 +1889,24 @@ fn check_pd(what: &'static str, pd: &[u8], max: usize) -> Result<(), CmError> {
     Ok(())
 }
 
-/// The answer to a Get or Set MAD, of any class and attribute: nothing here serves one
-/// (the CM's messages are Sends, and the Linux CM has no ClassPortInfo handler either), so
-/// it gets what Linux's MAD layer gives a Get or Set no agent took (`generate_unmatched_resp`):
-/// the MAD echoed whole as GetResp with status 0x000C, method/attribute combination not
-/// supported. A MAD of another base version, a subnet management class (never valid on
-/// QP1) or any other method gets nothing.
+/// The answer to a Get or Set MAD: nothing here serves one (the CM's messages are Sends,
+/// and the Linux CM has no ClassPortInfo handler either), so it gets what Linux's MAD layer
+/// gives a Get or Set no agent took (`generate_unmatched_resp`): the MAD echoed whole as
+/// GetResp with status 0x000C, method/attribute combination not supported. A MAD of another
+/// base version, a subnet management class (never valid on QP1), any other method, or a
+/// CM-class one of another attribute than ClassPortInfo gets nothing: mad.c's
+/// `validate_mad` drops those first ("CM attributes other than ClassPortInfo only use Send
+/// method").
 fn unsupported_get_set(mad: &[u8]) -> Option<[u8; rcm_wire::roce::MAD_LEN]> {
     /// Subnet management, LID-routed and directed-route: refused on the GSI QP.
     const SMP_CLASSES: [u8; 2] = [0x01, 0x81];
     let m: &[u8; rcm_wire::roce::MAD_LEN] = mad.try_into().ok()?;
     let (base, class, method) = (m[0], m[1], m[3]);
+    let attr = u16::from_be_bytes([m[16], m[17]]);
     if base != mad::BASE_VERSION
         || SMP_CLASSES.contains(&class)
         || !matches!(method, mad::method::GET | mad::method::SET)
+        || (class == mad::MGMT_CLASS_CM && attr != rcm_wire::cm::attr::CLASS_PORT_INFO)
     {
         return None;
     }
