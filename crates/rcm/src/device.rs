@@ -1499,12 +1499,13 @@ fn classify(buf: &[u8]) -> Rx<'_> {
     let Ok(p) = RocePacket::parse(buf) else {
         return Rx::Bad;
     };
-    if p.bth.dest_qp == roce::GSI_QPN {
-        return GsiDatagram::from_packet(&p).map_or(Rx::Bad, Rx::Gsi);
-    }
-    // The default partition (full or limited membership), as rxe's P_Key check.
+    // The default partition (full or limited membership), as rxe's P_Key check, which
+    // QP1's MADs pass too (`check_keys`): a MAD of another partition is not answered.
     if p.bth.pkey & 0x7FFF != 0x7FFF {
         return Rx::Bad;
+    }
+    if p.bth.dest_qp == roce::GSI_QPN {
+        return GsiDatagram::from_packet(&p).map_or(Rx::Bad, Rx::Gsi);
     }
     let imm = match p.bth.opcode {
         Opcode::UD_SEND_ONLY => None,

@@ -938,6 +938,47 @@ fn psns_and_read_resources_follow_the_wire() {
     f.shutdown();
 }
 
+/// A CM MAD of another partition than the default one (the BTH's P_Key) is dropped, as
+/// rxe's `check_keys` drops it for QP1 too: no REP answers it. Limited membership of the
+/// default partition (0x7FFF) is the default partition.
+#[test]
+fn a_mad_of_another_partition_is_not_answered() {
+    use rcm_wire::roce::{emit_gsi, IpForIcrc};
+    let f = one_device(24807);
+    let peer = RawPeer::new(24807);
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 7478)).unwrap();
+    l.listen(4).unwrap();
+    let ip = IpForIcrc::v4(
+        std::net::Ipv4Addr::new(127, 0, 0, 2),
+        std::net::Ipv4Addr::LOCALHOST,
+    );
+    let send = |pkey: u16, comm_id: u32| {
+        let req = rcm_wire::cm::Req {
+            local_comm_id: comm_id,
+            ..raw_req(7478, IpAddr::from([127, 0, 0, 1]), 1)
+        };
+        let mad = rcm_wire::cm::CmMad::send(u64::from(comm_id), rcm_wire::cm::CmMessage::Req(req))
+            .emit()
+            .expect("encodes");
+        let mut udp = emit_gsi(&ip, 24807, 0, &mad);
+        udp[2..4].copy_from_slice(&pkey.to_be_bytes());
+        peer.sock.send_to(&udp, ("127.0.0.1", 24807)).unwrap();
+    };
+    send(0x1234, 1);
+    send(0x8000, 2);
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "a REQ of another partition was taken"
+    );
+    send(0x7FFF, 3);
+    let e = ch.get_event(Some(T)).expect("CONNECT_REQUEST");
+    assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
+    drop(e);
+    f.shutdown();
+}
+
 /// The QP's ACK timeout on the active side follows the REP's target ACK delay (Linux's
 /// cm_rep_handler recomputes it, and RTS takes it): a peer with ACK delay 20 makes it 21,
 /// where the REQ announced 19 from our own delay.
