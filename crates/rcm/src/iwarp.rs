@@ -25,7 +25,8 @@ use crate::sync;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use rcm_proto::iw::{self, Cep, CepConfig, TcpAction};
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -102,7 +103,13 @@ pub(crate) struct IwEngine {
     /// Their keys, oldest first (with keys of streams that have since left the state, pruned
     /// as it grows).
     half_open_order: VecDeque<ConnKey>,
-    /// When the I/O thread last looked through every stream's deadline.
+    /// Streams' timer and drain deadlines as they were set (a stream's later change is a
+    /// new entry; an entry its stream has since moved past is stale and skipped): what is
+    /// due comes off the top, without a look through every stream. Rebuilt from the
+    /// streams when stale entries outnumber them.
+    deadlines: BinaryHeap<Reverse<(Instant, ConnKey)>>,
+    /// When the I/O thread last looked through every stream's deadline (a safety net, once
+    /// a second at most: `deadlines` has every deadline set).
     last_scan: Option<Instant>,
     /// When listeners whose accept failed for want of a resource (descriptors, memory) are
     /// tried again, and which: their queued connections raise no new edge.
@@ -255,6 +262,7 @@ impl IwDev {
                 sleeping_until: None,
                 half_open: 0,
                 half_open_order: VecDeque::new(),
+                deadlines: BinaryHeap::new(),
                 last_scan: None,
                 stalled: None,
             }),
@@ -407,8 +415,9 @@ impl IwEngine {
             self.conns.remove(&key);
             return;
         }
-        let next = c.cep.poll_timeout().into_iter().chain(c.drain_by).min();
-        self.note_deadline(next);
+        let (timer, drain) = (c.cep.poll_timeout(), c.drain_by);
+        self.note_deadline(key, timer);
+        self.note_deadline(key, drain);
     }
 
     /// The oldest stream still waiting for its MPA Request, taken off the order.
@@ -433,11 +442,29 @@ impl IwEngine {
         }
     }
 
-    /// A stream's timer or drain deadline may now be `t`.
-    fn note_deadline(&mut self, t: Option<Instant>) {
+    /// Stream `key`'s timer or drain deadline may now be `t`.
+    fn note_deadline(&mut self, key: ConnKey, t: Option<Instant>) {
         if let Some(t) = t {
             self.earliest = Some(self.earliest.map_or(t, |e| e.min(t)));
+            if self.deadlines.len() > 2 * self.conns.len() + 1024 {
+                self.rebuild_deadlines();
+            }
+            self.deadlines.push(Reverse((t, key)));
         }
+    }
+
+    /// `deadlines` from the streams' own, stale entries gone.
+    fn rebuild_deadlines(&mut self) {
+        self.deadlines = self
+            .conns
+            .iter()
+            .flat_map(|(k, c)| {
+                [c.cep.poll_timeout(), c.drain_by]
+                    .into_iter()
+                    .flatten()
+                    .map(|t| Reverse((t, *k)))
+            })
+            .collect();
     }
 }
 
@@ -625,6 +652,8 @@ impl DeviceInner {
                     half_open: false,
                 },
             );
+            let t = e.conns.get(&key).and_then(|c| c.cep.poll_timeout());
+            e.note_deadline(key, t);
             Ok(key)
         })
     }
@@ -764,7 +793,7 @@ impl DeviceInner {
                     continue;
                 }
                 let cep = Cep::passive(now, iw.cfg.clone());
-                e.note_deadline(cep.poll_timeout());
+                e.note_deadline(k, cep.poll_timeout());
                 e.conns.insert(
                     k,
                     Conn {
@@ -875,39 +904,42 @@ impl DeviceInner {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        // Nothing due yet: no look through every stream (most are idle). With no deadline
-        // known, one look every 100 ms all the same.
+        // Nothing due yet: no look at the streams (most are idle). With no deadline known,
+        // a look through every stream once a second all the same, rebuilding `deadlines`.
         let recent = e
             .last_scan
-            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_millis(100));
+            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1));
         if e.earliest.map_or(recent, |t| t > now) {
             return soonest(e);
         }
-        e.last_scan = Some(now);
-        let due: Vec<ConnKey> = e
-            .conns
-            .iter()
-            .filter(|(_, c)| c.cep.poll_timeout().is_some_and(|t| t <= now))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in due {
-            e.with_cep(k, now, &iw.registry, |c| c.on_timer(now));
+        if e.earliest.is_none() {
+            e.last_scan = Some(now);
+            e.rebuild_deadlines();
         }
-        let drained: Vec<ConnKey> = e
-            .conns
-            .iter()
-            .filter(|(_, c)| c.drain_by.is_some_and(|t| t <= now))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in drained {
-            e.drive(k, now, &iw.registry);
+        // What is due, off the top; each stream's own deadlines decide (an entry is stale
+        // once its stream moved on, and a stream may have two entries due).
+        let mut keys = Vec::new();
+        while let Some(&Reverse((t, k))) = e.deadlines.peek() {
+            if t > now {
+                break;
+            }
+            e.deadlines.pop();
+            keys.push(k);
         }
-        e.earliest = e
-            .conns
-            .values()
-            .filter_map(|c| c.cep.poll_timeout())
-            .chain(e.conns.values().filter_map(|c| c.drain_by))
-            .min();
+        keys.sort_unstable();
+        keys.dedup();
+        for k in keys {
+            let due = |e: &IwEngine, f: fn(&Conn) -> Option<Instant>| {
+                e.conns.get(&k).and_then(f).is_some_and(|t| t <= now)
+            };
+            if due(e, |c| c.cep.poll_timeout()) {
+                e.with_cep(k, now, &iw.registry, |c| c.on_timer(now));
+            }
+            if due(e, |c| c.drain_by) {
+                e.drive(k, now, &iw.registry);
+            }
+        }
+        e.earliest = e.deadlines.peek().map(|Reverse((t, _))| *t);
         soonest(e)
     }
 }
