@@ -37,6 +37,15 @@ fn channel_pair(f: &Fabric, port: u16) -> Pair {
 
 /// Like [`channel_pair`], the listener on `server`'s fabric and the client on `client`'s.
 fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
+    channel_pair_holding(server, client_f, port).0
+}
+
+/// [`channel_pair_across`], and the client's ESTABLISHED, taken and not yet acked.
+fn channel_pair_holding(
+    server: &Fabric,
+    client_f: &Fabric,
+    port: u16,
+) -> (Pair, rcm::ChannelEvent) {
     let srv = EventChannel::new();
     let cli = EventChannel::new();
     let listener = server.create_id_on(PortSpace::Tcp, &srv);
@@ -49,15 +58,28 @@ fn channel_pair_across(server: &Fabric, client_f: &Fabric, port: u16) -> Pair {
     child.accept(&AcceptOptions::default()).unwrap();
     expect_ev(&cli, &client, "CONNECT_RESPONSE");
     client.establish().unwrap();
-    expect_ev(&cli, &client, "ESTABLISHED");
+    let established = cli.get_event(Some(T)).expect("ESTABLISHED");
+    assert_eq!(established.id(), &client);
+    assert!(matches!(established.event(), Event::Established { .. }));
     expect_ev(&srv, &child, "ESTABLISHED");
-    Pair {
+    let pair = Pair {
         srv,
         cli,
         listener,
         client,
         child,
-    }
+    };
+    (pair, established)
+}
+
+/// Two fabrics on UDP port `port`: a server's with a device on 127.0.0.1, a client's on
+/// 127.0.0.2.
+fn two_fabrics(port: u16) -> (Fabric, Fabric) {
+    let server = Fabric::new(config(port));
+    server.add_device(ip(1)).unwrap();
+    let client_f = Fabric::new(config(port));
+    client_f.add_device(ip(2)).unwrap();
+    (server, client_f)
 }
 
 /// A client of `f` on `ch`, resolved to `dst` (from `src`, when given), and its `connect`.
@@ -1487,10 +1509,7 @@ fn ids_made_during_a_shutdown_do_not_outlive_it() {
 #[test]
 fn dropping_the_last_fabric_handle_shuts_it_down() {
     let port = 25021;
-    let server = Fabric::new(config(port));
-    server.add_device(ip(1)).unwrap();
-    let client_f = Fabric::new(config(port));
-    client_f.add_device(ip(2)).unwrap();
+    let (server, client_f) = two_fabrics(port);
     let Pair {
         srv, client, child, ..
     } = channel_pair_across(&server, &client_f, 7000);
@@ -1521,27 +1540,17 @@ fn dropping_the_last_fabric_handle_shuts_it_down() {
 /// devices had stopped and its DREQ could not leave (the peer kept its end up for good).
 #[test]
 fn shutdown_with_an_event_held_still_disconnects_the_peer() {
-    let port = 25064;
-    let server = Fabric::new(config(port));
-    server.add_device(ip(1)).unwrap();
-    let client_f = Fabric::new(config(port));
-    client_f.add_device(ip(2)).unwrap();
-    let srv = EventChannel::new();
-    let cli = EventChannel::new();
-    let listener = server.create_id_on(PortSpace::Tcp, &srv);
-    listener.bind(addr(1, 7001)).unwrap();
-    listener.listen(0).unwrap();
-    let (client, r) = dialed(&client_f, &cli, None, addr(1, 7001));
-    r.unwrap();
-    let (child, ev) = next(&srv);
-    assert!(matches!(ev, Event::ConnectRequest { .. }), "{ev:?}");
-    child.accept(&AcceptOptions::default()).unwrap();
-    expect_ev(&cli, &client, "CONNECT_RESPONSE");
-    client.establish().unwrap();
-    expect_ev(&srv, &child, "ESTABLISHED");
-    // The client's ESTABLISHED, taken and held across the shutdown.
-    let held = cli.get_event(Some(T)).expect("ESTABLISHED");
-    assert!(matches!(held.event(), Event::Established { .. }));
+    let (server, client_f) = two_fabrics(25064);
+    let (
+        Pair {
+            srv,
+            listener,
+            client,
+            child,
+            ..
+        },
+        held,
+    ) = channel_pair_holding(&server, &client_f, 7001);
     client_f.shutdown();
     expect_ev(&srv, &child, "DISCONNECTED");
     assert!(
