@@ -331,7 +331,7 @@ mod tests {
         clear();
         let before = hold_offs();
         let mut looks = 0;
-        spin_until(Duration::from_millis(30), || {
+        spin_until(Duration::from_millis(100), || {
             looks += 1;
             let end = Instant::now() + 2 * STOLEN_YIELD;
             while Instant::now() < end {
