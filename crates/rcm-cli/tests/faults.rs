@@ -3022,9 +3022,17 @@ fn malformed_packets_are_dropped() {
     mutate("MAD class 0x81 (DR SMP)", 21, &[0x81], true);
     mutate("CM class version 1", 22, &[1], true);
     mutate("CM class version 3", 22, &[3], true);
-    // Not malformed: a Get is answered GetResp(0x000C), as Linux's MAD layer does (below).
-    mutate("method Get on a REQ", 23, &[1], false);
+    // A Get of a CM message is dropped, as mad.c's validate_mad drops it (CM attributes
+    // other than ClassPortInfo only use Send); a Get of ClassPortInfo is answered
+    // GetResp(0x000C), as Linux's MAD layer does (below).
+    mutate("method Get on a REQ", 23, &[1], true);
     mutate("unknown attribute 0x0099", 36, &[0, 0x99], true);
+    {
+        let mut p = base.clone();
+        p[23] = 1;
+        p[36..38].copy_from_slice(&[0, 1]);
+        kinds.push(("method Get on ClassPortInfo".into(), p, false));
+    }
     for size in [300, 1400, 4000, 9000, 60000] {
         let mut p = base[..276].to_vec();
         p.resize(size - 4, 0xA5);
@@ -3069,7 +3077,7 @@ fn malformed_packets_are_dropped() {
     assert_eq!(
         d("/get_set"),
         EACH as u64,
-        "every Get answered GetResp(0x000C), nothing else"
+        "every Get of ClassPortInfo answered GetResp(0x000C), nothing else"
     );
     assert_eq!(
         s["groups"]["s"]["ev"],
