@@ -168,7 +168,7 @@ pub(crate) struct IdState {
     /// Passive child: its listener, and whether the connect request is still unseen.
     listener: Option<Weak<IdInner>>,
     pub request_unseen: bool,
-    /// iWARP child: its request holds a place in the listener's backlog (until delivered).
+    /// Passive child: its request holds a place in the listener's backlog (until delivered).
     in_backlog: bool,
     /// iWARP: the device's TCP stream this id owns.
     /// (Keys start at 1: the niche keeps this 8 bytes.)
@@ -182,8 +182,7 @@ struct Listening {
     on: Vec<(Arc<DeviceInner>, u64)>,
     wildcard: bool,
     backlog: usize,
-    /// iWARP: children whose connect request is not delivered to the application yet (the
-    /// RoCE engine keeps its own backlog).
+    /// Children whose connect request is not delivered to the application yet.
     undelivered: usize,
     /// Its children (each leaves when destroyed).
     children: foldhash::HashMap<u64, Weak<IdInner>>,
@@ -1857,13 +1856,19 @@ fn unregister_listen(d: &Arc<DeviceInner>, sid: u64, id: &IdInner) {
     }
 }
 
-/// An iWARP child's request was delivered (or answered, or the child goes): its place in the
+/// Whether a listener's requests not delivered yet fill its backlog (`default` when it
+/// asked for 0).
+fn backlog_full(l: Option<&Listening>, default: usize) -> bool {
+    l.is_some_and(|l| l.undelivered >= if l.backlog == 0 { default } else { l.backlog })
+}
+
+/// A child's request was delivered (or answered, or the child goes): its place in the
 /// listener's backlog is free. The child's lock is not held while the listener's is taken.
 fn leave_backlog(child: &IdInner) {
     free_backlog_place(sync::lock(&child.st));
 }
 
-/// A child's connect request reached the application: no longer unseen, and (iWARP) its
+/// A child's connect request reached the application: no longer unseen, and its
 /// backlog place is free. One lock of the child's state on this per-connection path.
 fn request_delivered(child: &IdInner) {
     let mut g = sync::lock(&child.st);
@@ -2179,6 +2184,7 @@ pub(crate) fn on_connect_request(
         g.cep = Some(cep);
         g.listener = Some(Arc::downgrade(&lst));
         g.request_unseen = true;
+        g.in_backlog = true;
         if let Incoming::Rc(info) = &inc {
             g.conn.remote_qpn = info.remote_qpn;
             g.conn.remote_psn = info.starting_psn;
@@ -2204,19 +2210,36 @@ pub(crate) fn on_connect_request(
     // the fully built child and tell the user.
     {
         let mut g = sync::lock(&lst.st);
+        // The engine's backlog counts requests not answered yet, and a peer's REJ(TIMEOUT)
+        // answers one for it, leaving its child: this one counts those not delivered, as
+        // ucma's does, so that a peer repeating REQ and REJ cannot pile up children behind
+        // a listener nobody reads. One more is dropped unanswered (-ENOMEM in ucma), the
+        // peer's retry to find room; a SIDR request is answered REJECT, as cm.c does.
+        let full = backlog_full(g.listening.as_deref(), rcm_proto::ib::DEFAULT_BACKLOG);
         if g.state != State::Listen
             || !lst.slot.is_live()
             || dev.removed.load(std::sync::atomic::Ordering::SeqCst)
+            || full
         {
             drop(g);
-            sync::lock(&child.0.st).request_unseen = false;
+            let quiet = {
+                let mut c = sync::lock(&child.0.st);
+                c.request_unseen = false;
+                c.in_backlog = false;
+                // Answered here, not by the child's teardown.
+                full && c.cep.take().is_some()
+            };
+            if quiet {
+                dev.with_engine(|ep, now| {
+                    let _ = ep.drop_request(now, cep);
+                });
+            }
             drop(child.begin_destroy());
             return;
         }
-        g.listening
-            .get_or_insert_with(Box::default)
-            .children
-            .insert(child.0.key, Arc::downgrade(&child.0));
+        let l = g.listening.get_or_insert_with(Box::default);
+        l.undelivered += 1;
+        l.children.insert(child.0.key, Arc::downgrade(&child.0));
         join_listeners_channel(&lst, &child);
     }
     // Fully built (device set): visible to device removal from here on.
@@ -3110,14 +3133,7 @@ fn on_iw_connect_request(
         // does (0: 1,024, ucma's max_backlog); one more is refused (an MPA Reject, as for a
         // listener that is gone): a listener whose callbacks are slow cannot be made to
         // hold any number of children and streams.
-        let full = g.listening.as_ref().is_some_and(|l| {
-            l.undelivered
-                >= if l.backlog == 0 {
-                    crate::iwarp::IW_DEFAULT_BACKLOG
-                } else {
-                    l.backlog
-                }
-        });
+        let full = backlog_full(g.listening.as_deref(), crate::iwarp::IW_DEFAULT_BACKLOG);
         if g.state != State::Listen
             || !lst.slot.is_live()
             || dev.removed.load(std::sync::atomic::Ordering::SeqCst)

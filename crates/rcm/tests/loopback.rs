@@ -944,8 +944,8 @@ fn psns_and_read_resources_follow_the_wire() {
 #[test]
 fn a_mad_of_another_partition_is_not_answered() {
     use rcm_wire::roce::{emit_gsi, IpForIcrc};
-    let f = one_device(24807);
-    let peer = RawPeer::new(24807);
+    let f = one_device(24821);
+    let peer = RawPeer::new(24821);
     let ch = EventChannel::new();
     let l = f.create_id_on(PortSpace::Tcp, &ch);
     l.bind(addr(1, 7478)).unwrap();
@@ -962,9 +962,9 @@ fn a_mad_of_another_partition_is_not_answered() {
         let mad = rcm_wire::cm::CmMad::send(u64::from(comm_id), rcm_wire::cm::CmMessage::Req(req))
             .emit()
             .expect("encodes");
-        let mut udp = emit_gsi(&ip, 24807, 0, &mad);
+        let mut udp = emit_gsi(&ip, 24821, 0, &mad);
         udp[2..4].copy_from_slice(&pkey.to_be_bytes());
-        peer.sock.send_to(&udp, ("127.0.0.1", 24807)).unwrap();
+        peer.sock.send_to(&udp, ("127.0.0.1", 24821)).unwrap();
     };
     send(0x1234, 1);
     send(0x8000, 2);
@@ -974,6 +974,96 @@ fn a_mad_of_another_partition_is_not_answered() {
     );
     send(0x7FFF, 3);
     let e = ch.get_event(Some(T)).expect("CONNECT_REQUEST");
+    assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
+    drop(e);
+    f.shutdown();
+}
+
+/// A peer that sends a REQ and then withdraws it (REJ with reason Timeout, what an active
+/// side's destroy in REQ_SENT sends) frees the engine's backlog place, but the child and its
+/// CONNECT_REQUEST stay for the application: repeated, that piled up children without
+/// bound behind a listener nobody reads. The backlog counts requests not delivered, as
+/// ucma's does: past it a REQ is dropped unanswered (the peer's retry may find room), and
+/// once the application takes the requests new ones come in again.
+#[test]
+fn withdrawn_requests_do_not_pile_up_behind_an_unread_listener() {
+    use rcm_wire::cm::{CmMessage, Rej, RejReason};
+    let f = one_device(24822);
+    let peer = RawPeer::new(24822);
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 7479)).unwrap();
+    l.listen(4).unwrap();
+    let (base, ceps) = (f.live_ids(), f.engine_ceps());
+    let dst = IpAddr::from([127, 0, 0, 1]);
+    let withdraw = |comm_id: u32| {
+        let req = rcm_wire::cm::Req {
+            local_comm_id: comm_id,
+            ..raw_req(7479, dst, 1)
+        };
+        let guid = req.local_ca_guid;
+        peer.send(CmMessage::Req(req), u64::from(comm_id));
+        peer.send(
+            CmMessage::Rej(Rej {
+                local_comm_id: comm_id,
+                reason: RejReason::Timeout,
+                reject_info_length: 8,
+                ari: guid.to_be_bytes().to_vec(),
+                ..Rej::default()
+            }),
+            u64::from(comm_id),
+        );
+    };
+    for i in 1..=40 {
+        withdraw(0x1000 + i);
+    }
+    // The device takes datagrams in order: the DREP to a DREQ for no connection (answered
+    // without state) means every pair before it was handled, and nothing came before it:
+    // a request past the backlog is dropped unanswered (the peer may send it again).
+    peer.send(
+        CmMessage::Dreq(rcm_wire::cm::Dreq {
+            local_comm_id: 0x9999,
+            remote_comm_id: 0x7654_3210,
+            ..rcm_wire::cm::Dreq::default()
+        }),
+        0x9999,
+    );
+    let first = peer.recv();
+    assert!(
+        matches!(first, CmMessage::Drep(_)),
+        "the first answer is the DREP: {first:?}"
+    );
+    // The engine answered; its events may still be on their way to the ids.
+    let t0 = std::time::Instant::now();
+    while f.live_ids() - base < 4 && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        f.live_ids() - base,
+        4,
+        "children held for requests not delivered: the backlog's 4"
+    );
+    assert!(
+        f.engine_ceps() - ceps <= 4,
+        "engine endpoints held past the backlog: {}",
+        f.engine_ceps() - ceps
+    );
+    // The application reads: each request taken frees its place (the child then goes).
+    let mut taken = 0;
+    while let Some(mut e) = ch.get_event(Some(Duration::from_millis(200))) {
+        if let Some(Event::ConnectRequest { .. }) = e.take() {
+            taken += 1;
+            drop(e.id().destroy());
+        }
+    }
+    assert_eq!(taken, 4, "the four requests in the backlog were delivered");
+    let req = rcm_wire::cm::Req {
+        local_comm_id: 0x2000,
+        ..raw_req(7479, dst, 1)
+    };
+    peer.send(CmMessage::Req(req), 0x2000);
+    let e = ch.get_event(Some(T)).expect("a new request gets in");
     assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
     drop(e);
     f.shutdown();

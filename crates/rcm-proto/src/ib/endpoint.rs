@@ -1112,6 +1112,21 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Forgets a REQ received and not answered yet, sending nothing, so that the peer's
+    /// retry may find room (Linux `cm_destroy_id` with -ENOMEM from REQ_RCVD, which ucma's
+    /// full backlog gives: "do not reject to allow future retries"). Any other state is
+    /// an ordinary [`Endpoint::destroy`] (a SIDR request is answered REJECT, as cm.c does
+    /// whatever the error).
+    pub fn drop_request(&mut self, now: Instant, h: CepHandle) -> Result<(), CmError> {
+        if self.cep_mut(h)?.state != State::ReqRcvd {
+            return self.destroy(now, h);
+        }
+        self.events.retain(|(eh, _)| *eh != h);
+        self.stats.rx_backlog_drops += 1;
+        self.remove_cep(h);
+        Ok(())
+    }
+
     fn orphan_into_timewait(&mut self, now: Instant, h: CepHandle) {
         if let Some(c) = self.ceps.get_mut(&h) {
             c.orphan = true;
