@@ -605,12 +605,29 @@ fn duplicate_rep_resends_rtu_when_established() {
 }
 
 #[test]
-fn duplicate_rep_in_rep_rcvd_is_dropped() {
+fn a_duplicate_rep_before_the_rtu_gets_rdma_cms_mra() {
+    // rdma_cm prepares a delayed MRA at REP_RECEIVED (cma_ib_handler), which cm.c's
+    // `cm_dup_rep_handler` sends when the REP comes again: the application has not sent
+    // the RTU yet.
     let mut t = T::new();
-    let (_, id, tid) = t.rep_rcvd();
+    let (h, id, tid) = t.rep_rcvd();
     t.recv(tid, CmMessage::Rep(peer_rep(id)));
-    t.nothing_sent();
+    let CmMessage::Mra(m) = t.sent_one().msg else {
+        panic!("expected an MRA")
+    };
+    assert_eq!(
+        (
+            m.message_mraed,
+            m.service_timeout,
+            m.remote_comm_id,
+            m.local_comm_id
+        ),
+        (MsgCode::Rep, 24, PEER_ID, id)
+    );
     assert!(t.events().is_empty());
+    assert_eq!(t.ep.state(h), Some(State::MraRepSent));
+    t.ep.establish(h).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rtu(_)));
 }
 
 #[test]
@@ -1033,14 +1050,31 @@ fn notify_established_stands_in_for_a_lost_rtu() {
 }
 
 #[test]
-fn duplicate_req_while_unanswered_is_dropped() {
+fn a_duplicate_req_while_unanswered_gets_rdma_cms_mra() {
+    // rdma_cm prepares a delayed MRA (service timeout 24) for every request its consumer
+    // has not answered, and cm.c sends it when the REQ comes again: the capture
+    // f1-mra.pcap shows it (REQ, REQ, MRA 24, REP).
     let mut t = T::new();
-    let (_, c, _) = t.req_rcvd();
-    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let (_, c, id) = t.req_rcvd();
+    for _ in 0..2 {
+        t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+        let m = t.sent_one();
+        assert_eq!(m.header.tid, TID);
+        let CmMessage::Mra(mra) = m.msg else {
+            panic!("expected an MRA, got {:?}", m.msg)
+        };
+        assert_eq!((mra.local_comm_id, mra.remote_comm_id), (id, PEER_ID));
+        assert_eq!((mra.message_mraed, mra.service_timeout), (MsgCode::Req, 24));
+        assert!(t.events().is_empty());
+        assert_eq!(t.ep.state(c), Some(State::MraReqSent));
+        assert_eq!(t.ep.cep_count(), 1);
+    }
+    // The application's own lazy MRA is still taken (it sets the time later MRAs give),
+    // and so is its accept.
+    t.ep.mra(c, 20, true).unwrap();
     t.nothing_sent();
-    assert!(t.events().is_empty());
-    assert_eq!(t.ep.state(c), Some(State::ReqRcvd));
-    assert_eq!(t.ep.cep_count(), 1);
+    t.ep.accept(t.now, c, &AcceptParams::default()).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Rep(_)));
 }
 
 #[test]
@@ -1400,6 +1434,8 @@ fn wildcard_listener_by_port_space_mask() {
 
 // ---------------------------------------------------------------- ids, destroy, misc
 
+/// Local comm IDs are a cyclic index XOR a random operand (`alloc_local_id`): unique, not a
+/// counter, and never one a connection in timewait still holds.
 #[test]
 fn comm_ids_are_unique_random_and_not_reused_in_timewait() {
     let mut a = T::with(|c| c.seed = 1);
@@ -1410,16 +1446,80 @@ fn comm_ids_are_unique_random_and_not_reused_in_timewait() {
         ra.local_comm_id, rb.local_comm_id,
         "start depends on the seed"
     );
+
+    // Not a counter. Consecutive indices XORed with an operand that ends in z zero bits
+    // differ by one only where the index's carry stays below bit z: about 2^-z of the
+    // steps are something else (a fall, or a jump), every step when the operand is odd. A
+    // counter steps by one each time but where it wraps or skips 0, at most once in a run
+    // this short. So over SEEDS runs a counter has at most SEEDS other steps, and the XOR
+    // allocator (about 2,000 × 2^-z a run) that few only if every seed's operand ended in
+    // 8 or more zero bits: odds under 2^-64.
+    const SEEDS: u64 = 8;
+    const N: u32 = 2000;
+    let mut other_steps = 0;
+    for seed in 0..SEEDS {
+        let mut t = T::with(|c| c.seed = seed);
+        let mut ids = std::collections::HashSet::new();
+        let mut prev: Option<u32> = None;
+        for i in 0..N {
+            let mut p = ConnectParams::new(ip(PEER), SID, i + 2);
+            p.starting_psn = Some(1);
+            let h = t.ep.connect(t.now, &p).unwrap();
+            let id = t.ep.local_comm_id(h).unwrap();
+            assert_ne!(id, 0, "seed {seed}: comm ID 0 handed out");
+            assert!(
+                ids.insert(id),
+                "seed {seed}: comm ID {id:#x} handed out twice"
+            );
+            if prev.is_some_and(|p| id != p.wrapping_add(1)) {
+                other_steps += 1;
+            }
+            prev = Some(id);
+        }
+    }
+    assert!(
+        other_steps > SEEDS,
+        "comm IDs count up by one: {other_steps} other steps in {SEEDS} runs of {N}"
+    );
+
+    // Not reused in timewait: one connection in timewait that the user still holds, one
+    // destroyed (parked with only its comm ID), and many connects meanwhile.
     let mut t = T::new();
-    let mut ids = std::collections::HashSet::new();
-    for i in 0..2000 {
-        let mut p = ConnectParams::new(ip(PEER), SID, i);
+    let (held, held_id) = t.established_passive();
+    t.peer_disconnects(held, held_id, 0x22);
+    assert_eq!(t.ep.state(held), Some(State::Timewait));
+    let (gone, gone_id) = t.established_active();
+    t.ep.destroy(t.now, gone).unwrap();
+    assert!(matches!(t.sent_one().msg, CmMessage::Dreq(_)));
+    t.recv(
+        1,
+        CmMessage::Drep(Drep {
+            local_comm_id: PEER_ID,
+            remote_comm_id: gone_id,
+            ..Drep::default()
+        }),
+    );
+    assert_eq!(
+        t.ep.state(gone),
+        None,
+        "destroyed: the user's handle is gone"
+    );
+    assert_eq!(t.ep.cep_count(), 2, "both wait out their timewait");
+    for i in 0..5000 {
+        let mut p = ConnectParams::new(ip(PEER), SID, i + 2);
         p.starting_psn = Some(1);
         let h = t.ep.connect(t.now, &p).unwrap();
-        assert!(ids.insert(t.ep.local_comm_id(h).unwrap()));
+        let id = t.ep.local_comm_id(h).unwrap();
+        assert!(
+            id != held_id && id != gone_id,
+            "connect {i} got comm ID {id:#x}, held by a connection in timewait"
+        );
+        t.ep.destroy(t.now, h).unwrap();
     }
-    let sequential = ids.iter().filter(|id| ids.contains(&(*id + 1))).count();
-    assert!(sequential < 2000, "IDs are XORed with a random operand");
+    t.sent();
+    assert_eq!(t.ep.state(held), Some(State::Timewait), "still waiting");
+    assert_eq!(t.ep.local_comm_id(held), Some(held_id));
+    assert_eq!(t.ep.cep_count(), 2, "both still wait out their timewait");
 }
 
 #[test]
