@@ -1419,6 +1419,9 @@ impl CmId {
     /// connection it rejects the peer's REP (or, before one came, withdraws the REQ) with a
     /// REJ, as Linux's `rdma_reject` does from ib_cm's REQ_SENT and REP_RCVD (librdmacm
     /// does so itself when it cannot move its QP after a REP); the peer gets `Rejected`.
+    /// On the passive side of an RC connection it may also take back an `accept` whose RTU
+    /// has not come (ib_cm's REP_SENT: the REJ, then timewait, as cm.c's
+    /// `cm_send_rej_locked`); the peer gets `Rejected` with the private data.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
         if let Some(r) = self.forward(|| Op::Reject(private_data.to_vec())) {
             return r.map(drop);
@@ -1430,11 +1433,8 @@ impl CmId {
         let (dev, cep) = {
             let g = self.usable()?;
             let passive = g.listener.is_some();
-            let allowed = if passive {
-                !g.conn.accepted
-            } else {
-                !is_ud(self.0.ps)
-            };
+            // A SIDR request is answered once: accepted, it cannot be rejected.
+            let allowed = !is_ud(self.0.ps) || (passive && !g.conn.accepted);
             if g.state != State::Connect || !allowed {
                 return Err(Error::InvalidState(g.state));
             }

@@ -131,6 +131,63 @@ fn the_active_side_may_reject_a_rep() {
     f.shutdown();
 }
 
+/// The passive side may take back its accept until the RTU comes: Linux's `rdma_reject`
+/// sends a REJ from ib_cm's REP_SENT (`cm_send_rej_locked`, then timewait), and the active
+/// side, which has the REP and has not established, gets REJECTED with the private data.
+/// (`disconnect` refuses there and points to `reject`.)
+#[test]
+fn the_passive_side_may_reject_after_accepting() {
+    let f = fabric(26631);
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(addr(1, 7631)).unwrap();
+    l.listen(4).unwrap();
+    let c = routed_ps(&f, &ch, PortSpace::Tcp, addr(1, 7631));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let mut child = None;
+    loop {
+        let (id, ev) = next(&ch);
+        match ev {
+            Event::ConnectRequest { .. } => {
+                id.accept(&AcceptOptions::default()).unwrap();
+                child = Some(id);
+            }
+            Event::ConnectResponse { .. } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let child = child.unwrap();
+    assert!(matches!(
+        child.disconnect(),
+        Err(rcm::Error::InvalidState(rcm::State::Connect))
+    ));
+    assert_eq!(
+        child.reject(b"changed my mind"),
+        Ok(()),
+        "rdma_reject after accept, before the RTU, sends a REJ in Linux"
+    );
+    assert_eq!(child.state(), rcm::State::Disconnect);
+    let (id, ev) = next(&ch);
+    assert_eq!(id, c, "{ev:?}");
+    match ev {
+        Event::Rejected {
+            reason,
+            private_data,
+        } => {
+            assert_eq!(reason, rcm_wire::cm::RejReason::ConsumerDefined);
+            assert!(private_data.starts_with(b"changed my mind"));
+        }
+        other => panic!("expected REJECTED, got {other:?}"),
+    }
+    // The client's late establish finds nothing to establish.
+    assert!(c.establish().is_err());
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "no event after the child's own reject"
+    );
+    f.shutdown();
+}
+
 /// Before any answer (ib_cm REQ_SENT) `rdma_reject` on the active side withdraws the REQ:
 /// ib_cm sends a REJ naming no message (`cm_format_rej`: "other") with the consumer reason
 /// and goes back to idle; the id reports nothing more.
