@@ -2489,7 +2489,9 @@ pub(crate) fn on_engine_event(
             Err(e) => id.slot.push(Event::ConnectError(e.into())),
         },
         After::Drep(c) => {
-            // rdma_cm answers a DREQ at once.
+            // Answered at once, where Linux waits for the application's `rdma_disconnect` or
+            // destroy (see the crate docs): nothing here is left for the application to do
+            // before the DREP (its QP, if any, is its own to flush).
             dev.with_engine(|ep, now| {
                 let _ = ep.disconnect(now, c, &[]);
             });

@@ -42,6 +42,26 @@
 //! 8. A fabric lives as long as a [`Fabric`] handle does: dropping the last one shuts it down
 //!    as [`Fabric::shutdown`] does (every id destroyed, peers sent DREQ or REJ, devices
 //!    stopped, ports released), whatever [`CmId`] handles are still held.
+//!
+//! Where the events differ from librdmacm's (each deliberate; the wire is Linux's):
+//! - The active side's [`CmId::establish`] after `ConnectResponse` is followed by
+//!   `Established`, which librdmacm never delivers there (its `rdma_establish` returning is
+//!   the end of the connect): one event loop serves both the QP-less and the attached path.
+//! - A passive child whose peer withdrew its REQ (REJ, reason Timeout) before the child was
+//!   accepted gets `Rejected`; ucma drops that event (the child's `rdma_accept` fails later).
+//!   Either way the child holds its place in its listener's backlog only until its request
+//!   is delivered.
+//! - A DREQ is answered with its DREP at once, with `Disconnected`; Linux answers it when
+//!   the application calls `rdma_disconnect` or destroys the id. A later `disconnect`
+//!   succeeds and sends nothing, as there.
+//! - `Disconnected` carries no status (Linux's is -ETIMEDOUT after a DREQ that got no DREP),
+//!   and a RoCE `Established` on a REP no connection parameters (they come with
+//!   `ConnectResponse`, and through [`CmId::init_qp_attr`]).
+//! - Address resolution looks for a device of the destination's family, not for the
+//!   destination's neighbour: an address nobody answers on resolves, and the connect to it
+//!   ends `Unreachable` when its REQs run out, where Linux's `rdma_resolve_addr` reports
+//!   ADDR_ERROR after its timeout.
+//! - [`CmId::disconnect`] refuses a RoCE connection still being set up (see there).
 
 // Under `--cfg loom` only the concurrency core (`slot`, `sync`) is built, for the models in
 // `tests/loom.rs`: the rest does I/O on std threads and sockets that loom cannot run.
