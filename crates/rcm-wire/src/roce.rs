@@ -703,6 +703,51 @@ pub fn verify_icrc(ip_header: &[u8], udp: &[u8]) -> Result<()> {
     }
 }
 
+/// Verifies the ICRC of a RoCEv2 datagram received over IPv6 from `src` (UDP source port
+/// `sport`) to `dst`, given its UDP payload (BTH … ICRC). A UDP socket cannot see an IPv4
+/// header's ID, which the ICRC covers, but everything the IPv6 ICRC covers is known to the
+/// receiver: its variant fields (traffic class, flow label, hop limit) are masked, and the
+/// lengths follow from the payload's. The destination port is taken as 4791 (a sender on
+/// another port computes its ICRCs as if on 4791, as rcm's test fabrics do).
+pub fn verify_icrc_v6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, payload: &[u8]) -> Result<()> {
+    need("RoCEv2 UDP payload", payload, BTH_LEN + ICRC_LEN)?;
+    let Ok(udp_len) = u16::try_from(8 + payload.len()) else {
+        return Err(WireError::BadField {
+            field: "UDP length",
+            value: payload.len() as u64,
+        });
+    };
+    let at = payload.len() - ICRC_LEN;
+    let carried = u32::from_le_bytes([
+        payload[at],
+        payload[at + 1],
+        payload[at + 2],
+        payload[at + 3],
+    ]);
+    let mut small = [0u8; 512];
+    let mut large = Vec::new();
+    let udp: &mut [u8] = if 8 + at <= small.len() {
+        &mut small[..8 + at]
+    } else {
+        large.resize(8 + at, 0);
+        &mut large
+    };
+    udp[0..2].copy_from_slice(&sport.to_be_bytes());
+    udp[2..4].copy_from_slice(&ROCE_V2_UDP_PORT.to_be_bytes());
+    udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
+    udp[8..].copy_from_slice(&payload[..at]);
+    let computed = icrc(&IpForIcrc::V6 { src, dst }, udp);
+    if carried == computed {
+        Ok(())
+    } else {
+        Err(WireError::BadCrc {
+            what: "ICRC",
+            carried,
+            computed,
+        })
+    }
+}
+
 /// The IP and UDP headers of the `k`th datagram, `len` bytes of UDP payload, that the kernel
 /// cuts a segmented send (`UDP_SEGMENT`) into, from the headers of the whole run as a capture
 /// or a raw socket on the sending host sees it: lengths are the piece's own, and an IPv4 ID

@@ -626,7 +626,7 @@ impl DeviceInner {
         n: usize,
         batch: impl Iterator<Item = (SocketAddr, &'a [u8])>,
     ) {
-        let mut bad = 0;
+        let (mut bad, mut bad_icrc) = (0, 0);
         let mut ud = Vec::new();
         self.with_engine(|ep, now| {
             for (from, buf) in batch {
@@ -634,7 +634,16 @@ impl DeviceInner {
                 // the scheduler hands the CPU back to in its middle must not take the wait
                 // for a stolen yield (see `crate::spin`).
                 crate::spin::look_here();
-                // A UDP socket cannot see the IPv4 ID the ICRC covers: not checked here.
+                // A UDP socket cannot see the IPv4 ID the ICRC covers: IPv4's is checked
+                // only with `verify_icrc` (a raw socket). IPv6's is checked here, as rxe
+                // checks it: rxe sends IPv6 with a zero UDP checksum, which the socket takes
+                // (UDP_NO_CHECK6_RX), so the ICRC is the only check a datagram gets.
+                if let (IpAddr::V6(src), IpAddr::V6(dst)) = (from.ip(), self.ip) {
+                    if roce::verify_icrc_v6(src, from.port(), dst, buf).is_err() {
+                        bad_icrc += 1;
+                        continue;
+                    }
+                }
                 match classify(buf) {
                     Rx::Gsi(g) => ep.handle_datagram(now, from.ip(), g.mad),
                     Rx::Ud(d) => ud.push((from.ip(), d)),
@@ -644,6 +653,11 @@ impl DeviceInner {
         });
         self.stats.rx.fetch_add(n as u64, Ordering::Relaxed);
         self.stats.rx_bad.fetch_add(bad, Ordering::Relaxed);
+        if bad_icrc > 0 {
+            self.stats
+                .rx_bad_icrc
+                .fetch_add(bad_icrc, Ordering::Relaxed);
+        }
         for (src, d) in ud {
             self.deliver_ud(src, d);
         }

@@ -1044,7 +1044,8 @@ impl Device {
         self.0.cep_states()
     }
 
-    /// Datagrams dropped for a wrong ICRC (with [`FabricConfig::verify_icrc`]; 0 without).
+    /// Datagrams dropped for a wrong ICRC: every IPv6 one, and IPv4 ones with
+    /// [`FabricConfig::verify_icrc`] (a UDP socket cannot see the IPv4 ID the ICRC covers).
     pub fn icrc_drops(&self) -> u64 {
         self.0.stats.rx_bad_icrc.load(Ordering::Relaxed)
     }
@@ -1190,10 +1191,19 @@ fn not_a_device_address(ip: IpAddr) -> Option<&'static str> {
     if ip.is_multicast() {
         return Some("a multicast address");
     }
-    if let IpAddr::V4(v4) = ip {
-        if v4.is_broadcast() {
-            return Some("the broadcast address");
+    match ip {
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("the broadcast address"),
+        // The socket would send IPv4 while the ICRC and rdma_cm's header say IPv6 (Linux's
+        // `rdma_bind_addr` finds no device for one: -EADDRNOTAVAIL); the IPv4 address is
+        // the device.
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
+            Some("IPv4-mapped (use the IPv4 address itself)")
         }
+        // Usable only with its interface (scope ID), which a device's address does not
+        // carry (Linux's `cma_check_linklocal` wants one).
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => {
+            Some("link-local (it needs an interface scope, which rcm does not carry)")
+        }
+        _ => None,
     }
-    None
 }

@@ -921,6 +921,12 @@ impl CmId {
             }
         };
         let resolved = match chosen {
+            // An IPv4 host written as IPv6: no IPv6 route goes there (Linux's
+            // `rdma_resolve_addr` fails it the same way), and a REQ sent to it would leave as
+            // IPv4 with an IPv6 ICRC and header. The IPv4 address reaches it.
+            _ if matches!(dst.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some()) => {
+                Err(Error::AddrNotAvailable(dst.ip()))
+            }
             None => Err(Error::AddrNotAvailable(src.unwrap_or(dst.ip()))),
             Some(d) if family(d.ip) != dst.is_ipv4() || !reaches(d.ip, dst.ip()) => {
                 Err(Error::AddrNotAvailable(dst.ip()))

@@ -831,14 +831,25 @@ fn a_device_port_held_elsewhere_is_addr_in_use() {
 /// A device needs one unicast address: the wildcard (which a listener uses to take every
 /// device), a multicast or the broadcast address is refused before any socket is opened,
 /// for RoCEv2 and iWARP devices alike (a RoCEv2 device "on 0.0.0.0" took every address's
-/// traffic and computed its ICRCs for source 0.0.0.0).
+/// traffic and computed its ICRCs for source 0.0.0.0). So are an IPv4-mapped IPv6 address
+/// (its socket sent IPv4 with an ICRC and an rdma_cm header for IPv6, which rxe drops; Linux
+/// finds no device for one) and a link-local one (it needs an interface scope).
 #[test]
 fn a_device_address_must_be_unicast() {
     let f = Fabric::new(FabricConfig {
         udp_port: 24809,
         ..FabricConfig::default()
     });
-    for ip in ["0.0.0.0", "::", "224.0.0.1", "ff02::1", "255.255.255.255"] {
+    for ip in [
+        "0.0.0.0",
+        "::",
+        "224.0.0.1",
+        "ff02::1",
+        "255.255.255.255",
+        "::ffff:127.0.0.1",
+        "::ffff:0.0.0.0",
+        "fe80::1",
+    ] {
         let ip: IpAddr = ip.parse().unwrap();
         for r in [f.add_device(ip), f.add_iwarp_device(ip)] {
             match r {
@@ -851,6 +862,92 @@ fn a_device_address_must_be_unicast() {
     }
     assert!(f.device_addrs().is_empty());
     f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+}
+
+/// A destination written as an IPv4-mapped IPv6 address does not resolve (ADDR_ERROR): no
+/// IPv6 route leads there, and a REQ to it left as IPv4 with an ICRC and an rdma_cm header
+/// for IPv6. The IPv4 address itself resolves.
+#[test]
+fn an_ipv4_mapped_destination_does_not_resolve() {
+    let f = Fabric::new(FabricConfig {
+        udp_port: 24823,
+        ..FabricConfig::default()
+    });
+    f.add_device("::1".parse().unwrap()).unwrap();
+    f.add_device(IpAddr::from([127, 0, 0, 1])).unwrap();
+    let ch = EventChannel::new();
+    let id = f.create_id_on(PortSpace::Tcp, &ch);
+    let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+    id.resolve_addr(None, SocketAddr::new(mapped, 7480))
+        .unwrap();
+    let e = ch.get_event(Some(T)).expect("an event");
+    assert!(
+        matches!(e.event(), Event::AddrError(Error::AddrNotAvailable(ip)) if *ip == mapped),
+        "{e:?}"
+    );
+    drop(e);
+    id.resolve_addr(None, addr(1, 7480)).unwrap();
+    let e = ch.get_event(Some(T)).expect("an event");
+    assert!(matches!(e.event(), Event::AddrResolved), "{e:?}");
+    drop(e);
+    f.shutdown();
+}
+
+/// Over IPv6 every received datagram's ICRC is checked, as rxe checks it: rxe sends IPv6
+/// with a zero UDP checksum, which a device takes, so the ICRC is the only check. A REQ with
+/// one byte changed after its ICRC was computed is dropped and counted; the same REQ intact
+/// reaches the listener.
+#[test]
+fn an_ipv6_datagram_with_a_bad_icrc_is_dropped() {
+    use rcm_wire::cm::{CmMad, CmMessage, Req, ReqPath};
+    use rcm_wire::cma::{self, CmaHdr};
+    use rcm_wire::roce::{emit_gsi, IpForIcrc};
+    use std::net::Ipv6Addr;
+    let f = Fabric::new(FabricConfig {
+        udp_port: 24824,
+        ..FabricConfig::default()
+    });
+    let me = Ipv6Addr::LOCALHOST;
+    let d = f.add_device(IpAddr::V6(me)).unwrap();
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Tcp, &ch);
+    l.bind(SocketAddr::new(IpAddr::V6(me), 7481)).unwrap();
+    l.listen(4).unwrap();
+    let peer = std::net::UdpSocket::bind((me, 0)).unwrap();
+    let sport = peer.local_addr().unwrap().port();
+    let req = Req {
+        primary_path: ReqPath {
+            local_gid: rcm_wire::Gid::from_ip(IpAddr::V6(me)),
+            remote_gid: rcm_wire::Gid::from_ip(IpAddr::V6(me)),
+            ..raw_req(7481, IpAddr::from([127, 0, 0, 1]), 1).primary_path
+        },
+        private_data: CmaHdr {
+            src_port: 40002,
+            src: IpAddr::V6(me),
+            dst: IpAddr::V6(me),
+        }
+        .with_user_data(b"", cma::limits::CONNECT)
+        .unwrap(),
+        ..raw_req(7481, IpAddr::from([127, 0, 0, 1]), 1)
+    };
+    let mad = CmMad::send(0x61, CmMessage::Req(req)).emit().unwrap();
+    let good = emit_gsi(&IpForIcrc::V6 { src: me, dst: me }, sport, 0, &mad);
+    let mut bad = good.clone();
+    bad[100] ^= 0x01;
+    peer.send_to(&bad, (me, 24824)).unwrap();
+    assert!(
+        ch.get_event(Some(Duration::from_millis(300))).is_none(),
+        "a REQ whose ICRC does not match was taken"
+    );
+    assert_eq!(d.icrc_drops(), 1);
+    peer.send_to(&good, (me, 24824)).unwrap();
+    let e = ch
+        .get_event(Some(T))
+        .expect("the intact REQ's CONNECT_REQUEST");
+    assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
+    drop(e);
+    assert_eq!(d.icrc_drops(), 1);
+    f.shutdown();
 }
 
 /// PSNs and RDMA read resources as the wire and Linux have them, checked against a raw peer
