@@ -769,7 +769,7 @@ impl Inner {
                 None => Err(std::io::ErrorKind::NotConnected.into()),
             };
         }
-        let mut wait = crate::shmchan::RoomWait::default();
+        let mut wait = crate::shmchan::RoomWait::new(crate::shmchan::DAEMON_FULL_FOR);
         loop {
             let Some(end) = ch.shm.as_mut() else {
                 return Err(std::io::ErrorKind::NotConnected.into());

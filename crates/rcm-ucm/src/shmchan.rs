@@ -63,10 +63,17 @@ pub(crate) fn events_client(fd: impl AsFd) -> io::Result<Consumer> {
     Consumer::new(Arc::new(r), EVENTS)
 }
 
-/// How long a side waits for room in a full ring before it gives the channel up. A caller
-/// waits for each answer, and a pipelining client (`rcm::Pipeline`) reads its answers while
-/// it waits for room, so the rings stay full only when the other side stops reading.
+/// How long the daemon waits for room in a client's full answer ring before it gives the
+/// channel up. A caller waits for each answer, and a pipelining client (`rcm::Pipeline`)
+/// reads its answers while it waits for room, so the ring stays full only when the client
+/// stops reading; the daemon's ring thread, which serves every client, must not wait long.
 pub(crate) const FULL_FOR: Duration = Duration::from_secs(1);
+
+/// How long a client waits for room in the daemon's full command ring. The daemon's ring
+/// thread serves every client and may fall behind for a while under load: a second of that
+/// must not end the session (every id's DEVICE_REMOVAL). A daemon gone is seen at once (the
+/// hang-up), so this bounds only a daemon alive and stuck (stopped, say).
+pub(crate) const DAEMON_FULL_FOR: Duration = Duration::from_secs(10);
 
 /// A wait for room when this thread is held off polling.
 pub(crate) const FULL_NAP: Duration = Duration::from_micros(100);
@@ -79,6 +86,8 @@ pub(crate) struct ShmEnd {
     pub(crate) stream: UnixStream,
     /// How long a wait polls the ring before it sleeps.
     spin: Duration,
+    /// How long a send waits for room in a full ring ([`FULL_FOR`], [`DAEMON_FULL_FOR`]).
+    pub(crate) full_for: Duration,
     /// The last frame received.
     buf: Vec<u8>,
     /// When the last frame went out to a side that was not asleep (no doorbell), until the
@@ -121,6 +130,7 @@ impl ShmEnd {
             rx: Consumer::new(r, COMMANDS)?,
             stream,
             spin: Duration::ZERO,
+            full_for: FULL_FOR,
             buf: Vec::new(),
             sent: None,
             unyielding_off: 0,
@@ -138,6 +148,7 @@ impl ShmEnd {
             rx: Consumer::new(r, ANSWERS)?,
             stream,
             spin,
+            full_for: DAEMON_FULL_FOR,
             buf: Vec::new(),
             sent: None,
             unyielding_off: 0,
@@ -147,10 +158,10 @@ impl ShmEnd {
     }
 
     /// Sends one frame, ringing the doorbell if the other side sleeps. A full ring is waited
-    /// on for up to [`FULL_FOR`]; then the error is `TimedOut`, or `BrokenPipe` as soon as
+    /// on for up to `full_for`; then the error is `TimedOut`, or `BrokenPipe` as soon as
     /// the other side is seen gone.
     pub(crate) fn send(&mut self, frame: &[u8]) -> io::Result<()> {
-        let mut wait = RoomWait::default();
+        let mut wait = RoomWait::new(self.full_for);
         while !self.try_send(frame)? {
             wait.turn(&self.stream)?;
         }
@@ -257,14 +268,19 @@ impl ShmEnd {
 }
 
 /// A writer's wait for room in the other side's ring: since when it has waited.
-#[derive(Default)]
 pub(crate) struct RoomWait {
     since: Option<Instant>,
+    limit: Duration,
 }
 
 impl RoomWait {
+    /// A wait that gives up after `limit` without room.
+    pub(crate) fn new(limit: Duration) -> Self {
+        RoomWait { since: None, limit }
+    }
+
     /// One turn of the wait, after a write found no room: `BrokenPipe` as soon as the
-    /// other side (`s`'s peer) has hung up, `TimedOut` once no room came for [`FULL_FOR`];
+    /// other side (`s`'s peer) has hung up, `TimedOut` once no room came for its limit;
     /// else this thread yields before the next try.
     pub(crate) fn turn(&mut self, s: &UnixStream) -> io::Result<()> {
         let t0 = *self.since.get_or_insert_with(Instant::now);
@@ -274,7 +290,7 @@ impl RoomWait {
                 "the other side hung up with its ring full",
             ));
         }
-        if t0.elapsed() > FULL_FOR {
+        if t0.elapsed() > self.limit {
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "the other side does not read its ring",
@@ -288,7 +304,7 @@ impl RoomWait {
         Ok(())
     }
 
-    /// The other side moved (it answered): [`FULL_FOR`] counts anew from the next turn.
+    /// The other side moved (it answered): the limit counts anew from the next turn.
     pub(crate) fn restart(&mut self) {
         self.since = None;
     }
@@ -489,21 +505,49 @@ mod tests {
         assert_eq!(reader.join().unwrap(), n + 1);
     }
 
-    /// Nobody reads: the send gives up after `FULL_FOR` with `TimedOut`, and the ring
-    /// holds what it held.
+    /// A client that does not read its answers: the daemon's send gives up after
+    /// `FULL_FOR` with `TimedOut`, and the ring holds what it held.
     #[test]
     fn a_send_into_a_ring_nobody_reads_gives_up_with_timed_out() {
         let frame = [1u8; 1000];
-        let (mut daemon, mut client, n) = full_channel(&frame);
+        let (mut daemon, mut client) = channel(Duration::ZERO);
+        let mut n = 0;
+        while daemon.try_send(&frame).unwrap() {
+            n += 1;
+        }
         let t0 = Instant::now();
-        let e = client.send(&frame).unwrap_err();
+        let e = daemon.send(&frame).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
         assert!(t0.elapsed() >= FULL_FOR);
         let mut left = 0;
-        while daemon.try_recv(4096).unwrap().is_some() {
+        while client.try_recv(4096).unwrap().is_some() {
             left += 1;
         }
         assert_eq!(left, n);
+    }
+
+    /// A daemon that takes no commands for longer than the daemon's own limit (busy with
+    /// other clients, or descheduled) does not make the client give its channel up: the
+    /// client's send waits, and goes in once the daemon reads again.
+    #[test]
+    fn a_client_waits_out_a_daemon_stalled_past_a_second() {
+        let frame = [3u8; 1000];
+        let (mut daemon, mut client, n) = full_channel(&frame);
+        let reader = std::thread::spawn(move || {
+            std::thread::sleep(FULL_FOR + Duration::from_millis(500));
+            let mut got = 0;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while got < n + 1 && Instant::now() < deadline {
+                if daemon.try_recv(4096).unwrap().is_some() {
+                    got += 1;
+                }
+            }
+            got
+        });
+        client
+            .send(&frame)
+            .expect("the send waits for the stalled daemon");
+        assert_eq!(reader.join().unwrap(), n + 1);
     }
 
     /// The other side is gone: the send fails with `BrokenPipe` rather than waiting for
