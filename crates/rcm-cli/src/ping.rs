@@ -941,9 +941,22 @@ pub fn run(o: &PingOpts, log: bool) -> Result<PingReport, String> {
         }
         Some(false) => {
             let dst = o.connect.ok_or("--connect needs an address")?;
-            let bind = match o.bind.or(second) {
-                Some(b) => b,
-                None => crate::default_source(dst)?,
+            let bind = match (o.bind, &daemon_devs) {
+                (Some(b), _) => b,
+                // A daemon device of the destination's family, another than the destination
+                // if there is one (as two processes on one host would use).
+                (None, Some(d)) => {
+                    let fits = |ip: &&IpAddr| ip.is_ipv4() == dst.is_ipv4();
+                    d.iter()
+                        .filter(fits)
+                        .find(|ip| **ip != dst)
+                        .or_else(|| d.iter().find(fits))
+                        .copied()
+                        .ok_or_else(|| {
+                            format!("the daemon has no device of {dst}'s family (it has {d:?})")
+                        })?
+                }
+                (None, None) => crate::default_source(dst)?,
             };
             add(bind)?;
             let ch = EventChannel::new();

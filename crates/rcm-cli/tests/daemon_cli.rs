@@ -293,6 +293,64 @@ fn separate_server_and_client_processes_through_one_daemon() {
     assert_eq!(wait_exit(&mut d), 0);
 }
 
+/// A client without `--bind` connects from a daemon device of the destination's family: the
+/// daemon's second device, which it took before, was IPv4 here and the connect to `::1`
+/// failed with "different families".
+#[test]
+fn a_ping_client_picks_a_daemon_device_of_the_destinations_family() {
+    let path = sock("family");
+    let _removed = RemovedAtEnd(path.clone());
+    let mut d = start(&path, 27845, &["::1", "127.0.0.1"]);
+    let p = path.to_str().unwrap().to_string();
+    let p2 = p.clone();
+    let server = std::thread::spawn(move || {
+        Command::new(env!("CARGO_BIN_EXE_rcm"))
+            .args([
+                "ping", "--daemon", &p2, "--listen", "--bind", "::1", "-c", "1", "-p", "7610",
+            ])
+            .output()
+    });
+    // The client retries until the server's listener is up (a REJ before that).
+    let t0 = Instant::now();
+    loop {
+        let (code, out, err) = rcm(&[
+            "ping",
+            "--daemon",
+            &p,
+            "--connect",
+            "::1",
+            "-p",
+            "7610",
+            "-c",
+            "1",
+            "--timeout",
+            "5",
+        ]);
+        if code == 0 {
+            break;
+        }
+        assert!(
+            !err.contains("famil") && !out.contains("famil"),
+            "the client's source was of another family: {out}\n{err}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "client never got through: {out}\n{err}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = server.join().unwrap().expect("server ran");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    sigterm(&d);
+    assert_eq!(wait_exit(&mut d), 0);
+}
+
 #[test]
 fn killed_client_is_cleaned_up_and_its_peer_sees_the_disconnect() {
     let path = sock("kill");
