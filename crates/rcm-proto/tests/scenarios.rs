@@ -1438,6 +1438,9 @@ fn wildcard_listener_by_port_space_mask() {
 /// counter, and never one a connection in timewait still holds.
 #[test]
 fn comm_ids_are_unique_random_and_not_reused_in_timewait() {
+    // Runs (seeds) and connects a run, for "not a counter" below.
+    const SEEDS: u64 = 8;
+    const N: u32 = 2000;
     let mut a = T::with(|c| c.seed = 1);
     let mut b = T::with(|c| c.seed = 2);
     let (_, ra, _) = a.connect();
@@ -1454,8 +1457,6 @@ fn comm_ids_are_unique_random_and_not_reused_in_timewait() {
     // this short. So over SEEDS runs a counter has at most SEEDS other steps, and the XOR
     // allocator (about 2,000 × 2^-z a run) that few only if every seed's operand ended in
     // 8 or more zero bits: odds under 2^-64.
-    const SEEDS: u64 = 8;
-    const N: u32 = 2000;
     let mut other_steps = 0;
     for seed in 0..SEEDS {
         let mut t = T::with(|c| c.seed = seed);

@@ -278,7 +278,8 @@ fn handlers_case(name: &str, port: u16, mode: rcm::CallbackMode) -> Vec<String> 
     n
 }
 
-/// Commands the daemon has read from `c`'s session, counting this one (the `Stats` asking).
+/// Commands the daemon has read from `c`'s session, counting this one (the `Stats` asking):
+/// between two calls the count grows by one, plus one for each command sent meanwhile.
 fn commands(c: &rcm_ucm::Client) -> u64 {
     c.stats().expect("stats").commands
 }
@@ -315,7 +316,11 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
             AccessFlags::empty()
         )
     );
-    assert_eq!(commands(&session), before + 1, "INIT asked the daemon");
+    assert_eq!(
+        commands(&session),
+        before + 1,
+        "INIT was answered without the daemon (only the next Stats came)"
+    );
     // RTR is not valid yet: the daemon says so.
     assert!(matches!(
         c.init_qp_attr(Rtr),
@@ -354,13 +359,15 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     assert_eq!(
         commands(&server_session),
         before + 1,
-        "the child's INIT asked the daemon"
+        "the child's INIT was answered without the daemon (only the next Stats came)"
     );
-    let _ = child.init_qp_attr(Rtr);
+    let child_rtr = child
+        .init_qp_attr(Rtr)
+        .expect("the child's RTR before accept, from the daemon");
     assert_eq!(
         commands(&server_session),
         before + 3,
-        "the child's RTR before accept was answered without the daemon"
+        "the child's RTR before accept asked the daemon (one Stats, one INIT_QP_ATTR, one Stats)"
     );
     child.accept(&AcceptOptions::default()).expect("accept");
     assert!(matches!(next(&cch).event(), Event::ConnectResponse { .. }));
@@ -371,7 +378,7 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     assert_eq!(
         commands(&session),
         before + 1,
-        "RTR/RTS/INIT asked the daemon"
+        "RTR/RTS/INIT were answered without the daemon (only the next Stats came)"
     );
     assert_eq!(
         rtr.attr_mask,
@@ -405,9 +412,17 @@ fn qp_attributes_come_with_the_events_and_go_stale_with_the_connection() {
     assert_eq!(
         commands(&server_session),
         before + 1,
-        "the child's RTS asked the daemon"
+        "the child's RTS was answered without the daemon (only the next Stats came)"
     );
     assert_eq!((srts.rq_psn, rts.rq_psn), (rts.sq_psn, srts.sq_psn));
+    // What the daemon answered for the child's RTR before accept is what the connection has:
+    // the client's starting PSN (its REQ's) as the RQ PSN, its QPN, the path.
+    assert_eq!(
+        child_rtr.rq_psn, rts.sq_psn,
+        "the child's RQ PSN before accept"
+    );
+    assert_eq!(child_rtr.dest_qp_num, srts.dest_qp_num);
+    assert_eq!(srts.for_state(Rtr), Some(child_rtr));
     assert_eq!((srts.dgid, srts.sgid), (rts.sgid, rts.dgid));
     assert_ne!(srts.dest_qp_num, 0);
     assert_ne!(rts.dest_qp_num, 0);

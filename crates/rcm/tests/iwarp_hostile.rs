@@ -10,7 +10,7 @@ mod common;
 use common::{closed_within, eventually, ip};
 use rcm::{AcceptOptions, ConnectOptions, Event, EventChannel, Fabric, Flow, PortSpace};
 use rcm_wire::mpa::MpaFrame;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -248,7 +248,7 @@ fn stuck_stream(
 /// and the stream stayed for good). TCP port 27973.
 #[test]
 fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
-    let (f, l, c, peer, base) = stuck_stream(27973, 27989, Duration::from_secs(10));
+    let (f, l, c, mut peer, base) = stuck_stream(27973, 27989, Duration::from_secs(10));
     let t0 = Instant::now();
     drop(c.destroy());
     assert!(
@@ -256,9 +256,32 @@ fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
         "the stream is still there after the reset ({} s)",
         t0.elapsed().as_secs_f32()
     );
+    // Only now does the peer read: what its kernel had taken before the reset, then the
+    // reset itself (ECONNRESET; a FIN would read as the end of the stream).
+    peer.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("read timeout");
+    let mut buf = vec![0u8; 64 * 1024];
+    let (mut got, end) = (0usize, Instant::now() + common::T);
+    let ended = loop {
+        match peer.read(&mut buf) {
+            Ok(0) => break Ok(0),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                assert!(
+                    Instant::now() < end,
+                    "the stream neither reset nor ended ({got} bytes read)"
+                );
+            }
+            Err(e) => break Err(e.kind()),
+        }
+    };
+    assert_eq!(
+        ended,
+        Err(ErrorKind::ConnectionReset),
+        "how the peer's stream ended, after {got} bytes"
+    );
     drop(l.destroy());
     f.shutdown();
-    drop(peer);
 }
 
 /// `disconnect` then `destroy` (rdma_disconnect + rdma_destroy_id) on such a connection: the
@@ -267,10 +290,22 @@ fn a_reset_is_not_held_behind_bytes_the_peer_never_reads() {
 /// never takes, and the stream stayed for good). TCP port 27974.
 #[test]
 fn a_close_waits_for_unsent_bytes_only_so_long() {
-    let (f, l, c, peer, base) = stuck_stream(27974, 27988, Duration::from_secs(1));
+    const CLOSE: Duration = Duration::from_secs(1);
+    let (f, l, c, peer, base) = stuck_stream(27974, 27988, CLOSE);
     let t0 = Instant::now();
     c.disconnect().expect("disconnect");
     drop(c.destroy());
+    // The close timeout runs from the disconnect at the earliest (the Cep's close timer,
+    // and the wait for room that the destroy's close starts), so until CLOSE has passed
+    // since t0 the stream must still be there. Looked at well inside it, unless this thread
+    // was held off that long.
+    std::thread::sleep(Duration::from_millis(200));
+    let still = f.engine_ceps() == base + 1;
+    let looked = t0.elapsed();
+    assert!(
+        still || looked >= CLOSE,
+        "the stream went {looked:?} after the disconnect, before the close timeout ({CLOSE:?})"
+    );
     assert!(
         eventually(Duration::from_secs(5), || f.engine_ceps() == base),
         "the stream is still there {} s after the close",

@@ -11,7 +11,6 @@ use rcm::{
     AcceptOptions, CmId, ConnectOptions, Error, Event, EventChannel, Fabric, PortSpace, State,
 };
 use std::net::SocketAddr;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 fn addr(last: u8, port: u16) -> SocketAddr {
@@ -156,26 +155,27 @@ fn disconnect_on_an_unanswered_request_returns_ok() {
 /// ESTABLISHED, moves to CLOSING and the QP to SQD (graceful close) and returns 0. The
 /// application sees ESTABLISHED, then DISCONNECTED. rcm does not make the caller wait: it
 /// returns at once and closes the connection once it is up. (It refused the call and left
-/// the connection up.)
+/// the connection up.) Since rcm's disconnect does not wait, it is made here, on the test's
+/// thread, with the Request delivered and not yet answered; the accept comes after it returns.
 #[test]
 fn disconnect_while_the_mpa_request_is_out_returns_ok() {
     let f = iw_fabric(&[1, 2]);
     let (chs, chc) = (EventChannel::new(), EventChannel::new());
     let (l, c, child) = pending_request(&f, &chs, &chc, 29602);
-    let c2 = c.clone();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(c2.disconnect());
-    });
-    // The responder answers a little later (Linux's disconnect is waiting meanwhile).
-    std::thread::sleep(Duration::from_millis(200));
-    child.accept(&AcceptOptions::default()).expect("accept");
-    let r = rx.recv_timeout(T).expect("disconnect returned");
+    // The server holds the CONNECT_REQUEST unanswered: the client's Request is out.
+    assert_eq!(c.state(), State::Connect, "the client is still connecting");
+    let r = c.disconnect();
     assert_eq!(
         r,
         Ok(()),
         "rdma_disconnect while connecting returns 0 on Linux (after the CONNECT_REPLY)"
     );
+    assert_eq!(
+        c.state(),
+        State::Connect,
+        "nothing is closed before the connection is up"
+    );
+    child.accept(&AcceptOptions::default()).expect("accept");
     let mut seen = Vec::new();
     let end = Instant::now() + T;
     while !seen.contains(&"DISCONNECTED") && Instant::now() < end {

@@ -29,13 +29,29 @@ fn client_connect(f: &Fabric, cli: &EventChannel, dst: SocketAddr) -> CmId {
     client
 }
 
-/// An RAII wrapper a user may well keep as an id's context: dropping it destroys the id.
-struct DestroyOnDrop(CmId, Arc<AtomicUsize>);
+/// An RAII wrapper a user may well keep as an id's context: dropping it destroys the id,
+/// and what that destroy returned goes into the shared [`Drops`].
+struct DestroyOnDrop(CmId, Arc<Drops>);
 
 impl Drop for DestroyOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.destroy();
-        self.1.fetch_add(1, Ordering::SeqCst);
+        let r = self.0.destroy();
+        self.1 .0.lock().unwrap().push(r);
+    }
+}
+
+/// What the destroys of dropped [`DestroyOnDrop`] contexts returned, one per drop.
+#[derive(Default)]
+struct Drops(Mutex<Vec<rcm::Result<DestroyOutcome>>>);
+
+impl Drops {
+    /// How many contexts were dropped.
+    fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    fn results(&self) -> Vec<rcm::Result<DestroyOutcome>> {
+        self.0.lock().unwrap().clone()
     }
 }
 
@@ -46,20 +62,26 @@ impl Drop for DestroyOnDrop {
 fn context_whose_drop_destroys_its_id_does_not_deadlock_destroy() {
     let f = fabric(29410);
     let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
-    let dropped = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(Drops::default());
     id.set_context(DestroyOnDrop(id.clone(), dropped.clone()));
     let r = within(Duration::from_secs(3), move || id.destroy());
-    let ok = r.is_some();
-    if !ok {
+    if r.is_none() {
         // The hung thread holds the id; do not let the fabric's shutdown join anything.
         std::mem::forget(f);
+        panic!(
+            "CmId::destroy hung: the context's Drop called destroy() on its id from inside the \
+             teardown (dropped = {})",
+            dropped.count()
+        );
     }
-    assert!(
-        ok,
-        "CmId::destroy hung: the context's Drop called destroy() on its id from inside the \
-         teardown (dropped = {})",
-        dropped.load(Ordering::SeqCst)
+    assert_eq!(r, Some(Ok(DestroyOutcome::Done)), "the outer destroy");
+    assert_eq!(
+        dropped.results(),
+        [Ok(DestroyOutcome::Deferred)],
+        "the context is dropped once, and its destroy inside the teardown is deferred"
     );
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
 }
 
 /// Same, through `Flow::Destroy`: the teardown runs on a callback thread after the callback
@@ -68,11 +90,11 @@ fn context_whose_drop_destroys_its_id_does_not_deadlock_destroy() {
 fn flow_destroy_with_a_context_that_destroys_its_id_completes() {
     let f = fabric(29411);
     let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Destroy);
-    let dropped = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(Drops::default());
     id.set_context(DestroyOnDrop(id.clone(), dropped.clone()));
     poke(&id, 1);
     // The callback returns Flow::Destroy; its teardown drops the context on that thread.
-    assert!(eventually(T, || dropped.load(Ordering::SeqCst) > 0
+    assert!(eventually(T, || dropped.count() > 0
         || id.state() == rcm::State::Destroying));
     let id2 = id.clone();
     let done = within(Duration::from_secs(3), move || {
@@ -84,7 +106,7 @@ fn flow_destroy_with_a_context_that_destroys_its_id_completes() {
     assert!(
         done,
         "the id's teardown never completed after Flow::Destroy (context Drop returned: {})",
-        dropped.load(Ordering::SeqCst)
+        dropped.count()
     );
 }
 
@@ -94,13 +116,25 @@ fn flow_destroy_with_a_context_that_destroys_its_id_completes() {
 fn begin_destroy_with_a_context_that_destroys_its_id_returns() {
     let f = fabric(29415);
     let id = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
-    let dropped = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(Drops::default());
     id.set_context(DestroyOnDrop(id.clone(), dropped.clone()));
-    let returned = within(Duration::from_secs(3), move || drop(id.begin_destroy())).is_some();
-    if !returned {
+    let done = within(Duration::from_secs(3), move || id.begin_destroy().is_done());
+    if done.is_none() {
         std::mem::forget(f);
+        panic!("begin_destroy (non-blocking) hung");
     }
-    assert!(returned, "begin_destroy (non-blocking) hung");
+    assert_eq!(
+        done,
+        Some(true),
+        "an idle id is torn down inline: done when begin_destroy returns"
+    );
+    assert_eq!(
+        dropped.results(),
+        [Ok(DestroyOutcome::Deferred)],
+        "the context is dropped once, and its destroy inside the teardown is deferred"
+    );
+    assert_eq!(f.live_ids(), 0);
+    f.shutdown();
 }
 
 /// Two ids whose contexts destroy each other's id when dropped (the two legs of a proxy):
@@ -113,7 +147,7 @@ fn contexts_that_destroy_each_others_id_do_not_deadlock() {
     let f = fabric(29440);
     let a = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
     let b = f.create_id(PortSpace::Tcp, |_, _| Flow::Continue);
-    let dropped = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(Drops::default());
     a.set_context(DestroyOnDrop(b.clone(), dropped.clone()));
     b.set_context(DestroyOnDrop(a.clone(), dropped.clone()));
     let a2 = a.clone();
@@ -122,11 +156,11 @@ fn contexts_that_destroy_each_others_id_do_not_deadlock() {
         std::mem::forget(f);
         panic!(
             "destroy hung: two contexts destroying each other's id (dropped = {})",
-            dropped.load(Ordering::SeqCst)
+            dropped.count()
         );
     }
     assert_eq!(r, Some(Ok(DestroyOutcome::Done)));
-    assert_eq!(dropped.load(Ordering::SeqCst), 2, "both contexts dropped");
+    assert_eq!(dropped.count(), 2, "both contexts dropped");
     for id in [&a, &b] {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done), "already gone");
     }
@@ -151,7 +185,7 @@ fn teardowns_on_two_threads_destroying_each_others_id_do_not_deadlock() {
             })
         };
         let (a, b) = (mk(gate.clone()), mk(gate));
-        let dropped = Arc::new(AtomicUsize::new(0));
+        let dropped = Arc::new(Drops::default());
         a.set_context(DestroyOnDrop(b.clone(), dropped.clone()));
         b.set_context(DestroyOnDrop(a.clone(), dropped.clone()));
         poke(&a, 1);
@@ -159,13 +193,13 @@ fn teardowns_on_two_threads_destroying_each_others_id_do_not_deadlock() {
         // Both contexts' drops returned (a teardown leaves the fabric's table before it
         // drops the context, so the table alone empties earlier).
         let ok = eventually(Duration::from_secs(3), || {
-            dropped.load(Ordering::SeqCst) == 2 && f.live_ids() == 0
+            dropped.count() == 2 && f.live_ids() == 0
         });
         if !ok {
             std::mem::forget(f);
             panic!(
                 "round {round}: the two teardowns hung (dropped = {})",
-                dropped.load(Ordering::SeqCst)
+                dropped.count()
             );
         }
         f.shutdown();
@@ -183,15 +217,18 @@ fn calling_the_id_from_inside_with_context_does_not_deadlock() {
     let r = within(Duration::from_secs(3), move || {
         id2.with_context(|c: &u32| (*c, id2.state()))
     });
-    let ok = r.is_some();
-    if !ok {
+    if r.is_none() {
         std::mem::forget(f);
         std::mem::forget(id);
+        panic!("id.with_context(|_| id.state()) deadlocked (state lock held across the closure)");
     }
-    assert!(
-        ok,
-        "id.with_context(|_| id.state()) deadlocked (state lock held across the closure)"
+    assert_eq!(
+        r,
+        Some(Some((7, rcm::State::Idle))),
+        "the context, and the state read from inside the closure"
     );
+    assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
+    f.shutdown();
 }
 
 /// A context that counts its drops.
