@@ -690,8 +690,21 @@ impl<'a> GsiDatagram<'a> {
 pub fn verify_icrc(ip_header: &[u8], udp: &[u8]) -> Result<()> {
     need("RoCEv2 UDP datagram", udp, 8 + BTH_LEN + ICRC_LEN)?;
     let at = udp.len() - ICRC_LEN;
-    let carried = u32::from_le_bytes([udp[at], udp[at + 1], udp[at + 2], udp[at + 3]]);
-    let computed = icrc_for_raw_ip(ip_header, &udp[..at])?;
+    check_icrc(&udp[at..], icrc_for_raw_ip(ip_header, &udp[..at])?)
+}
+
+/// Compares the ICRC `carried` (its 4 bytes, least significant first) with `computed`.
+fn check_icrc(carried: &[u8], computed: u32) -> Result<()> {
+    let carried = match carried {
+        [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]),
+        _ => {
+            return Err(WireError::Truncated {
+                what: "ICRC",
+                need: ICRC_LEN,
+                got: carried.len(),
+            })
+        }
+    };
     if carried == computed {
         Ok(())
     } else {
@@ -718,12 +731,6 @@ pub fn verify_icrc_v6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, payload: &[u8]) 
         });
     };
     let at = payload.len() - ICRC_LEN;
-    let carried = u32::from_le_bytes([
-        payload[at],
-        payload[at + 1],
-        payload[at + 2],
-        payload[at + 3],
-    ]);
     let mut small = [0u8; 512];
     let mut large = Vec::new();
     let udp: &mut [u8] = if 8 + at <= small.len() {
@@ -736,16 +743,7 @@ pub fn verify_icrc_v6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, payload: &[u8]) 
     udp[2..4].copy_from_slice(&ROCE_V2_UDP_PORT.to_be_bytes());
     udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
     udp[8..].copy_from_slice(&payload[..at]);
-    let computed = icrc(&IpForIcrc::V6 { src, dst }, udp);
-    if carried == computed {
-        Ok(())
-    } else {
-        Err(WireError::BadCrc {
-            what: "ICRC",
-            carried,
-            computed,
-        })
-    }
+    check_icrc(&payload[at..], icrc(&IpForIcrc::V6 { src, dst }, udp))
 }
 
 /// The IP and UDP headers of the `k`th datagram, `len` bytes of UDP payload, that the kernel

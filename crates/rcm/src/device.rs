@@ -639,9 +639,17 @@ impl DeviceInner {
                 // checks it: rxe sends IPv6 with a zero UDP checksum, which the socket takes
                 // (UDP_NO_CHECK6_RX), so the ICRC is the only check a datagram gets.
                 if let (IpAddr::V6(src), IpAddr::V6(dst)) = (from.ip(), self.ip) {
-                    if roce::verify_icrc_v6(src, from.port(), dst, buf).is_err() {
-                        bad_icrc += 1;
-                        continue;
+                    match roce::verify_icrc_v6(src, from.port(), dst, buf) {
+                        Ok(()) => {}
+                        Err(rcm_wire::WireError::BadCrc { .. }) => {
+                            bad_icrc += 1;
+                            continue;
+                        }
+                        // Too short to be RoCEv2: malformed.
+                        Err(_) => {
+                            bad += 1;
+                            continue;
+                        }
                     }
                 }
                 match classify(buf) {

@@ -87,6 +87,29 @@ fn connected(
     (c, child.unwrap())
 }
 
+/// A TCP connect 127.0.0.2 -> 127.0.0.1:`port` that the server's child accepted and the
+/// client (no QP) has the REP of, not established. Returns (client, child, listener).
+fn accepted_until_response(f: &Fabric, ch: &EventChannel, port: u16) -> (CmId, CmId, CmId) {
+    let l = f.create_id_on(PortSpace::Tcp, ch);
+    l.bind(addr(1, port)).unwrap();
+    l.listen(4).unwrap();
+    let c = routed_ps(f, ch, PortSpace::Tcp, addr(1, port));
+    c.connect(&ConnectOptions::default()).unwrap();
+    let mut child = None;
+    loop {
+        let (id, ev) = next(ch);
+        match ev {
+            Event::ConnectRequest { .. } => {
+                id.accept(&AcceptOptions::default()).unwrap();
+                child = Some(id);
+            }
+            Event::ConnectResponse { .. } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    (c, child.expect("the request came before the REP"), l)
+}
+
 // ---------------------------------------------------------------------------------------
 // Events
 
@@ -98,29 +121,12 @@ fn connected(
 fn the_active_side_may_reject_a_rep() {
     let f = fabric(26612);
     let ch = EventChannel::new();
-    let l = f.create_id_on(PortSpace::Tcp, &ch);
-    l.bind(addr(1, 7612)).unwrap();
-    l.listen(4).unwrap();
-    let c = routed_ps(&f, &ch, PortSpace::Tcp, addr(1, 7612));
-    c.connect(&ConnectOptions::default()).unwrap();
-    let mut child = None;
-    loop {
-        let (id, ev) = next(&ch);
-        match ev {
-            Event::ConnectRequest { .. } => {
-                id.accept(&AcceptOptions::default()).unwrap();
-                child = Some(id);
-            }
-            Event::ConnectResponse { .. } => break,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    let (c, child, _l) = accepted_until_response(&f, &ch, 7612);
     assert_eq!(
         c.reject(b"refused"),
         Ok(()),
         "rdma_reject after CONNECT_RESPONSE sends a REJ in Linux"
     );
-    let child = child.unwrap();
     loop {
         let (id, ev) = next(&ch);
         if id == child {
@@ -139,24 +145,7 @@ fn the_active_side_may_reject_a_rep() {
 fn the_passive_side_may_reject_after_accepting() {
     let f = fabric(26631);
     let ch = EventChannel::new();
-    let l = f.create_id_on(PortSpace::Tcp, &ch);
-    l.bind(addr(1, 7631)).unwrap();
-    l.listen(4).unwrap();
-    let c = routed_ps(&f, &ch, PortSpace::Tcp, addr(1, 7631));
-    c.connect(&ConnectOptions::default()).unwrap();
-    let mut child = None;
-    loop {
-        let (id, ev) = next(&ch);
-        match ev {
-            Event::ConnectRequest { .. } => {
-                id.accept(&AcceptOptions::default()).unwrap();
-                child = Some(id);
-            }
-            Event::ConnectResponse { .. } => break,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    let child = child.unwrap();
+    let (c, child, _l) = accepted_until_response(&f, &ch, 7631);
     assert!(matches!(
         child.disconnect(),
         Err(rcm::Error::InvalidState(rcm::State::Connect))

@@ -1406,17 +1406,7 @@ fn resolution_results_are_cancelled_by_destroy() {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
         destroyed.store(true, Ordering::SeqCst);
     }
-    thread::sleep(Duration::from_millis(200));
-    let late: Vec<(usize, usize)> = lates
-        .iter()
-        .map(|l| l.load(Ordering::SeqCst))
-        .enumerate()
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    assert!(
-        late.is_empty(),
-        "callbacks after destroy returned (round, calls): {late:?}"
-    );
+    assert_no_late_callbacks(&lates);
     assert_eq!(f.live_ids(), 0);
     assert_eq!(f.bound_ports(), 0);
     f.shutdown();

@@ -1431,17 +1431,7 @@ fn bug11_destroy_with_queued_provider_events() {
         assert_eq!(id.destroy(), Ok(DestroyOutcome::Done));
         destroyed.store(true, Ordering::SeqCst);
     }
-    thread::sleep(Duration::from_millis(200));
-    let late: Vec<(usize, usize)> = lates
-        .iter()
-        .map(|l| l.load(Ordering::SeqCst))
-        .enumerate()
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    assert!(
-        late.is_empty(),
-        "callbacks after destroy returned (round, calls): {late:?}"
-    );
+    assert_no_late_callbacks(&lates);
     server.destroy().unwrap();
     for c in accepted.lock().unwrap().drain(..) {
         c.destroy().unwrap();

@@ -208,3 +208,19 @@ pub fn expect_ev(ch: &rcm::EventChannel, id: &CmId, name: &str) -> Event {
     );
     ev
 }
+
+/// After a quiet period (200 ms), asserts that no round's callback ran after its destroy
+/// returned: `lates` counts each round's late calls.
+pub fn assert_no_late_callbacks(lates: &[Arc<AtomicUsize>]) {
+    thread::sleep(Duration::from_millis(200));
+    let late: Vec<(usize, usize)> = lates
+        .iter()
+        .map(|l| l.load(Ordering::SeqCst))
+        .enumerate()
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "callbacks after destroy returned (round, calls): {late:?}"
+    );
+}
