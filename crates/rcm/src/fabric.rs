@@ -39,7 +39,8 @@ pub struct FabricConfig {
     /// Verify the ICRC of every received RoCEv2 datagram (IPv4 devices): datagrams are read
     /// from a raw socket, which shows the IP header the ICRC covers, and a wrong ICRC is
     /// dropped and counted ([`Device::icrc_drops`]). Needs CAP_NET_RAW; off by default, when
-    /// a UDP socket is used and the ICRC is accepted unverified.
+    /// a UDP socket is used and an IPv4 datagram's ICRC is accepted unverified (the socket
+    /// does not show the IPv4 ID it covers). IPv6 datagrams' ICRCs are checked either way.
     pub verify_icrc: bool,
     /// Keep the UD datagrams sent to a UD id's QPN for [`CmId::recv_ud`](crate::CmId::recv_ud)
     /// (up to [`UD_RECV_QUEUE`](crate::UD_RECV_QUEUE) each). On by default; off where no one
