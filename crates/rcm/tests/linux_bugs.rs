@@ -1185,8 +1185,9 @@ fn bug10_double_unreachable_notifications() {
     assert_eq!(r, Some(Ok(DestroyOutcome::Done)));
 
     // (2) REP never confirmed: a raw peer (127.0.0.2, beside a fabric of its own) reads the
-    // REP and its retries and never answers. (An rcm client that has the REP answers its
-    // retries with an MRA, as rdma_cm does, and the server would then wait ~69 s.)
+    // REP and its retries and never answers, nor sends anything (a peer that has the REP
+    // may answer its retries with an MRA, as Linux's rdma_cm does, which would stretch
+    // the wait).
     {
         use rcm_wire::cm::{CmMessage, MsgCode, Rej};
         let g = Fabric::new(config(25217));

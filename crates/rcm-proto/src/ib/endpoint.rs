@@ -148,10 +148,6 @@ fn is_half_open(s: State) -> bool {
 /// a deliberate bound (Linux's cm.c has none).
 pub const MAX_TIMEWAIT: Duration = Duration::from_secs(30);
 
-/// The service timeout of the MRA a duplicate REQ or REP gets while the application has not
-/// answered (rdma_cm's `CMA_CM_MRA_SETTING`: 4.096 µs × 2^24, about 69 s).
-const RDMA_CM_MRA_TIMEOUT: u8 = 24;
-
 /// Retransmission records an endpoint keeps for reuse.
 const SPARE_OUT: usize = 64;
 
@@ -835,8 +831,8 @@ impl Endpoint {
 
     /// Tells the peer we need more time (`service_timeout`, IBTA time value). With `lazy`
     /// the MRA is only sent when a duplicate REQ/REP shows the peer is retrying, as rdma_cm
-    /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent. Called again (or after the
-    /// engine's own MRA to a duplicate), it sets the time later MRAs give.
+    /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent. Called again, it sets the time
+    /// later MRAs give.
     pub fn mra(&mut self, h: CepHandle, service_timeout: u8, lazy: bool) -> Result<(), CmError> {
         let c = self.cep_mut(h)?;
         c.state = match c.state {
@@ -1359,16 +1355,7 @@ impl Endpoint {
                 return;
             }
             match c.state {
-                State::ReqRcvd | State::MraReqSent => {
-                    // The request is not answered yet and the peer is retrying: tell it we
-                    // need more time, as rdma_cm does (cma_ib_req_handler prepares a delayed
-                    // MRA for every request its consumer has not answered; cm.c's
-                    // `cm_dup_req_handler` sends it on a duplicate REQ). A slow accept
-                    // then does not run out the peer's retries.
-                    if c.state == State::ReqRcvd {
-                        c.state = State::MraReqSent;
-                        c.mra_timeout = RDMA_CM_MRA_TIMEOUT;
-                    }
+                State::MraReqSent => {
                     c.mra_sent = true;
                     let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
                     self.send(peer, tid, CmMessage::Mra(mra));
@@ -1517,23 +1504,17 @@ impl Endpoint {
                 self.send(peer, tid, CmMessage::Rtu(rtu));
                 return;
             }
-            State::RepRcvd | State::MraRepSent => {
-                // As for a duplicate REQ: the application has the REP and has not sent the
-                // RTU yet (rdma_cm's cma_ib_handler prepares a delayed MRA at REP_RECEIVED,
-                // cm.c's `cm_dup_rep_handler` sends it).
+            State::MraRepSent => {
                 self.stats.rx_duplicates += 1;
                 let Some(c) = self.ceps.get_mut(&h) else {
                     return;
                 };
-                if c.state == State::RepRcvd {
-                    c.state = State::MraRepSent;
-                    c.mra_timeout = RDMA_CM_MRA_TIMEOUT;
-                }
                 c.mra_sent = true;
                 let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
                 self.send(peer, tid, CmMessage::Mra(mra));
                 return;
             }
+            State::RepRcvd => return self.stats.rx_duplicates += 1,
             _ => return self.unmatched(),
         }
         if rep.local_comm_id == 0 {
