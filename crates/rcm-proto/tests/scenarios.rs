@@ -635,6 +635,12 @@ fn mra_of_rep_lazy_and_eager() {
     let (h, _, _) = t.rep_rcvd();
     t.ep.mra(h, 20, false).unwrap();
     assert!(matches!(t.sent_one().msg, CmMessage::Mra(_)));
+    // Once only (cm.c's ib_send_cm_mra refuses an MRA state), and the refusal sends nothing.
+    assert_eq!(
+        t.ep.mra(h, 22, false),
+        Err(CmError::InvalidState(State::MraRepSent))
+    );
+    t.nothing_sent();
 }
 
 #[test]
@@ -1056,6 +1062,17 @@ fn lazy_mra_goes_out_only_when_the_req_is_repeated() {
     let CmMessage::Mra(mra) = m.msg else { panic!() };
     assert_eq!((mra.local_comm_id, mra.remote_comm_id), (id, PEER_ID));
     assert_eq!((mra.message_mraed, mra.service_timeout), (MsgCode::Req, 24));
+    // A second mra() is refused and leaves the lazy MRA's time as it was.
+    assert_eq!(
+        t.ep.mra(c, 10, false),
+        Err(CmError::InvalidState(State::MraReqSent))
+    );
+    t.nothing_sent();
+    t.recv(TID, CmMessage::Req(peer_req(PEER_ID, PEER_QPN)));
+    let CmMessage::Mra(mra) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!(mra.service_timeout, 24);
     // Accept from MraReqSent works.
     t.ep.accept(t.now, c, &AcceptParams::default()).unwrap();
     assert!(matches!(t.sent_one().msg, CmMessage::Rep(_)));

@@ -831,17 +831,17 @@ impl Endpoint {
 
     /// Tells the peer we need more time (`service_timeout`, IBTA time value). With `lazy`
     /// the MRA is only sent when a duplicate REQ/REP shows the peer is retrying, as rdma_cm
-    /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent. Called again, it sets the time
-    /// later MRAs give.
+    /// does. ReqRcvd → MraReqSent; RepRcvd → MraRepSent. Once only, as cm.c's
+    /// `ib_send_cm_mra`: an MRA state refuses a second call.
     pub fn mra(&mut self, h: CepHandle, service_timeout: u8, lazy: bool) -> Result<(), CmError> {
         let c = self.cep_mut(h)?;
         c.state = match c.state {
-            State::ReqRcvd | State::MraReqSent => State::MraReqSent,
-            State::RepRcvd | State::MraRepSent => State::MraRepSent,
+            State::ReqRcvd => State::MraReqSent,
+            State::RepRcvd => State::MraRepSent,
             s => return Err(CmError::InvalidState(s)),
         };
         c.mra_timeout = service_timeout.min(31);
-        c.mra_sent |= !lazy;
+        c.mra_sent = !lazy;
         if !lazy {
             let (peer, tid, mra) = (c.peer, c.req_tid, mra_of(c));
             self.send(peer, tid, CmMessage::Mra(mra));
