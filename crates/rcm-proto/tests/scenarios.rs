@@ -1392,6 +1392,50 @@ fn backlog_full_drops_then_retry_gets_through() {
     assert!(matches!(t.events().as_slice(), [(h, CmEvent::ReqReceived { .. })] if *h == l));
 }
 
+/// `drop_request` forgets only an unanswered REQ silently; a SIDR request is answered
+/// REJECT (cm.c's `cm_destroy_id` from SIDR_REQ_RCVD), and an endpoint that already sent
+/// its REP is destroyed as usual (a REJ), so a caller that lost a race with `accept` does
+/// not leave the peer waiting.
+#[test]
+fn drop_request_is_silent_only_for_an_unanswered_req() {
+    let mut t = T::new();
+    let (_, c, _) = t.req_rcvd();
+    t.ep.drop_request(t.now, c).unwrap();
+    t.nothing_sent();
+    assert_eq!(t.ep.state(c), None);
+    assert_eq!(t.ep.stats().rx_backlog_drops, 1);
+
+    let mut t = T::new();
+    let sid = cma::service_id(PortSpace::Udp, 7000);
+    t.ep.listen(sid, u64::MAX, 0).unwrap();
+    let sidr = SidrReq {
+        request_id: 0xAC,
+        pkey: 0xFFFF,
+        service_id: sid,
+        ..SidrReq::default()
+    };
+    t.recv(9, CmMessage::SidrReq(sidr));
+    let ev = t.events();
+    let [(_, CmEvent::SidrReqReceived { cep, .. })] = ev.as_slice() else {
+        panic!("{ev:?}")
+    };
+    t.ep.drop_request(t.now, *cep).unwrap();
+    let CmMessage::SidrRep(r) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!((r.status, r.request_id), (SidrStatus::Rejected, 0xAC));
+    assert_eq!(t.ep.stats().rx_backlog_drops, 0);
+
+    let mut t = T::new();
+    let (_, c, id) = t.rep_sent();
+    t.ep.drop_request(t.now, c).unwrap();
+    let CmMessage::Rej(rej) = t.sent_one().msg else {
+        panic!()
+    };
+    assert_eq!((rej.local_comm_id, rej.remote_comm_id), (id, PEER_ID));
+    assert_eq!(t.ep.stats().rx_backlog_drops, 0);
+}
+
 #[test]
 fn wildcard_listener_by_port_space_mask() {
     let mut t = T::new();
