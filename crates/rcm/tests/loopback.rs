@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod raw_peer;
-use raw_peer::{raw_rep, raw_req, raw_sidr_req, routed, RawPeer};
+use raw_peer::{raw_rep, raw_req, raw_sidr_req, raw_sidr_req_to, routed, RawPeer};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -1163,6 +1163,65 @@ fn withdrawn_requests_do_not_pile_up_behind_an_unread_listener() {
     let e = ch.get_event(Some(T)).expect("a new request gets in");
     assert!(matches!(e.event(), Event::ConnectRequest { .. }), "{e:?}");
     drop(e);
+    f.shutdown();
+}
+
+/// A wildcard UD listener's backlog counts SIDR requests not delivered over all its devices
+/// (each device's engine counts only its own): with the backlog filled at one device, a
+/// request at the other reaches the listener and is answered REJECT there, as cm.c answers
+/// a SIDR request its consumer refused, rather than dropped unanswered like a REQ.
+#[test]
+fn a_sidr_request_past_a_wildcard_listeners_backlog_is_rejected() {
+    use rcm_wire::cm::{CmMessage, SidrStatus};
+    let f = one_device(24825);
+    let second = IpAddr::from([127, 0, 0, 3]);
+    f.add_device(second).unwrap();
+    let peer = RawPeer::new(24825);
+    let ch = EventChannel::new();
+    let l = f.create_id_on(PortSpace::Udp, &ch);
+    l.bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 7482))
+        .unwrap();
+    l.listen(2).unwrap();
+    let base = f.live_ids();
+    for i in 0..2 {
+        peer.send(
+            CmMessage::SidrReq(raw_sidr_req(PortSpace::Udp, 7482, 0x100 + i)),
+            0x100 + u64::from(i),
+        );
+    }
+    let t0 = std::time::Instant::now();
+    while f.live_ids() - base < 2 && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(f.live_ids() - base, 2, "two children wait in the backlog");
+    let sidr = raw_sidr_req_to(second, PortSpace::Udp, 7482, 0x200);
+    peer.send_to(
+        std::net::Ipv4Addr::new(127, 0, 0, 3),
+        CmMessage::SidrReq(sidr),
+        0x200,
+    );
+    match peer.recv() {
+        CmMessage::SidrRep(rep) => assert_eq!(
+            (rep.request_id, rep.status),
+            (0x200, SidrStatus::Rejected),
+            "the request past the backlog is answered REJECT"
+        ),
+        other => panic!("expected a SIDR_REP, got {other:?}"),
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        f.live_ids() - base,
+        2,
+        "no child kept for the refused request"
+    );
+    let mut taken = 0;
+    while let Some(mut e) = ch.get_event(Some(Duration::from_millis(200))) {
+        if let Some(Event::ConnectRequest { .. }) = e.take() {
+            taken += 1;
+            drop(e.id().destroy());
+        }
+    }
+    assert_eq!(taken, 2, "the two requests in the backlog were delivered");
     f.shutdown();
 }
 

@@ -32,14 +32,16 @@ impl RawPeer {
 
     /// Sends `msg` to 127.0.0.1 as a GSI datagram.
     pub fn send(&self, msg: rcm_wire::cm::CmMessage, tid: u64) {
+        self.send_to(std::net::Ipv4Addr::LOCALHOST, msg, tid);
+    }
+
+    /// Sends `msg` to the device at `dst` as a GSI datagram.
+    pub fn send_to(&self, dst: std::net::Ipv4Addr, msg: rcm_wire::cm::CmMessage, tid: u64) {
         use rcm_wire::roce::{emit_gsi, IpForIcrc};
         let mad = rcm_wire::cm::CmMad::send(tid, msg).emit().expect("encodes");
-        let ip = IpForIcrc::v4(
-            std::net::Ipv4Addr::new(127, 0, 0, 2),
-            std::net::Ipv4Addr::LOCALHOST,
-        );
+        let ip = IpForIcrc::v4(std::net::Ipv4Addr::new(127, 0, 0, 2), dst);
         let udp = emit_gsi(&ip, self.port, 0, &mad);
-        self.sock.send_to(&udp, ("127.0.0.1", self.port)).unwrap();
+        self.sock.send_to(&udp, (dst, self.port)).unwrap();
     }
 
     /// The next REQ it receives (anything before it skipped: an earlier child's REP
@@ -67,6 +69,16 @@ impl RawPeer {
 /// A SIDR_REQ from the raw peer (127.0.0.2, rdma_cm source port 40001) for the `ps` service
 /// on 127.0.0.1:`port`, with no user private data.
 pub fn raw_sidr_req(ps: PortSpace, port: u16, request_id: u32) -> rcm_wire::cm::SidrReq {
+    raw_sidr_req_to(IpAddr::from([127, 0, 0, 1]), ps, port, request_id)
+}
+
+/// [`raw_sidr_req`] for the service on `dst`:`port`.
+pub fn raw_sidr_req_to(
+    dst: IpAddr,
+    ps: PortSpace,
+    port: u16,
+    request_id: u32,
+) -> rcm_wire::cm::SidrReq {
     use rcm_wire::cma::{self, CmaHdr};
     rcm_wire::cm::SidrReq {
         request_id,
@@ -75,7 +87,7 @@ pub fn raw_sidr_req(ps: PortSpace, port: u16, request_id: u32) -> rcm_wire::cm::
         private_data: CmaHdr {
             src_port: 40001,
             src: IpAddr::from([127, 0, 0, 2]),
-            dst: IpAddr::from([127, 0, 0, 1]),
+            dst,
         }
         .with_user_data(b"", cma::limits::CONNECT_UD)
         .expect("cma_hdr"),
