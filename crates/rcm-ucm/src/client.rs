@@ -769,7 +769,11 @@ impl Inner {
                 None => Err(std::io::ErrorKind::NotConnected.into()),
             };
         }
-        let mut wait = crate::shmchan::RoomWait::new(crate::shmchan::DAEMON_FULL_FOR);
+        let limit = ch
+            .shm
+            .as_ref()
+            .map_or(crate::shmchan::DAEMON_FULL_FOR, |end| end.full_for);
+        let mut wait = crate::shmchan::RoomWait::new(limit);
         loop {
             let Some(end) = ch.shm.as_mut() else {
                 return Err(std::io::ErrorKind::NotConnected.into());
