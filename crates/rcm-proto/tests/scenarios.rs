@@ -2421,3 +2421,79 @@ fn a_get_or_set_no_agent_takes_is_echoed_as_getresp_0x000c() {
     assert!(t.events().is_empty(), "a Get of an RTU is not an RTU");
     assert!(t.ep.stats().rx_malformed > rx_before);
 }
+
+/// A flood of connections leaves the engine's tables at their peak size only while they are
+/// used: once the connections are gone (timewait ended, or rejected with no timer at all)
+/// the tables give their room back, down to what a table may keep whatever it holds (room
+/// for 1,024 entries), however big the flood. Without it a daemon kept a flood's tables for
+/// good.
+#[test]
+fn the_tables_give_back_a_floods_room() {
+    const N: u32 = 20_000;
+    const KEPT: usize = 256 << 10;
+    // Active connections through disconnect and timewait, destroyed by the application.
+    let mut t = T::new();
+    let empty = t.ep.table_bytes();
+    let mut conns = Vec::new();
+    for i in 0..N {
+        let (h, req, tid) = t.connect();
+        let rep = Rep {
+            local_comm_id: PEER_ID + i,
+            local_qpn: PEER_QPN + i,
+            ..peer_rep(req.local_comm_id)
+        };
+        t.recv(tid, CmMessage::Rep(rep));
+        t.ep.establish(h).unwrap();
+        t.sent();
+        t.events();
+        conns.push((h, req.local_comm_id, i));
+    }
+    let peak = t.ep.table_bytes();
+    for (h, id, i) in conns {
+        t.recv(0x77, dreq(PEER_ID + i, id, PEER_QPN + i));
+        t.ep.disconnect(t.now, h, &[]).unwrap();
+        t.ep.destroy(t.now, h).unwrap();
+    }
+    t.sent();
+    t.events();
+    assert_eq!(t.ep.cep_count(), N as usize, "all in timewait");
+    t.advance(rcm_proto::ib::MAX_TIMEWAIT + Duration::from_secs(1));
+    assert_eq!(t.ep.cep_count(), 0, "timewait ended");
+    let after = t.ep.table_bytes();
+    assert!(
+        after <= KEPT && after * 8 < peak,
+        "{after} bytes kept of a peak of {peak} (empty: {empty})"
+    );
+
+    // Passive requests rejected: no timer ever looks at the tables.
+    let mut t = T::new();
+    t.ep.listen(SID, u64::MAX, N as usize).unwrap();
+    for i in 0..N {
+        t.recv(
+            TID + u64::from(i),
+            CmMessage::Req(peer_req(PEER_ID + i, PEER_QPN + i)),
+        );
+    }
+    let ceps: Vec<CepHandle> = t
+        .events()
+        .into_iter()
+        .filter_map(|(_, e)| match e {
+            CmEvent::ReqReceived { cep, .. } => Some(cep),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ceps.len(), N as usize);
+    let peak = t.ep.table_bytes();
+    for c in ceps {
+        t.ep.reject(t.now, c, RejReason::ConsumerDefined, &[], &[])
+            .unwrap();
+        t.ep.destroy(t.now, c).unwrap();
+    }
+    t.sent();
+    assert_eq!(t.ep.cep_count(), 0);
+    let after = t.ep.table_bytes();
+    assert!(
+        after <= KEPT && after * 8 < peak,
+        "{after} bytes kept of a peak of {peak}"
+    );
+}

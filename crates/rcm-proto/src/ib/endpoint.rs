@@ -140,6 +140,30 @@ fn is_half_open(s: State) -> bool {
     matches!(s, State::RepSent | State::MraRepRcvd)
 }
 
+/// Room a table may keep whatever it holds: up to it, giving room back would only churn as
+/// connections come and go (a serial workload's tables never get there).
+const SHRINK_FLOOR: usize = 1024;
+
+/// Whether a table with room for `cap` entries that holds `len` should give most of it back:
+/// once a quarter full, shrunk to twice what it holds (which leaves it more than a quarter
+/// full, so it does not shrink again at once), a shrink's rehash is paid for by the
+/// removals before it: O(1) each.
+fn too_roomy(cap: usize, len: usize) -> bool {
+    cap > SHRINK_FLOOR && len <= cap / 4
+}
+
+fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(m: &mut HashMap<K, V, S>) {
+    if too_roomy(m.capacity(), m.len()) {
+        m.shrink_to(2 * m.len());
+    }
+}
+
+fn shrink_deque<T>(d: &mut VecDeque<T>) {
+    if too_roomy(d.capacity(), d.len()) {
+        d.shrink_to(2 * d.len());
+    }
+}
+
 /// The longest timewait: the path's ACK timeout decides it, and on the passive side that is
 /// the peer's REQ's, up to 4.096 µs × 2^31 (2.4 hours) that a peer could make every
 /// connection it ends hold. 30 s is longer than the ACK timeouts rdma_cm sets by default
@@ -214,6 +238,46 @@ impl Endpoint {
         self.conn_ceps
     }
 
+    /// Bytes the endpoint's tables have room for (their capacity, not what they hold): what a
+    /// flood of connections leaves behind. A table with room for more than 1,024 entries
+    /// gives most of it back once it is a quarter full (timer expiries and removals look).
+    pub fn table_bytes(&self) -> usize {
+        use std::mem::size_of;
+        // hashbrown: an entry's place plus one control byte.
+        fn map<K, V, S>(m: &HashMap<K, V, S>) -> usize {
+            m.capacity() * (size_of::<(K, V)>() + 1)
+        }
+        let peer = size_of::<(u32, u64, CepHandle)>() + 1;
+        map(&self.ceps)
+            + map(&self.parked)
+            + map(&self.drep_pd)
+            + map(&self.local_ids)
+            + map(&self.sidr_remote)
+            + map(&self.listeners)
+            + (self.remote_ids.capacity() + self.remote_qps.capacity()) * peer
+            + self.transmits.capacity() * size_of::<Transmit>()
+            + self.events.capacity() * size_of::<(CepHandle, CmEvent)>()
+            + self.rep_wait.capacity() * size_of::<CepHandle>()
+    }
+
+    /// Gives back the room of tables a flood left mostly empty (see [`too_roomy`]).
+    fn shrink_tables(&mut self) {
+        shrink_map(&mut self.ceps);
+        shrink_map(&mut self.parked);
+        shrink_map(&mut self.drep_pd);
+        shrink_map(&mut self.local_ids);
+        shrink_map(&mut self.sidr_remote);
+        shrink_map(&mut self.listeners);
+        for t in [&mut self.remote_ids, &mut self.remote_qps] {
+            if too_roomy(t.capacity(), t.len()) {
+                self.peers.shrink_to(t, 2 * t.len());
+            }
+        }
+        shrink_deque(&mut self.transmits);
+        shrink_deque(&mut self.events);
+        shrink_deque(&mut self.rep_wait);
+    }
+
     /// How many connection endpoints are in each state (by the state's name), for
     /// diagnosing a connection that does not end.
     pub fn cep_states(&self) -> std::collections::BTreeMap<String, usize> {
@@ -248,12 +312,21 @@ impl Endpoint {
 
     /// The next MAD to send.
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
-        self.transmits.pop_front()
+        let t = self.transmits.pop_front();
+        if t.is_none() {
+            // Emptied: a burst's queue gives its room back.
+            shrink_deque(&mut self.transmits);
+        }
+        t
     }
 
     /// The next event.
     pub fn poll_event(&mut self) -> Option<(CepHandle, CmEvent)> {
-        self.events.pop_front()
+        let e = self.events.pop_front();
+        if e.is_none() {
+            shrink_deque(&mut self.events);
+        }
+        e
     }
 
     /// Moves every queued MAD to the end of `out`, in order ([`Endpoint::poll_transmit`]
@@ -480,6 +553,11 @@ impl Endpoint {
         self.unlink_remote(&c, h);
         if let Some(l) = c.listener.and_then(|l| self.listeners.get_mut(&l)) {
             l.pending = l.pending.saturating_sub(1);
+        }
+        // Endpoints that end without a timer (rejected, destroyed before an answer) leave
+        // no expiry to look at the tables: the biggest one's removals do.
+        if too_roomy(self.ceps.capacity(), self.ceps.len()) {
+            self.shrink_tables();
         }
     }
 
@@ -1194,6 +1272,8 @@ impl Endpoint {
                 TimerKind::Retransmit => self.retransmit_due(now, h),
             }
         }
+        // Timewait's ends empty the tables after a flood's disconnects.
+        self.shrink_tables();
     }
 
     fn timewait_expired(&mut self, h: CepHandle) {

@@ -41,6 +41,11 @@ impl PeerTables {
         }
     }
 
+    /// Gives back `t`'s room beyond `min` entries (what is held stays).
+    pub(crate) fn shrink_to(&self, t: &mut PeerTable, min: usize) {
+        t.0.shrink_to(min, |e| self.state.hash_one((e.0, e.1)));
+    }
+
     /// Sets `k` to `h` in `t` (replacing what it named).
     pub(crate) fn insert(&self, t: &mut PeerTable, k: PeerKey, h: CepHandle) {
         let rehash = |e: &(u32, u64, CepHandle)| self.state.hash_one((e.0, e.1));
@@ -72,6 +77,11 @@ impl PeerTable {
 
     pub(crate) fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// Entries it has room for without growing.
+    pub(crate) fn capacity(&self) -> usize {
+        self.0.capacity()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
