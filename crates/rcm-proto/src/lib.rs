@@ -9,6 +9,7 @@
 
 pub mod ib;
 pub mod iw;
+pub mod room;
 pub mod sim;
 
 use std::time::{Duration, Instant};

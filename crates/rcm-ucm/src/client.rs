@@ -1465,6 +1465,7 @@ impl RemoteId for Handle {
             let mut sinks = lock(&c.sinks);
             self.released.store(true, Ordering::SeqCst);
             sinks.live.remove(&self.wire);
+            rcm_proto::room::shrink_map(&mut sinks.live);
             if self.wire >= proto::CLIENT_HANDLES {
                 // Until the destroy's answer says how far its events go.
                 let seen = c.events_seen.load(Ordering::Acquire);

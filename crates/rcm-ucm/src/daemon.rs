@@ -279,6 +279,11 @@ impl EventQueue {
     fn pop_front(&mut self) -> Option<Queued> {
         let q = self.q.pop_front()?;
         self.uncount(&q);
+        if self.q.is_empty() {
+            // Emptied: a burst's queue gives its room back (`rcm_proto::room`).
+            rcm_proto::room::shrink_deque(&mut self.q);
+            rcm_proto::room::shrink_map(&mut self.named);
+        }
         Some(q)
     }
 
@@ -2285,6 +2290,7 @@ fn destroy_id(s: &Arc<Session>, h: u32) -> Result<u64, WireError> {
             return Err(WireError::NoSuchId);
         };
         t.ids.remove(&h);
+        rcm_proto::room::shrink_map(&mut t.ids);
         victims.push(id);
         let mut out = lock(&s.out);
         // Under the id's cell, which an event for it is queued under: every event of it
@@ -2418,6 +2424,7 @@ fn migrate_id(
         return Err(WireError::Cm(rcm::Error::LimitExceeded(Limit::Ids)));
     }
     ta.ids.remove(&handle);
+    rcm_proto::room::shrink_map(&mut ta.ids);
     let nh = tb.alloc();
     tb.sealed |= entry.1.sealed.get().is_some();
     tb.ids.insert(nh, entry);
@@ -2839,5 +2846,21 @@ mod tests {
         e.push_back(q(5, None));
         e.clear();
         assert!(!e.names_any(5) && e.is_empty());
+    }
+    /// A burst's queue gives its room back once it is read to the end: a session that once
+    /// had thousands of events waiting does not keep their room for good.
+    #[test]
+    fn an_emptied_event_queue_gives_its_room_back() {
+        let mut e = EventQueue::default();
+        for h in 0..5000 {
+            e.push_back(q(h, Some(h % 7)));
+        }
+        let peak = (e.q.capacity(), e.named.capacity());
+        while e.pop_front().is_some() {}
+        let (q_room, named_room) = (e.q.capacity(), e.named.capacity());
+        assert!(
+            q_room <= rcm_proto::room::SHRINK_FLOOR && named_room <= rcm_proto::room::SHRINK_FLOOR,
+            "room left for {q_room} events and {named_room} names, of {peak:?}"
+        );
     }
 }

@@ -762,6 +762,14 @@ impl DeviceInner {
         sync::lock(&self.engine).cep_states()
     }
 
+    /// Bytes this device's per-connection tables have room for: its engine's and its own
+    /// endpoint-to-id table (see `Fabric::table_bytes`).
+    pub(crate) fn table_bytes(&self) -> usize {
+        let ceps = sync::lock(&self.ceps).capacity()
+            * (std::mem::size_of::<(CepHandle, Weak<IdInner>)>() + 1);
+        ceps + sync::lock(&self.engine).table_bytes()
+    }
+
     /// The engine's counters and table sizes (for tests).
     pub(crate) fn engine_stats(
         &self,

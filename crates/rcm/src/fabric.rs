@@ -877,6 +877,22 @@ impl Fabric {
         self.0.devices().iter().map(|d| d.engine_stats().1).sum()
     }
 
+    /// Bytes the fabric's per-connection tables have room for (their capacity, not what they
+    /// hold), its devices' CM engines' included: what a flood of connections leaves behind
+    /// once it is gone. Each table gives most of its room back once it is a quarter full
+    /// (`rcm_proto::room`), so this comes back down to a few hundred KiB a device however
+    /// big the flood was.
+    pub fn table_bytes(&self) -> usize {
+        let ids =
+            sync::lock(&self.0.ids).capacity() * (std::mem::size_of::<(u64, Weak<IdInner>)>() + 1);
+        ids + self
+            .0
+            .devices()
+            .iter()
+            .map(|d| d.table_bytes())
+            .sum::<usize>()
+    }
+
     /// Destroys every id (their peers are sent what a destroy sends: DREQ, or REJ to a
     /// connection being set up) and stops every device and the dispatcher. From its start
     /// the fabric makes nothing new: an id created then is born destroyed (the `try_` forms

@@ -480,7 +480,7 @@ fn gone_before_published(child: &CmId) -> bool {
     if child.0.slot.is_live() {
         return false;
     }
-    sync::lock(&child.0.fabric.ids).remove(&child.0.key);
+    forget(&child.0.fabric.ids, &child.0.key);
     true
 }
 
@@ -1308,7 +1308,7 @@ impl CmId {
                 let e = gone(&g);
                 drop(g);
                 unregister_ud(&dev, qpn, &self.0);
-                sync::lock(&dev.ceps).remove(&h);
+                forget(&dev.ceps, &h);
                 dev.with_engine(|ep, now| {
                     let _ = ep.destroy(now, h);
                 });
@@ -1938,6 +1938,7 @@ fn teardown(inner: &Arc<IdInner>) {
     if let Some(l) = listener.and_then(|w| w.upgrade()) {
         if let Some(l) = sync::lock(&l.st).listening.as_mut() {
             l.children.remove(&inner.key);
+            rcm_proto::room::shrink_map(&mut l.children);
         }
     }
     if let (Some(dev), Some(key)) = (&dev, iwk) {
@@ -1962,7 +1963,7 @@ fn teardown(inner: &Arc<IdInner>) {
         m.ud_inbox.wake(q);
     }
     if let (Some(dev), Some(cep)) = (&dev, cep) {
-        sync::lock(&dev.ceps).remove(&cep);
+        forget(&dev.ceps, &cep);
         dev.with_engine(|ep, now| {
             let _ = ep.destroy(now, cep);
         });
@@ -1993,7 +1994,7 @@ fn teardown(inner: &Arc<IdInner>) {
     if let Some(r) = inner.remote() {
         r.release();
     }
-    sync::lock(&inner.fabric.ids).remove(&inner.key);
+    forget(&inner.fabric.ids, &inner.key);
     // A `with_context` closure running elsewhere holds a clone: the last one drops it.
     drop(ctx);
 }
@@ -2253,7 +2254,7 @@ pub(crate) fn on_connect_request(
     let _ = publish(&child);
     sync::lock(&dev.ceps).insert(cep, Arc::downgrade(&child.0));
     if gone_before_published(&child) {
-        sync::lock(&dev.ceps).remove(&cep);
+        forget(&dev.ceps, &cep);
         return;
     }
     // The request's own buffer, the header taken off the front: no second allocation.
@@ -2639,7 +2640,7 @@ fn iw_err(e: iw::CepError, state: State) -> Error {
 /// unanswered Request is rejected, an established connection reset: `destroy_cm_id`).
 fn iw_destroy(dev: &Arc<DeviceInner>, key: ConnKey) {
     if let Some(iw) = &dev.iw {
-        sync::lock(&iw.owners).remove(&key);
+        forget(&iw.owners, &key);
     }
     dev.iw_cep(key, iw::Cep::destroy);
 }
@@ -3166,7 +3167,7 @@ fn on_iw_connect_request(
     let _ = publish(&child);
     sync::lock(&iwd.owners).insert(key, Arc::downgrade(&child.0));
     if gone_before_published(&child) {
-        sync::lock(&iwd.owners).remove(&key);
+        forget(&iwd.owners, &key);
         return;
     }
     // Before the request is queued (see `on_connect_request`).
@@ -3368,6 +3369,7 @@ fn unregister_ud(dev: &Arc<DeviceInner>, qpn: u32, id: &IdInner) {
         .is_some_and(|w| w.strong_count() == 0 || std::ptr::eq(w.as_ptr(), id));
     if mine {
         m.remove(&qpn);
+        rcm_proto::room::shrink_map(&mut m);
     }
 }
 
@@ -3412,4 +3414,15 @@ pub(crate) fn deliver_ud(
         payload: d.payload,
     });
     mail.ud_inbox.wake(q);
+}
+
+/// Removes `k` from a per-connection table and gives back the room a flood left in it
+/// (`rcm_proto::room`): the fabric lives as long as its process, a daemon's for days.
+fn forget<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    table: &Mutex<std::collections::HashMap<K, V, S>>,
+    k: &K,
+) {
+    let mut t = sync::lock(table);
+    t.remove(k);
+    rcm_proto::room::shrink_map(&mut t);
 }

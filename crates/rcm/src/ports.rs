@@ -254,6 +254,7 @@ impl Ports {
         }
         if !left {
             self.taken.remove(&(ps, port));
+            rcm_proto::room::shrink_map(&mut self.taken);
             count_down(&mut self.any, ps);
         }
     }

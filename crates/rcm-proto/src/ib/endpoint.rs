@@ -11,6 +11,7 @@ use super::types::{
     RepInfo, ReqInfo, RetryPolicy, SidrParams, SidrReplyParams, TimedOut, Transmit,
 };
 use crate::later;
+use crate::room::{shrink_deque, shrink_map, too_roomy};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rcm_wire::cm::{
@@ -140,30 +141,6 @@ fn is_half_open(s: State) -> bool {
     matches!(s, State::RepSent | State::MraRepRcvd)
 }
 
-/// Room a table may keep whatever it holds: up to it, giving room back would only churn as
-/// connections come and go (a serial workload's tables never get there).
-const SHRINK_FLOOR: usize = 1024;
-
-/// Whether a table with room for `cap` entries that holds `len` should give most of it back:
-/// once a quarter full, shrunk to twice what it holds (which leaves it more than a quarter
-/// full, so it does not shrink again at once), a shrink's rehash is paid for by the
-/// removals before it: O(1) each.
-fn too_roomy(cap: usize, len: usize) -> bool {
-    cap > SHRINK_FLOOR && len <= cap / 4
-}
-
-fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(m: &mut HashMap<K, V, S>) {
-    if too_roomy(m.capacity(), m.len()) {
-        m.shrink_to(2 * m.len());
-    }
-}
-
-fn shrink_deque<T>(d: &mut VecDeque<T>) {
-    if too_roomy(d.capacity(), d.len()) {
-        d.shrink_to(2 * d.len());
-    }
-}
-
 /// The longest timewait: the path's ACK timeout decides it, and on the passive side that is
 /// the peer's REQ's, up to 4.096 µs × 2^31 (2.4 hours) that a peer could make every
 /// connection it ends hold. 30 s is longer than the ACK timeouts rdma_cm sets by default
@@ -239,7 +216,7 @@ impl Endpoint {
     }
 
     /// Bytes the endpoint's tables have room for (their capacity, not what they hold): what a
-    /// flood of connections leaves behind. A table with room for more than 1,024 entries
+    /// flood of connections leaves behind. A table with room for more than 256 entries
     /// gives most of it back once it is a quarter full (timer expiries and removals look).
     pub fn table_bytes(&self) -> usize {
         use std::mem::size_of;
@@ -258,9 +235,10 @@ impl Endpoint {
             + self.transmits.capacity() * size_of::<Transmit>()
             + self.events.capacity() * size_of::<(CepHandle, CmEvent)>()
             + self.rep_wait.capacity() * size_of::<CepHandle>()
+            + self.timers.bytes()
     }
 
-    /// Gives back the room of tables a flood left mostly empty (see [`too_roomy`]).
+    /// Gives back the room of tables a flood left mostly empty (see [`crate::room`]).
     fn shrink_tables(&mut self) {
         shrink_map(&mut self.ceps);
         shrink_map(&mut self.parked);
@@ -276,6 +254,7 @@ impl Endpoint {
         shrink_deque(&mut self.transmits);
         shrink_deque(&mut self.events);
         shrink_deque(&mut self.rep_wait);
+        self.timers.shrink();
     }
 
     /// How many connection endpoints are in each state (by the state's name), for

@@ -138,6 +138,23 @@ impl Timers {
 
     /// Drops every entry `live` rejects; a queue with more room than twice its entries and
     /// `slack` more gives it back.
+    /// Gives back the room of queues that expiries emptied (`crate::room`): a sweep
+    /// only runs once stale entries are many, and entries that come due leave their room.
+    pub(crate) fn shrink(&mut self) {
+        if crate::room::too_roomy(self.heap.capacity(), self.heap.len()) {
+            self.heap.shrink_to(2 * self.heap.len());
+        }
+        for q in &mut self.lanes {
+            crate::room::shrink_deque(q);
+        }
+    }
+
+    /// Bytes the queues have room for.
+    pub(crate) fn bytes(&self) -> usize {
+        let room = self.heap.capacity() + self.lanes.iter().map(VecDeque::capacity).sum::<usize>();
+        room * std::mem::size_of::<Entry>()
+    }
+
     fn drop_stale(&mut self, live: impl Fn(CepHandle, u32) -> bool, slack: usize) {
         self.heap.retain(|Reverse((_, h, g))| live(*h, *g));
         if self.heap.capacity() > 2 * self.heap.len() + slack {

@@ -1,0 +1,70 @@
+//! Giving back the room a flood left in a table.
+//!
+//! std's and hashbrown's tables keep their peak capacity when entries go: after a burst of
+//! connections a long-lived process (the daemon) would hold a burst's tables for good. The
+//! rule here is the one every per-connection table of rcm follows.
+
+use std::collections::{HashMap, VecDeque};
+
+/// Room a table may keep whatever it holds: up to it, giving room back would only churn as
+/// connections come and go (a serial workload's tables never get there).
+pub const SHRINK_FLOOR: usize = 256;
+
+/// Whether a table with room for `cap` entries that holds `len` should give most of it back:
+/// once a quarter full, shrunk to twice what it holds (which leaves it more than a quarter
+/// full, so it does not shrink again at once), a shrink's rehash is paid for by the
+/// removals before it: O(1) each.
+pub fn too_roomy(cap: usize, len: usize) -> bool {
+    cap > SHRINK_FLOOR && len <= cap / 4
+}
+
+/// Shrinks `m` to twice what it holds if it is [`too_roomy`]; one comparison otherwise.
+pub fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(m: &mut HashMap<K, V, S>) {
+    if too_roomy(m.capacity(), m.len()) {
+        m.shrink_to(2 * m.len());
+    }
+}
+
+/// [`shrink_map`] for a queue.
+pub fn shrink_deque<T>(d: &mut VecDeque<T>) {
+    if too_roomy(d.capacity(), d.len()) {
+        d.shrink_to(2 * d.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_shrinks_once_a_quarter_full_and_not_again_at_once() {
+        let mut m: HashMap<u32, u32> = (0..10_000).map(|k| (k, k)).collect();
+        let peak = m.capacity();
+        for k in 0..10_000 {
+            m.remove(&k);
+            shrink_map(&mut m);
+            // Above the floor, never a quarter full or less after a look.
+            assert!(
+                m.capacity() <= SHRINK_FLOOR || m.len() > m.capacity() / 4,
+                "{} held, room for {}",
+                m.len(),
+                m.capacity()
+            );
+        }
+        assert!(
+            m.capacity() <= SHRINK_FLOOR,
+            "room for {} of {peak}",
+            m.capacity()
+        );
+        // Small tables are left alone.
+        let mut m: HashMap<u32, u32> = (0..100).map(|k| (k, k)).collect();
+        let cap = m.capacity();
+        m.clear();
+        shrink_map(&mut m);
+        assert_eq!(m.capacity(), cap);
+        let mut d: VecDeque<u32> = (0..5000).collect();
+        d.clear();
+        shrink_deque(&mut d);
+        assert_eq!(d.capacity(), 0);
+    }
+}
