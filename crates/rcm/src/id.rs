@@ -125,7 +125,6 @@ pub(crate) struct SoftQp {
     pub qpn: u32,
     /// Connected, or a connect/accept is under way with it.
     pub in_use: bool,
-    pub destroyed: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -1135,34 +1134,41 @@ impl CmId {
             return Err(Error::QpBusy("the id already has a QP".into()));
         }
         let qpn = self.0.fabric.new_qpn();
-        g.qp = Some(SoftQp {
-            qpn,
-            in_use: false,
-            destroyed: false,
-        });
+        g.qp = Some(SoftQp { qpn, in_use: false });
         Ok(qpn)
     }
 
-    /// Destroys the attached QP (`rdma_destroy_qp`). A connect or accept after this fails.
+    /// Destroys the attached QP (`rdma_destroy_qp`): the id has no QP from here on, as
+    /// Linux sets `id->qp` to NULL. A connect or accept after it goes without one (its QPN
+    /// from the options, or a fresh one), a REP still to come is reported as
+    /// `ConnectResponse` and waits for [`CmId::establish`] (the RTU the QP's connect would
+    /// have had sent at once is not), and [`CmId::create_qp`] may attach a new QP.
     pub fn destroy_qp(&self) -> Result<()> {
         if let Some(r) = self.forward(|| Op::DestroyQp) {
             return r.map(drop);
         }
-        let mut g = sync::lock(&self.0.st);
-        let qp =
-            g.qp.as_mut()
-                .ok_or(Error::QpBusy("no QP attached".into()))?;
-        qp.destroyed = true;
+        let (dev, cep) = {
+            let mut g = sync::lock(&self.0.st);
+            let qp = g.qp.take().ok_or(Error::QpBusy("no QP attached".into()))?;
+            if !(qp.in_use && g.state == State::Connect) {
+                return Ok(());
+            }
+            (g.device.clone(), g.cep)
+        };
+        // A REP handled before this reaches the engine had its RTU sent: the id then
+        // reports ESTABLISHED all the same (see `on_engine_event`).
+        if let (Some(dev), Some(cep)) = (dev, cep) {
+            dev.with_engine(|ep, _| {
+                let _ = ep.leave_rtu_to_caller(cep);
+            });
+        }
         Ok(())
     }
 
-    /// Takes the QP for a connect/accept: not destroyed, not already in use.
+    /// Takes the QP for a connect/accept: not already in use.
     fn claim_qp(g: &mut IdState, fallback: Option<u32>, fabric: &FabricInner) -> Result<u32> {
         match &mut g.qp {
             Some(q) => {
-                if q.destroyed {
-                    return Err(Error::QpBusy("the QP is being destroyed".into()));
-                }
                 if q.in_use {
                     return Err(Error::QpBusy("the QP is already connected".into()));
                 }
@@ -2351,7 +2357,9 @@ pub(crate) fn on_engine_event(
                     g.conn.initiator_depth = info.responder_resources;
                     // cm_rep_handler: the RTS RNR retry count is the one the REP asks for.
                     g.conn.rnr_retry_count = info.rnr_retry_count;
-                    if g.qp.is_some() {
+                    // The RTU out (`info.established`) with no QP left: one destroyed after
+                    // the REP reached the engine; the connection is up all the same.
+                    if g.qp.is_some() || info.established {
                         // A QP attached at connect: the engine already sent the RTU
                         // (`ConnectParams::establish_on_rep`) and `Established` follows.
                         // One attached after the REQ left is moved along here, the RTU

@@ -1848,21 +1848,18 @@ fn bug14_destroy_with_unacked_events_of_other_ids() {
         thread::sleep(Duration::from_micros(rng.below(2000)));
         id.destroy_qp().unwrap();
         let (connect, seen) = consumer.join().unwrap();
-        match connect {
-            // The QP was destroyed before the connect claimed it: refused, nothing follows.
-            Some(Err(Error::QpBusy(_))) => {
-                assert!(
-                    seen.is_empty(),
-                    "round {round}: {seen:?} after a refused connect"
-                );
-            }
-            // The connect went out with the QP: one outcome, typed.
-            Some(Ok(())) => assert!(
-                matches!(seen.as_slice(), ["ESTABLISHED" | "CONNECT_ERROR"]),
-                "round {round}: {seen:?}"
+        // The connect goes out whenever the QP went (Linux's `rdma_destroy_qp` leaves the id
+        // without one, and a connect without one is valid), and one outcome follows, typed:
+        // ESTABLISHED when the QP was still there as the REP came (or its RTU had gone
+        // out), CONNECT_RESPONSE when it was gone by then, waiting for `establish`.
+        assert_eq!(connect, Some(Ok(())), "round {round}: then {seen:?}");
+        assert!(
+            matches!(
+                seen.as_slice(),
+                ["ESTABLISHED" | "CONNECT_RESPONSE" | "CONNECT_ERROR"]
             ),
-            other => panic!("round {round}: connect {other:?}, then {seen:?}"),
-        }
+            "round {round}: {seen:?}"
+        );
         let r = within(Duration::from_secs(2), move || id.destroy());
         assert_eq!(r, Some(Ok(DestroyOutcome::Done)), "round {round}");
     }

@@ -1225,6 +1225,70 @@ fn a_sidr_request_past_a_wildcard_listeners_backlog_is_rejected() {
     f.shutdown();
 }
 
+/// `destroy_qp` leaves the id without a QP, as Linux's `rdma_destroy_qp` sets `id->qp` to
+/// NULL: a REP that comes after it is reported as CONNECT_RESPONSE and no RTU goes until
+/// `establish` (the QP's connect would have had the engine send it at once; Linux's
+/// `cma_rep_recv` runs only for an id with a QP), and a new QP may be attached. Destroyed
+/// before the connect, the REQ goes out with a fresh QPN, not refused.
+#[test]
+fn a_destroyed_qp_leaves_the_id_without_one() {
+    use rcm_wire::cm::CmMessage;
+    let f = one_device(24826);
+    let peer = RawPeer::new(24826);
+    let ch = EventChannel::new();
+    let c = routed(&f, &ch, addr(2, 7483));
+    let qpn = c.create_qp().unwrap();
+    c.connect(&ConnectOptions::default()).unwrap();
+    let req = peer.recv_req();
+    assert_eq!(req.local_qpn, qpn, "the REQ announces the QP's number");
+    c.destroy_qp().unwrap();
+    peer.send(CmMessage::Rep(raw_rep(req.local_comm_id)), 0x7171);
+    let e = ch.get_event(Some(T)).expect("CONNECT_RESPONSE");
+    assert!(matches!(e.event(), Event::ConnectResponse { .. }), "{e:?}");
+    drop(e);
+    peer.sock
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    assert!(
+        peer.sock.recv_from(&mut buf).is_err(),
+        "nothing (no RTU) before establish"
+    );
+    peer.sock.set_read_timeout(Some(T)).unwrap();
+    c.establish().unwrap();
+    assert!(matches!(peer.recv(), CmMessage::Rtu(_)));
+    let e = ch.get_event(Some(T)).expect("ESTABLISHED");
+    assert!(matches!(e.event(), Event::Established { .. }), "{e:?}");
+    drop(e);
+    let again = c.create_qp().expect("a new QP may be attached");
+    assert_ne!(again, qpn);
+    drop(c.destroy());
+
+    let c = routed(&f, &ch, addr(2, 7483));
+    let qpn = c.create_qp().unwrap();
+    c.destroy_qp().unwrap();
+    assert!(
+        matches!(c.destroy_qp(), Err(rcm::Error::QpBusy(_))),
+        "no QP left to destroy"
+    );
+    c.connect(&ConnectOptions::default())
+        .expect("a connect without a QP");
+    let req = peer.recv_req();
+    assert_ne!(req.local_qpn, qpn, "not the destroyed QP's number");
+    peer.send(
+        CmMessage::Rep(rcm_wire::cm::Rep {
+            local_comm_id: 0xBEF0,
+            ..raw_rep(req.local_comm_id)
+        }),
+        0x7172,
+    );
+    let e = ch.get_event(Some(T)).expect("CONNECT_RESPONSE");
+    assert!(matches!(e.event(), Event::ConnectResponse { .. }), "{e:?}");
+    drop(e);
+    drop(c.destroy());
+    f.shutdown();
+}
+
 /// The QP's ACK timeout on the active side follows the REP's target ACK delay (Linux's
 /// cm_rep_handler recomputes it, and RTS takes it): a peer with ACK delay 20 makes it 21,
 /// where the REQ announced 19 from our own delay.

@@ -855,6 +855,15 @@ impl Endpoint {
         self.half_open = self.half_open.saturating_sub(1);
     }
 
+    /// Undoes [`ConnectParams::establish_on_rep`] for a connect whose REP has not come: the
+    /// QP it was for is gone (Linux's `cma_rep_recv` moves a QP and sends the RTU only for
+    /// an id that still has one), so the REP is reported without the RTU and
+    /// [`Endpoint::establish`] sends it. After the REP it changes nothing.
+    pub fn leave_rtu_to_caller(&mut self, h: CepHandle) -> Result<(), CmError> {
+        self.cep_mut(h)?.establish_on_rep = false;
+        Ok(())
+    }
+
     /// Sends the RTU after a REP (active side): RepRcvd/MraRepSent → Established.
     pub fn establish(&mut self, h: CepHandle) -> Result<(), CmError> {
         let c = self.cep_mut(h)?;
