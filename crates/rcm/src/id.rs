@@ -1720,7 +1720,10 @@ impl CmId {
     }
 
     /// Destroys without blocking: returns at once with a handle that completes under the same
-    /// guarantee as [`CmId::destroy`]. Held channel events delay the completion until acked.
+    /// guarantee as [`CmId::destroy`]. Held channel events delay the completion until acked:
+    /// an event of this id that is never acked (its [`ChannelEvent`](crate::ChannelEvent)
+    /// kept for good) keeps the destruction from ending, and [`DestroyHandle::wait`] from
+    /// returning, for as long (use [`DestroyHandle::wait_for`] where that may happen).
     pub fn begin_destroy(&self) -> DestroyHandle {
         let ctx = self.context_watch();
         let _ = self.0.slot.destroy(false);
@@ -1770,6 +1773,8 @@ impl DestroyHandle {
     /// running elsewhere drops it when it returns; see [`CmId::with_context`] for where this
     /// does not wait for that). Inside the id's own callback, or in the drop of any id's
     /// context or handler, it returns at once: the destruction may only end after them.
+    /// A channel event of the id held and never acked makes this wait for good (the
+    /// destruction ends when the event is acked or dropped).
     pub fn wait(&self) {
         crate::fabric::before_wait();
         self.0.wait_destroyed();
