@@ -2847,6 +2847,7 @@ mod tests {
         e.clear();
         assert!(!e.names_any(5) && e.is_empty());
     }
+
     /// A burst's queue gives its room back once it is read to the end: a session that once
     /// had thousands of events waiting does not keep their room for good.
     #[test]

@@ -136,8 +136,6 @@ impl Timers {
         self.drop_stale(live, 0);
     }
 
-    /// Drops every entry `live` rejects; a queue with more room than twice its entries and
-    /// `slack` more gives it back.
     /// Gives back the room of queues that expiries emptied (`crate::room`): a sweep
     /// only runs once stale entries are many, and entries that come due leave their room.
     pub(crate) fn shrink(&mut self) {
@@ -155,6 +153,8 @@ impl Timers {
         room * std::mem::size_of::<Entry>()
     }
 
+    /// Drops every entry `live` rejects; a queue with more room than twice its entries and
+    /// `slack` more gives it back.
     fn drop_stale(&mut self, live: impl Fn(CepHandle, u32) -> bool, slack: usize) {
         self.heap.retain(|Reverse((_, h, g))| live(*h, *g));
         if self.heap.capacity() > 2 * self.heap.len() + slack {
