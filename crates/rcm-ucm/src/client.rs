@@ -95,6 +95,7 @@ impl Sinks {
         self.draining.insert(h, until);
         if self.draining.len() >= self.prune_at {
             self.draining.retain(|_, n| *n > seen);
+            rcm_proto::room::shrink_map(&mut self.draining);
             self.prune_at = (2 * self.draining.len()).max(64);
         }
     }

@@ -2860,7 +2860,8 @@ mod tests {
         while e.pop_front().is_some() {}
         let (q_room, named_room) = (e.q.capacity(), e.named.capacity());
         assert!(
-            q_room <= rcm_proto::room::SHRINK_FLOOR && named_room <= rcm_proto::room::SHRINK_FLOOR,
+            rcm_proto::room::kept(q_room, std::mem::size_of::<Queued>())
+                && rcm_proto::room::kept(named_room, std::mem::size_of::<(u32, u32)>()),
             "room left for {q_room} events and {named_room} names, of {peak:?}"
         );
     }

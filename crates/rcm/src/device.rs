@@ -315,18 +315,8 @@ impl DeviceInner {
             }
             next = earliest(next, self.deliver_own(&mut local, &mut tx));
         }
-        let _ = LOCAL_LIST.try_with(|l| {
-            let mut l = l.borrow_mut();
-            if l.capacity() < local.capacity() {
-                *l = local;
-            }
-        });
-        let _ = TX_LIST.try_with(|l| {
-            let mut l = l.borrow_mut();
-            if l.capacity() < tx.capacity() {
-                *l = tx;
-            }
-        });
+        let _ = LOCAL_LIST.try_with(|l| keep_list(&mut l.borrow_mut(), local));
+        let _ = TX_LIST.try_with(|l| keep_list(&mut l.borrow_mut(), tx));
         self.maybe_wake(next);
         self.route_pending();
         r
@@ -394,7 +384,8 @@ impl DeviceInner {
             drop(p);
             self.route(batch.drain(..));
             p = sync::lock(&self.pending);
-            if p.spare.capacity() < batch.capacity() {
+            // Not a flood's: a removal or a timer pass may route thousands at once.
+            if p.spare.capacity() < batch.capacity() && batch.capacity() <= MAX_KEPT_LIST {
                 p.spare = batch;
             }
         }
@@ -767,7 +758,8 @@ impl DeviceInner {
     pub(crate) fn table_bytes(&self) -> usize {
         let ceps = sync::lock(&self.ceps).capacity()
             * (std::mem::size_of::<(CepHandle, Weak<IdInner>)>() + 1);
-        ceps + sync::lock(&self.engine).table_bytes()
+        let iw = self.iw.as_ref().map_or(0, crate::iwarp::IwDev::table_bytes);
+        ceps + iw + sync::lock(&self.engine).table_bytes()
     }
 
     /// The engine's counters and table sizes (for tests).
@@ -1473,6 +1465,23 @@ pub(crate) fn flush_held() {
 /// capacity of one may hold.
 const MAX_SPARE_LISTS: usize = 4;
 const MAX_SPARE_CAPACITY: usize = 4 * crate::sys::MAX_SEGMENTS;
+
+/// The most entries a list a thread or the router keeps for reuse may have room for: one
+/// engine call's output is usually a few datagrams or events, and a timer pass that
+/// retransmitted 20,000 REQs would otherwise keep 5 MB on the thread that ran it.
+const MAX_KEPT_LIST: usize = 256;
+
+/// Keeps the emptied list `v` in a thread's slot `kept` for its capacity, if it has more
+/// room than the one there, up to [`MAX_KEPT_LIST`].
+fn keep_list(kept: &mut Vec<Transmit>, mut v: Vec<Transmit>) {
+    if v.capacity() > MAX_KEPT_LIST {
+        v.clear();
+        v.shrink_to(MAX_KEPT_LIST);
+    }
+    if kept.capacity() < v.capacity() {
+        *kept = v;
+    }
+}
 
 /// The earlier of two deadlines, if any.
 fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {

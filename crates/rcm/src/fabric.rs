@@ -477,6 +477,9 @@ fn worker(d: &Weak<Dispatcher>) {
                 }
                 if let Some(s) = q.pop_front() {
                     disp.queued.fetch_sub(1, Ordering::Relaxed);
+                    if q.is_empty() {
+                        rcm_proto::room::shrink_deque(&mut q);
+                    }
                     break s;
                 }
                 if held.is_some() {
@@ -880,9 +883,9 @@ impl Fabric {
     /// Bytes the fabric's per-connection tables have room for (their capacity, not what they
     /// hold), its devices' CM engines' included: what a flood of connections leaves behind
     /// once it is gone. Each table gives most of its room back once it is a quarter full
-    /// (`rcm_proto::room`), so this comes back down to tens of KiB a device however big
-    /// the flood was (about 100 KiB for two devices after 3,000 connections in rcm's
-    /// memory test, from 1.6 MB at the peak).
+    /// (`rcm_proto::room`, which lets each keep 16 KiB), so this comes back down to about
+    /// 100 KiB a device however big the flood was (190 KiB for two devices after 3,000
+    /// connections in rcm's memory test, from 1.6 MB at the peak).
     pub fn table_bytes(&self) -> usize {
         let ids =
             sync::lock(&self.0.ids).capacity() * (std::mem::size_of::<(u64, Weak<IdInner>)>() + 1);

@@ -336,6 +336,15 @@ impl IwDev {
     pub(crate) fn conn_count(&self) -> usize {
         sync::lock(&self.engine).conns.len()
     }
+
+    /// Bytes the stream and owner tables have room for (see `Fabric::table_bytes`).
+    pub(crate) fn table_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let conns = sync::lock(&self.engine).conns.capacity() * (size_of::<(ConnKey, Conn)>() + 1);
+        let owners =
+            sync::lock(&self.owners).capacity() * (size_of::<(ConnKey, Weak<IdInner>)>() + 1);
+        conns + owners
+    }
 }
 
 /// Sets `SO_LINGER` 0 so that closing the socket resets the connection (RST), as siw does
@@ -412,12 +421,20 @@ impl IwEngine {
                 self.half_open = self.half_open.saturating_sub(1);
             }
             let _ = registry.deregister(&mut c.stream);
-            self.conns.remove(&key);
+            self.remove_conn(key);
             return;
         }
         let (timer, drain) = (c.cep.poll_timeout(), c.drain_by);
         self.note_deadline(key, timer);
         self.note_deadline(key, drain);
+    }
+
+    /// Forgets stream `key`, giving back the room a flood of streams left in the table
+    /// (`rcm_proto::room`: ~770 bytes a stream, 25 MB after 20,000 at once).
+    fn remove_conn(&mut self, key: ConnKey) -> Option<Conn> {
+        let c = self.conns.remove(&key);
+        rcm_proto::room::shrink_map(&mut self.conns);
+        c
     }
 
     /// The oldest stream still waiting for its MPA Request, taken off the order.
@@ -435,7 +452,7 @@ impl IwEngine {
         if !self.conns.get(&k).is_some_and(|c| c.half_open) {
             return;
         }
-        if let Some(mut c) = self.conns.remove(&k) {
+        if let Some(mut c) = self.remove_conn(k) {
             let _ = registry.deregister(&mut c.stream);
             reset(&c.stream);
             self.half_open = self.half_open.saturating_sub(1);
@@ -555,6 +572,10 @@ impl DeviceInner {
             if !e.events.is_empty() {
                 let mut p = sync::lock(&iw.pending);
                 p.events.extend(e.events.drain(..));
+                let entry = std::mem::size_of::<(ConnKey, IwEvent)>();
+                if !rcm_proto::room::kept(e.events.capacity(), entry) {
+                    e.events.shrink_to(rcm_proto::room::FLOOR_ENTRIES);
+                }
             }
             r
         };
@@ -571,6 +592,7 @@ impl DeviceInner {
         p.routing = true;
         loop {
             let batch: Vec<_> = p.events.drain(..).collect();
+            rcm_proto::room::shrink_deque(&mut p.events);
             if batch.is_empty() {
                 p.routing = false;
                 return;
@@ -828,7 +850,7 @@ impl DeviceInner {
                 Ok(Some(err)) | Err(err) => {
                     let kind = err.kind();
                     e.events.push((key, IwEvent::ConnectFailed(kind)));
-                    if let Some(mut c) = e.conns.remove(&key) {
+                    if let Some(mut c) = e.remove_conn(key) {
                         let _ = iw.registry.deregister(&mut c.stream);
                     }
                     return;
@@ -850,7 +872,7 @@ impl DeviceInner {
                 Err(err) if err.kind() == ErrorKind::NotConnected => return,
                 Err(err) => {
                     e.events.push((key, IwEvent::ConnectFailed(err.kind())));
-                    if let Some(mut c) = e.conns.remove(&key) {
+                    if let Some(mut c) = e.remove_conn(key) {
                         let _ = iw.registry.deregister(&mut c.stream);
                     }
                     return;

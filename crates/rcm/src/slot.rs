@@ -1083,9 +1083,19 @@ impl<E> ChannelQueue<E> {
                     self.places.remove(&k);
                 }
             }
+            self.give_back_room();
             return Some((s, ev));
         }
         None
+    }
+
+    /// Once emptied, a burst's queue gives its room back (`rcm_proto::room`): a channel
+    /// that once had 100,000 events unread kept ~12 MB for good.
+    fn give_back_room(&mut self) {
+        if self.items.is_empty() {
+            rcm_proto::room::shrink_deque(&mut self.items);
+            rcm_proto::room::shrink_map(&mut self.places);
+        }
     }
 
     /// Moves the event with sequence number `seq` (if still queued) to `out`.
@@ -1116,6 +1126,7 @@ impl<E> ChannelQueue<E> {
             self.items.pop_front();
             self.head += 1;
         }
+        self.give_back_room();
         out
     }
 }
@@ -1658,6 +1669,51 @@ mod tests {
         }
         assert_eq!(calls.load(Ordering::SeqCst), 30);
         assert_eq!(*seen.lock().unwrap(), (0..30).collect::<Vec<u32>>());
+    }
+
+    /// A channel's queue gives back the room a burst of unread events took once it is read
+    /// to the end, or once the ids whose events filled it are destroyed.
+    #[test]
+    fn an_emptied_channel_queue_gives_its_room_back() {
+        let sched = Arc::new(Collect::default());
+        let core = super::ChannelCore::new();
+        let slots: Vec<_> = (0..50)
+            .map(|_| Slot::new(Target::Channel(core.clone()), sched.clone()))
+            .collect();
+        let kept = |cap, entry| rcm_proto::room::kept(cap, entry);
+        let (item, place) = (
+            std::mem::size_of::<Option<(Arc<Slot<u32>>, u32)>>(),
+            std::mem::size_of::<(usize, super::Places)>(),
+        );
+        let mut q = super::ChannelQueue::new();
+        for i in 0..5000u32 {
+            q.push(slots[i as usize % 50].clone(), i);
+        }
+        let peak = (q.items.capacity(), q.places.capacity());
+        let mut n = 0;
+        while let Some((_, ev)) = q.pop_front() {
+            assert_eq!(ev, n, "in order");
+            n += 1;
+        }
+        assert_eq!(n, 5000);
+        assert!(
+            kept(q.items.capacity(), item) && kept(q.places.capacity(), place),
+            "room for {} events, {} slots left of {peak:?}",
+            q.items.capacity(),
+            q.places.capacity()
+        );
+        for i in 0..5000u32 {
+            q.push(slots[i as usize % 50].clone(), i);
+        }
+        for s in &slots {
+            assert_eq!(q.remove_slot(s).len(), 100);
+        }
+        assert!(
+            kept(q.items.capacity(), item) && kept(q.places.capacity(), place),
+            "after removals: room for {} events, {} slots",
+            q.items.capacity(),
+            q.places.capacity()
+        );
     }
 
     /// A migrate that comes after the teardown says so, rather than calling the id a

@@ -377,13 +377,19 @@ fn five_hundred_connections_at_once() {
     const N: usize = 500;
     let f = iw_fabric(&[1, 2]);
     let log = Log::new();
-    let l = listener(&f, addr(1, 27905), &log, accept_with(b"ok"));
+    let accept = accept_with(b"ok");
+    // The children go when their connection does.
+    let l = listener(&f, addr(1, 27905), &log, move |id, ev| match ev {
+        Event::Disconnected => Flow::Destroy,
+        _ => accept(id, ev),
+    });
     let clients: Vec<CmId> = (0..N)
         .map(|_| client(&f, addr(1, 27905), b"hi", &log, cont))
         .collect();
     log.wait_n("established ok", N);
     log.wait_n("established", N);
     assert_eq!(log.count("request hi"), N);
+    let peak = f.table_bytes();
     for c in &clients {
         c.disconnect().unwrap();
     }
@@ -391,8 +397,19 @@ fn five_hundred_connections_at_once() {
     for c in clients {
         assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
     }
+    // The tables give back the room the 1,000 streams and their ids took (`rcm_proto::room`).
+    assert!(
+        eventually(T, || f.engine_ceps() == 0 && f.live_ids() == 1),
+        "streams left: {}, ids: {}",
+        f.engine_ceps(),
+        f.live_ids()
+    );
+    let left = f.table_bytes();
+    assert!(
+        left * 8 < peak,
+        "table room {left} bytes with the streams gone, {peak} at the peak"
+    );
     l.destroy().unwrap();
-    // The children are still alive (never destroyed by their user): shutdown ends them.
     f.shutdown();
 }
 

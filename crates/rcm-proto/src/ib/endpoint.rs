@@ -216,15 +216,16 @@ impl Endpoint {
     }
 
     /// Bytes the endpoint's tables have room for (their capacity, not what they hold): what a
-    /// flood of connections leaves behind. A table with room for more than 256 entries
-    /// gives most of it back once it is a quarter full (timer expiries and removals look).
+    /// flood of connections leaves behind. A table with more than 16 KiB of room gives most
+    /// of it back once it is a quarter full (timer expiries and removals look; see
+    /// [`crate::room`]).
     pub fn table_bytes(&self) -> usize {
         use std::mem::size_of;
         // hashbrown: an entry's place plus one control byte.
         fn map<K, V, S>(m: &HashMap<K, V, S>) -> usize {
             m.capacity() * (size_of::<(K, V)>() + 1)
         }
-        let peer = size_of::<(u32, u64, CepHandle)>() + 1;
+        let peer = PeerTable::ENTRY + 1;
         map(&self.ceps)
             + map(&self.parked)
             + map(&self.drep_pd)
@@ -247,12 +248,16 @@ impl Endpoint {
         shrink_map(&mut self.sidr_remote);
         shrink_map(&mut self.listeners);
         for t in [&mut self.remote_ids, &mut self.remote_qps] {
-            if too_roomy(t.capacity(), t.len()) {
+            if too_roomy(t.capacity(), t.len(), PeerTable::ENTRY) {
                 self.peers.shrink_to(t, 2 * t.len());
             }
         }
         shrink_deque(&mut self.transmits);
         shrink_deque(&mut self.events);
+        if self.half_open == 0 {
+            // Only entries of connections that moved on, dropped lazily: none is needed.
+            self.rep_wait.clear();
+        }
         shrink_deque(&mut self.rep_wait);
         self.timers.shrink();
     }
@@ -535,7 +540,11 @@ impl Endpoint {
         }
         // Endpoints that end without a timer (rejected, destroyed before an answer) leave
         // no expiry to look at the tables: the biggest one's removals do.
-        if too_roomy(self.ceps.capacity(), self.ceps.len()) {
+        if too_roomy(
+            self.ceps.capacity(),
+            self.ceps.len(),
+            std::mem::size_of::<(CepHandle, Cep)>(),
+        ) {
             self.shrink_tables();
         }
     }

@@ -59,6 +59,9 @@ impl PeerTables {
 }
 
 impl PeerTable {
+    /// Bytes an entry takes.
+    pub(crate) const ENTRY: usize = std::mem::size_of::<(u32, u64, CepHandle)>();
+
     /// The endpoint `k` names, if any.
     pub(crate) fn get(&self, k: PeerKey) -> Option<CepHandle> {
         self.0

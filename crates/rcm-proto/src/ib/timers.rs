@@ -139,7 +139,11 @@ impl Timers {
     /// Gives back the room of queues that expiries emptied (`crate::room`): a sweep
     /// only runs once stale entries are many, and entries that come due leave their room.
     pub(crate) fn shrink(&mut self) {
-        if crate::room::too_roomy(self.heap.capacity(), self.heap.len()) {
+        if crate::room::too_roomy(
+            self.heap.capacity(),
+            self.heap.len(),
+            std::mem::size_of::<Entry>(),
+        ) {
             self.heap.shrink_to(2 * self.heap.len());
         }
         for q in &mut self.lanes {
