@@ -2527,6 +2527,13 @@ mod tests {
             "the REQ alone had left"
         );
         assert_eq!(sent(), 1, "the RTU left when the connect step's wait ended");
+        // ESTABLISHED may be routed by another thread (the device's, routing events of its
+        // own then): waiting for it would send the held RTU first, as every wait in rcm
+        // does, so this waits for it to be queued without a wait of the channel's.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while ch.pending() == 0 && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
         assert!(matches!(next(), Some(Event::Established { .. })));
         assert_eq!(sent(), 1, "the RTU left before ESTABLISHED was taken");
         drop(rtu_held);
