@@ -10,7 +10,7 @@ use crate::sync;
 use rcm_proto::ib::{Endpoint, EndpointConfig, RetryPolicy};
 use std::collections::VecDeque;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
@@ -545,7 +545,8 @@ pub(crate) struct FabricInner {
     /// device added after it, so the shutdown's walk of the table misses none.
     pub shut: std::sync::atomic::AtomicBool,
     next_key: AtomicU64,
-    next_qpn: AtomicU32,
+    /// Soft QP numbers: in turn, none twice while in use.
+    pub(crate) qpns: crate::qpns::QpnSpace,
     /// Devices ever added: each one's CA GUID and engine seed take the next number, so a
     /// device added again after its removal does not replay the comm IDs (and GUID) its
     /// predecessor used, which peers still hold in timewait.
@@ -560,10 +561,15 @@ impl FabricInner {
         self.next_key.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// A soft QP number no id holds (above the reserved QP0/QP1, within 24 bits), held
+    /// until given back with [`FabricInner::give_back_qpn`].
     pub(crate) fn new_qpn(&self) -> u32 {
-        // Soft QPNs start above the reserved QP0/QP1 and wrap within 24 bits.
-        let n = self.next_qpn.fetch_add(1, Ordering::Relaxed);
-        0x100 + (n % 0x00FF_FE00)
+        self.qpns.take()
+    }
+
+    /// A number from [`FabricInner::new_qpn`] is no longer held.
+    pub(crate) fn give_back_qpn(&self, qpn: u32) {
+        self.qpns.give_back(qpn);
     }
 
     pub(crate) fn device(&self, ip: IpAddr) -> Option<Arc<DeviceInner>> {
@@ -680,7 +686,7 @@ impl Fabric {
             shutting: Mutex::new(()),
             shut: std::sync::atomic::AtomicBool::new(false),
             next_key: AtomicU64::new(1),
-            next_qpn: AtomicU32::new((seed >> 16) as u32 & 0xFFFF),
+            qpns: crate::qpns::QpnSpace::new(0x100, 0x00FF_FE00, (seed >> 16) as u32 & 0xFFFF),
             next_device: AtomicU64::new(0),
             seed,
             provider,
@@ -878,6 +884,13 @@ impl Fabric {
     /// checks.
     pub fn engine_ceps(&self) -> usize {
         self.0.devices().iter().map(|d| d.engine_stats().1).sum()
+    }
+
+    /// QP numbers the fabric has handed out and not had back (attached QPs, and the numbers
+    /// connects and accepts without one announce), for leak checks: each comes back when
+    /// its id is destroyed (or its QP, unless a connection still goes by its number).
+    pub fn qpns_in_use(&self) -> usize {
+        self.0.qpns.in_use()
     }
 
     /// Bytes the fabric's per-connection tables have room for (their capacity, not what they

@@ -138,7 +138,6 @@ struct Conn {
     retry_count: u8,
     rnr_retry_count: u8,
     ack_timeout: u8,
-    ud: Option<UdParam>,
     accepted: bool,
 }
 
@@ -154,6 +153,11 @@ pub(crate) struct IdState {
     path: PathParams,
     /// Inline: only ever touched under this state lock.
     qp: Option<SoftQp>,
+    /// A QP number the fabric handed out that this id holds besides its QP's (0: none): the
+    /// one a connect or accept without a QP went by, or a destroyed QP's that its
+    /// connection still goes by. Given back at the teardown, so that no other connection of
+    /// this CA goes by it meanwhile (see `qpns.rs`).
+    leased_qpn: u32,
     conn: Conn,
     /// Shared with the `with_context` calls running now, which clone it so that they run
     /// the user's closure with no lock held; a teardown waits for those clones to go.
@@ -400,6 +404,7 @@ fn new_state() -> IdState {
         listening: None,
         path: PathParams::default(),
         qp: None,
+        leased_qpn: 0,
         conn: Conn::default(),
         context: None,
         removed: false,
@@ -1150,6 +1155,15 @@ impl CmId {
         let (dev, cep) = {
             let mut g = sync::lock(&self.0.st);
             let qp = g.qp.take().ok_or(Error::QpBusy("no QP attached".into()))?;
+            if g.conn.local_qpn == qp.qpn {
+                // A connection went by its number: the id keeps it until its teardown.
+                let old = std::mem::replace(&mut g.leased_qpn, qp.qpn);
+                if old != 0 {
+                    self.0.fabric.give_back_qpn(old);
+                }
+            } else {
+                self.0.fabric.give_back_qpn(qp.qpn);
+            }
             if !(qp.in_use && g.state == State::Connect) {
                 return Ok(());
             }
@@ -1184,7 +1198,14 @@ impl CmId {
                         .into(),
                 )),
                 Some(q) => Ok(q),
-                None => Ok(fabric.new_qpn()),
+                // Held until the teardown; a connect retried after a failure goes by the
+                // same one.
+                None => {
+                    if g.leased_qpn == 0 {
+                        g.leased_qpn = fabric.new_qpn();
+                    }
+                    Ok(g.leased_qpn)
+                }
             },
         }
     }
@@ -1932,6 +1953,14 @@ fn teardown(inner: &Arc<IdInner>) {
     let (dev, cep, listening, src, bound, ctx, listener, iwk, ud_qpn) = {
         let mut g = sync::lock(&inner.st);
         g.state = State::Destroying;
+        // The QP numbers it held go back (none is announced from here on).
+        if let Some(qp) = g.qp.take() {
+            inner.fabric.give_back_qpn(qp.qpn);
+        }
+        let leased = std::mem::take(&mut g.leased_qpn);
+        if leased != 0 {
+            inner.fabric.give_back_qpn(leased);
+        }
         (
             g.device.clone(),
             g.cep.take(),
@@ -2466,7 +2495,6 @@ pub(crate) fn on_engine_event(
                         SidrStatus::Success => {
                             g.state = State::Established;
                             let ud = UdParam { qpn, qkey };
-                            g.conn.ud = Some(ud);
                             g.conn.remote_qpn = qpn;
                             Event::Established {
                                 ud: Some(ud),

@@ -82,6 +82,8 @@ mod ports;
 #[cfg(not(loom))]
 mod qp_attr;
 #[cfg(not(loom))]
+mod qpns;
+#[cfg(not(loom))]
 pub mod remote;
 #[cfg(not(loom))]
 mod rxgate;

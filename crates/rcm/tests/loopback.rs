@@ -1289,6 +1289,93 @@ fn a_destroyed_qp_leaves_the_id_without_one() {
     f.shutdown();
 }
 
+/// Every QP number the fabric hands out is held while an id may go by it and comes back
+/// when the id goes: a connect or accept without a QP holds the number it announced, a QP
+/// its own, and a QP destroyed while its connection goes by its number passes it to the id
+/// (one destroyed before any connect gives it back at once). A counter alone handed a
+/// number out again after 16.7 million QPs, live or not (see `qpns.rs`'s unit tests for
+/// the wrap).
+#[test]
+fn qp_numbers_are_held_while_used_and_come_back() {
+    let f = fabric(24827);
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let a = accepted.clone();
+    let l = f.create_id(PortSpace::Tcp, move |id, ev| match ev {
+        Event::ConnectRequest { .. } => {
+            // Every other child with a QP of its own.
+            if a.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+                id.create_qp().unwrap();
+            }
+            id.accept(&AcceptOptions::default()).unwrap();
+            Flow::Continue
+        }
+        Event::Disconnected => Flow::Destroy,
+        _ => Flow::Continue,
+    });
+    l.bind(addr(1, 7484)).unwrap();
+    l.listen(16).unwrap();
+    assert_eq!(f.qpns_in_use(), 0);
+    let ch = EventChannel::new();
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let c = raw_peer::routed(&f, &ch, addr(1, 7484));
+        if i % 4 != 0 {
+            c.create_qp().unwrap();
+        }
+        if i % 4 == 2 {
+            c.destroy_qp().unwrap();
+        }
+        c.connect(&ConnectOptions::default()).unwrap();
+        loop {
+            let mut e = ch.get_event(Some(T)).expect("an event");
+            match e.take() {
+                Some(Event::ConnectResponse { .. }) => c.establish().unwrap(),
+                Some(Event::Established { .. }) => break,
+                other => panic!("connection {i}: {other:?}"),
+            }
+        }
+        if i % 4 == 3 {
+            c.destroy_qp().unwrap();
+        }
+        ids.push(c);
+    }
+    assert!(eventually_true(|| accepted.load(Ordering::SeqCst) == 8));
+    assert_eq!(
+        f.qpns_in_use(),
+        16,
+        "one number each end of each connection"
+    );
+    for c in &ids {
+        c.disconnect().unwrap();
+        let mut e = ch.get_event(Some(T)).expect("DISCONNECTED");
+        assert!(matches!(e.take(), Some(Event::Disconnected)));
+    }
+    for c in ids {
+        assert_eq!(c.destroy(), Ok(DestroyOutcome::Done));
+    }
+    // The children go on their DISCONNECTED.
+    assert!(
+        eventually_true(|| f.live_ids() == 1),
+        "ids left: {}",
+        f.live_ids()
+    );
+    assert_eq!(f.qpns_in_use(), 0, "every number came back");
+    l.destroy().unwrap();
+    f.shutdown();
+}
+
+/// Whether `cond` holds within the test's timeout.
+fn eventually_true(mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + T;
+    while !cond() {
+        if std::time::Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
+
 /// The QP's ACK timeout on the active side follows the REP's target ACK delay (Linux's
 /// cm_rep_handler recomputes it, and RTS takes it): a peer with ACK delay 20 makes it 21,
 /// where the REQ announced 19 from our own delay.
