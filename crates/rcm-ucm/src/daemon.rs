@@ -578,6 +578,16 @@ impl Daemon {
             .sum()
     }
 
+    /// Threads of ended connections not joined yet (each ending connection joins those
+    /// that ended before it, so this stays at one or two however many clients came and
+    /// went).
+    pub fn unjoined_threads(&self) -> usize {
+        lock(&self.shared.threads)
+            .iter()
+            .filter(|t| t.is_finished())
+            .count()
+    }
+
     /// Ids held by all sessions.
     pub fn held_ids(&self) -> usize {
         lock(&self.shared.sessions)
@@ -732,6 +742,23 @@ impl Drop for Served {
     }
 }
 
+/// Joins the reader threads of connections that ended: an ended thread's stack stays mapped
+/// until it is joined, so a burst of short-lived clients left one per connection (tens of
+/// KiB each) until the next client came.
+fn reap_ended(sh: &Shared) {
+    let done: Vec<_> = {
+        let mut threads = lock(&sh.threads);
+        let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut *threads)
+            .into_iter()
+            .partition(std::thread::JoinHandle::is_finished);
+        *threads = live;
+        done
+    };
+    for t in done {
+        let _ = t.join();
+    }
+}
+
 fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
     sh.connections.fetch_add(1, Ordering::SeqCst);
     let served = Served(sh.clone());
@@ -764,18 +791,7 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
         ended: AtomicBool::new(false),
     });
     lock(&sh.sessions).insert(order, s.clone());
-    // Join the threads of sessions that ended, so a long-lived daemon keeps no handles.
-    {
-        let mut threads = lock(&sh.threads);
-        let (done, live): (Vec<_>, Vec<_>) = std::mem::take(&mut *threads)
-            .into_iter()
-            .partition(std::thread::JoinHandle::is_finished);
-        *threads = live;
-        drop(threads);
-        for t in done {
-            let _ = t.join();
-        }
-    }
+    reap_ended(sh);
     let ws = s.clone();
     let w = match std::thread::Builder::new()
         .name(format!("rcm-ucm-w{order}"))
@@ -803,6 +819,8 @@ fn spawn_session(sh: &Arc<Shared>, stream: UnixStream) -> std::io::Result<()> {
             if let Some(w) = lock(&w2).take() {
                 let _ = w.join();
             }
+            // The connections that ended before this one: not only when the next begins.
+            reap_ended(&sh2);
             tracing::debug!(session = order, "session closed");
         });
     match r {

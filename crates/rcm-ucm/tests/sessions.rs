@@ -1854,3 +1854,26 @@ fn channels_leave_a_quarter_of_the_connections_to_sessions() {
     create(&mut s);
     drop((chans, others));
 }
+
+/// Clients that come and go leave no threads behind them: each ending connection joins the
+/// reader threads of those that ended before it (they were joined only when the next client
+/// came, so a burst of short-lived clients kept one thread's stack each until then).
+#[test]
+fn ended_connections_leave_no_unjoined_threads() {
+    let d = daemon("reap", 47236, &[1]);
+    // All open first, so that no new connection comes after they end.
+    let sessions: Vec<_> = (0..20).map(|_| raw(&d).0).collect();
+    wait_until(|| d.connections() == 20, || format!("{}", d.connections()));
+    for (i, s) in sessions.into_iter().enumerate() {
+        drop(s);
+        wait_until(
+            || d.connections() == 19 - i,
+            || format!("session {i} still served: {}", d.connections()),
+        );
+    }
+    wait_until(
+        || d.unjoined_threads() <= 2,
+        || format!("{} ended threads not joined", d.unjoined_threads()),
+    );
+    d.shutdown();
+}
