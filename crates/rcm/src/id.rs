@@ -1147,15 +1147,17 @@ impl CmId {
     /// Linux sets `id->qp` to NULL. A connect or accept after it goes without one (its QPN
     /// from the options, or a fresh one), a REP still to come is reported as
     /// `ConnectResponse` and waits for [`CmId::establish`] (the RTU the QP's connect would
-    /// have had sent at once is not), and [`CmId::create_qp`] may attach a new QP.
+    /// have had sent at once is not), a UD id receives nothing more on the QP's number, and
+    /// [`CmId::create_qp`] may attach a new QP.
     pub fn destroy_qp(&self) -> Result<()> {
         if let Some(r) = self.forward(|| Op::DestroyQp) {
             return r.map(drop);
         }
-        let (dev, cep) = {
+        let (dev, cep, ud) = {
             let mut g = sync::lock(&self.0.st);
             let qp = g.qp.take().ok_or(Error::QpBusy("no QP attached".into()))?;
-            if g.conn.local_qpn == qp.qpn {
+            let used = g.conn.local_qpn == qp.qpn;
+            if used {
                 // A connection went by its number: the id keeps it until its teardown.
                 let old = std::mem::replace(&mut g.leased_qpn, qp.qpn);
                 if old != 0 {
@@ -1164,14 +1166,22 @@ impl CmId {
             } else {
                 self.0.fabric.give_back_qpn(qp.qpn);
             }
-            if !(qp.in_use && g.state == State::Connect) {
-                return Ok(());
-            }
-            (g.device.clone(), g.cep)
+            let ud = is_ud(self.0.ps);
+            // A connect whose REP has not come: its RTU waits for `establish` now.
+            let connecting = !ud && qp.in_use && g.state == State::Connect;
+            (
+                g.device.clone(),
+                g.cep.filter(|_| connecting),
+                (ud && used).then_some(qp.qpn),
+            )
         };
+        // A UD QP receives nothing from here on, as a destroyed QP does.
+        if let (Some(dev), Some(qpn)) = (&dev, ud) {
+            unregister_ud(dev, qpn, &self.0);
+        }
         // A REP handled before this reaches the engine had its RTU sent: the id then
         // reports ESTABLISHED all the same (see `on_engine_event`).
-        if let (Some(dev), Some(cep)) = (dev, cep) {
+        if let (Some(dev), Some(cep)) = (&dev, cep) {
             dev.with_engine(|ep, _| {
                 let _ = ep.leave_rtu_to_caller(cep);
             });

@@ -584,6 +584,45 @@ fn a_qpn_receives_for_one_ud_id_only() {
     s.fabric.shutdown();
 }
 
+/// A UD id whose QP is destroyed receives nothing more on its number (Linux's destroyed QP
+/// is gone: the HCA drops what comes for it), though the id lives on.
+#[test]
+fn a_destroyed_qp_receives_nothing() {
+    let s = setup(28099, 0);
+    let sch = EventChannel::new();
+    let l = s.fabric.create_id_on(PortSpace::Udp, &sch);
+    l.bind(SocketAddr::new(server_ip(), 7177)).expect("bind");
+    l.listen(0).expect("listen");
+    let ch = EventChannel::new();
+    let c = s.fabric.create_id_on(PortSpace::Udp, &ch);
+    c.resolve_addr(None, SocketAddr::new(server_ip(), 7177))
+        .expect("resolve_addr");
+    expect(&ch, "ADDR_RESOLVED");
+    c.resolve_route().expect("resolve_route");
+    expect(&ch, "ROUTE_RESOLVED");
+    c.connect(&ConnectOptions::default()).expect("connect");
+    let req = sch.get_event(Some(T)).expect("request");
+    let child = req.id().clone();
+    drop(req);
+    let qpn = child.create_qp().expect("a QP");
+    child.accept(&AcceptOptions::default()).expect("accept");
+    let mut ev = ch.get_event(Some(T)).expect("established");
+    let ud = match ev.take() {
+        Some(Event::Established { ud: Some(ud), .. }) => ud,
+        other => panic!("{other:?}"),
+    };
+    drop(ev);
+    assert_eq!(ud.qpn, qpn, "the SIDR_REP names the QP");
+    c.send_ud(server_ip(), ud, b"before").expect("send");
+    assert_eq!(child.recv_ud(T).expect("delivered").payload, b"before");
+    child.destroy_qp().expect("destroy_qp");
+    c.send_ud(server_ip(), ud, b"after").expect("send");
+    assert!(eventually(T, || s.server_dev.ud_stats().no_qp == 1));
+    assert!(child.try_recv_ud().is_none());
+    assert_eq!(s.server_dev.ud_stats().delivered, 1);
+    s.fabric.shutdown();
+}
+
 /// A peer's UD SENDs in one segmented send (`UDP_SEGMENT`, as rcm sends a batch of GSI
 /// datagrams) reach the UD id one by one, each whole: a device with a UD QP has the kernel
 /// cut coalesced runs, since a quiet device's receive could not tell them from one datagram.
