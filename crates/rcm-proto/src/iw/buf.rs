@@ -1,5 +1,9 @@
 //! A byte queue for a stream: bytes are added at the back and taken from the front.
 
+/// Room an emptied queue keeps for its next bytes: MPA frames of the CM and small messages
+/// fit; a larger message's buffer is made for it and let go once it is taken.
+pub const KEEP_BYTES: usize = 4 << 10;
+
 /// Bytes received and not parsed yet, or queued and not written yet. What is taken from
 /// the front only moves an offset; the buffer is compacted when bytes are added once half
 /// of it is taken, so a stream of many small frames costs time linear in its length
@@ -44,11 +48,13 @@ impl ByteQueue {
         self.buf.extend_from_slice(bytes);
     }
 
-    /// Empties it, giving back a large allocation (a burst is over).
+    /// Empties it, giving back an allocation larger than `KEEP_BYTES` (a burst is over):
+    /// every stream has two of these, and one that once carried a big message kept its
+    /// room for the connection's life (up to 64 KiB each before, 128 KiB a stream).
     pub fn clear(&mut self) {
         self.buf.clear();
         self.off = 0;
-        if self.buf.capacity() > 64 << 10 {
+        if self.buf.capacity() > KEEP_BYTES {
             self.buf = Vec::new();
         }
     }
@@ -77,5 +83,20 @@ mod tests {
         assert_eq!(got, want);
         assert!(q.is_empty());
         assert_eq!(q.bytes(), b"");
+    }
+
+    /// Emptied, a queue keeps a small buffer for its next frames and lets a big message's go.
+    #[test]
+    fn an_emptied_queue_keeps_only_a_small_buffer() {
+        let mut q = ByteQueue::default();
+        q.extend(&[7; 1000]);
+        let small = q.buf.capacity();
+        q.consume(1000);
+        assert_eq!(q.buf.capacity(), small, "a small buffer is kept");
+        q.extend(&vec![7; 60_000]);
+        q.consume(30_000);
+        assert!(q.buf.capacity() >= 60_000, "not while bytes are left");
+        q.consume(30_000);
+        assert_eq!(q.buf.capacity(), 0, "a big message's buffer goes");
     }
 }
