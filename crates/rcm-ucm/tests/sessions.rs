@@ -1857,7 +1857,8 @@ fn channels_leave_a_quarter_of_the_connections_to_sessions() {
 
 /// Clients that come and go leave no threads behind them: each ending connection joins the
 /// reader threads of those that ended before it (they were joined only when the next client
-/// came, so a burst of short-lived clients kept one thread's stack each until then).
+/// came, so a burst of short-lived clients kept one thread's stack each until then: 20
+/// here).
 #[test]
 fn ended_connections_leave_no_unjoined_threads() {
     let d = daemon("reap", 47236, &[1]);
@@ -1871,8 +1872,10 @@ fn ended_connections_leave_no_unjoined_threads() {
             || format!("session {i} still served: {}", d.connections()),
         );
     }
+    // The last to end is joined by none; one that ended while another was joining may
+    // have been still on its way out (a loaded machine may leave a couple so).
     wait_until(
-        || d.unjoined_threads() <= 2,
+        || d.unjoined_threads() <= 4,
         || format!("{} ended threads not joined", d.unjoined_threads()),
     );
     d.shutdown();
