@@ -28,6 +28,11 @@ pub fn kept(cap: usize, entry: usize) -> bool {
     cap <= FLOOR_ENTRIES || cap.saturating_mul(entry) <= FLOOR_BYTES
 }
 
+/// Bytes `m` has room for: an entry's place and hashbrown's control byte each.
+pub fn map_bytes<K, V, S>(m: &HashMap<K, V, S>) -> usize {
+    m.capacity() * (size_of::<(K, V)>() + 1)
+}
+
 /// Shrinks `m` to twice what it holds if it is [`too_roomy`]; a few comparisons otherwise.
 pub fn shrink_map<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(m: &mut HashMap<K, V, S>) {
     if too_roomy(m.capacity(), m.len(), size_of::<(K, V)>()) {

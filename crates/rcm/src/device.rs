@@ -756,8 +756,7 @@ impl DeviceInner {
     /// Bytes this device's per-connection tables have room for: its engine's and its own
     /// endpoint-to-id table (see `Fabric::table_bytes`).
     pub(crate) fn table_bytes(&self) -> usize {
-        let ceps = sync::lock(&self.ceps).capacity()
-            * (std::mem::size_of::<(CepHandle, Weak<IdInner>)>() + 1);
+        let ceps = rcm_proto::room::map_bytes(&sync::lock(&self.ceps));
         let iw = self.iw.as_ref().map_or(0, crate::iwarp::IwDev::table_bytes);
         ceps + iw + sync::lock(&self.engine).table_bytes()
     }

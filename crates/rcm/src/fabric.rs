@@ -900,8 +900,7 @@ impl Fabric {
     /// 100 KiB a device however big the flood was (190 KiB for two devices after 3,000
     /// connections in rcm's memory test, from 1.6 MB at the peak).
     pub fn table_bytes(&self) -> usize {
-        let ids =
-            sync::lock(&self.0.ids).capacity() * (std::mem::size_of::<(u64, Weak<IdInner>)>() + 1);
+        let ids = rcm_proto::room::map_bytes(&sync::lock(&self.0.ids));
         ids + self
             .0
             .devices()

@@ -339,10 +339,8 @@ impl IwDev {
 
     /// Bytes the stream and owner tables have room for (see `Fabric::table_bytes`).
     pub(crate) fn table_bytes(&self) -> usize {
-        use std::mem::size_of;
-        let conns = sync::lock(&self.engine).conns.capacity() * (size_of::<(ConnKey, Conn)>() + 1);
-        let owners =
-            sync::lock(&self.owners).capacity() * (size_of::<(ConnKey, Weak<IdInner>)>() + 1);
+        let conns = rcm_proto::room::map_bytes(&sync::lock(&self.engine).conns);
+        let owners = rcm_proto::room::map_bytes(&sync::lock(&self.owners));
         conns + owners
     }
 }

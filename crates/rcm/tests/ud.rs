@@ -451,13 +451,22 @@ fn hostile_datagrams_never_panic_and_a_foreign_sender_is_received() {
 
 /// One more SIDR on the same fabric (the engine still answers).
 fn setup_more(s: &Setup) -> CmId {
+    let (c, ch, child, _l) = requested(s, 7175);
+    child.accept(&AcceptOptions::default()).expect("accept");
+    expect(&ch, "ESTABLISHED");
+    c
+}
+
+/// A UD listener of its own on the server's `port`, and a client whose SIDR request for it
+/// came: (client, its channel, the server's child not answered yet, the listener).
+fn requested(s: &Setup, port: u16) -> (CmId, EventChannel, CmId, CmId) {
     let sch = EventChannel::new();
     let l = s.fabric.create_id_on(PortSpace::Udp, &sch);
-    l.bind(SocketAddr::new(server_ip(), 7175)).expect("bind");
+    l.bind(SocketAddr::new(server_ip(), port)).expect("bind");
     l.listen(0).expect("listen");
     let ch = EventChannel::new();
     let c = s.fabric.create_id_on(PortSpace::Udp, &ch);
-    c.resolve_addr(None, SocketAddr::new(server_ip(), 7175))
+    c.resolve_addr(None, SocketAddr::new(server_ip(), port))
         .expect("resolve_addr");
     expect(&ch, "ADDR_RESOLVED");
     c.resolve_route().expect("resolve_route");
@@ -466,9 +475,7 @@ fn setup_more(s: &Setup) -> CmId {
     let req = sch.get_event(Some(T)).expect("request");
     let child = req.id().clone();
     drop(req);
-    child.accept(&AcceptOptions::default()).expect("accept");
-    expect(&ch, "ESTABLISHED");
-    c
+    (c, ch, child, l)
 }
 
 /// The IPv4 header Linux writes for the device socket's datagrams (ID 0, DF, TTL 64).
@@ -550,21 +557,7 @@ fn a_qpn_receives_for_one_ud_id_only() {
     let s = setup(28114, 1);
     let (_, ud, child) = &s.pairs[0];
     let taken = child.qp_num().expect("QPN");
-    let sch = EventChannel::new();
-    let l = s.fabric.create_id_on(PortSpace::Udp, &sch);
-    l.bind(SocketAddr::new(server_ip(), 7176)).expect("bind");
-    l.listen(0).expect("listen");
-    let ch = EventChannel::new();
-    let c = s.fabric.create_id_on(PortSpace::Udp, &ch);
-    c.resolve_addr(None, SocketAddr::new(server_ip(), 7176))
-        .expect("resolve_addr");
-    expect(&ch, "ADDR_RESOLVED");
-    c.resolve_route().expect("resolve_route");
-    expect(&ch, "ROUTE_RESOLVED");
-    c.connect(&ConnectOptions::default()).expect("connect");
-    let req = sch.get_event(Some(T)).expect("request");
-    let second = req.id().clone();
-    drop(req);
+    let (_c, ch, second, _l) = requested(&s, 7176);
     let same = AcceptOptions {
         qpn: Some(taken),
         ..AcceptOptions::default()
@@ -589,21 +582,7 @@ fn a_qpn_receives_for_one_ud_id_only() {
 #[test]
 fn a_destroyed_qp_receives_nothing() {
     let s = setup(28099, 0);
-    let sch = EventChannel::new();
-    let l = s.fabric.create_id_on(PortSpace::Udp, &sch);
-    l.bind(SocketAddr::new(server_ip(), 7177)).expect("bind");
-    l.listen(0).expect("listen");
-    let ch = EventChannel::new();
-    let c = s.fabric.create_id_on(PortSpace::Udp, &ch);
-    c.resolve_addr(None, SocketAddr::new(server_ip(), 7177))
-        .expect("resolve_addr");
-    expect(&ch, "ADDR_RESOLVED");
-    c.resolve_route().expect("resolve_route");
-    expect(&ch, "ROUTE_RESOLVED");
-    c.connect(&ConnectOptions::default()).expect("connect");
-    let req = sch.get_event(Some(T)).expect("request");
-    let child = req.id().clone();
-    drop(req);
+    let (c, ch, child, _l) = requested(&s, 7177);
     let qpn = child.create_qp().expect("a QP");
     child.accept(&AcceptOptions::default()).expect("accept");
     let mut ev = ch.get_event(Some(T)).expect("established");

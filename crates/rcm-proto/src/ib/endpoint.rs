@@ -220,11 +220,8 @@ impl Endpoint {
     /// of it back once it is a quarter full (timer expiries and removals look; see
     /// [`crate::room`]).
     pub fn table_bytes(&self) -> usize {
+        use crate::room::map_bytes as map;
         use std::mem::size_of;
-        // hashbrown: an entry's place plus one control byte.
-        fn map<K, V, S>(m: &HashMap<K, V, S>) -> usize {
-            m.capacity() * (size_of::<(K, V)>() + 1)
-        }
         let peer = PeerTable::ENTRY + 1;
         map(&self.ceps)
             + map(&self.parked)
